@@ -1,0 +1,1 @@
+"""polyrl operator: RLJob API, CRD generation, validation and (later) the kopf controller."""

@@ -1,0 +1,287 @@
+"""The RLJob spec: what a user writes. Field names are the user-facing contract (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from polyrl_operator.api.base import ApiModel, Rule
+from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverrides
+
+ENTRYPOINT_PATTERN = (
+    r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+)
+MODEL_URI_PATTERN = (
+    r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|s3://.+|gs://.+|builtin://[a-z0-9][-a-z0-9]*)$"
+)
+GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+MAX_POLICIES = 16
+
+
+class Training(ApiModel):
+    """How long to train and how much experience each optimizer step consumes."""
+
+    total_steps: int = Field(
+        ..., ge=1, le=10_000_000, description="Optimizer steps per policy before the job succeeds."
+    )
+    episodes_per_step: int = Field(
+        64,
+        ge=1,
+        le=1_000_000,
+        description="Episodes whose samples make up one optimizer step of each policy.",
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for sampling, shuffling and initialisation.")
+
+
+class Workflow(RoleOverrides):
+    """The multi-agent episode program: a class, given as an import path, whose async ``run_episode``
+    calls the agents by policy name and returns per-agent turns and rewards."""
+
+    entrypoint: str = Field(
+        ...,
+        max_length=256,
+        pattern=ENTRYPOINT_PATTERN,
+        description="Import path 'package.module:ClassName'. Checked for form only; the runtime imports it.",
+    )
+    args: dict[str, Any] | None = Field(
+        None, description="Keyword arguments for the workflow class (free-form)."
+    )
+    replicas: Replicas = Field(
+        default_factory=Replicas, description="Workflow worker pods that run episodes (elastic)."
+    )
+
+
+class Model(ApiModel):
+    """Where the policy's initial weights come from."""
+
+    uri: str = Field(
+        ...,
+        max_length=1024,
+        pattern=MODEL_URI_PATTERN,
+        description="pvc://CLAIM/PATH, file:///PATH, s3://BUCKET/PATH, gs://BUCKET/PATH or builtin://NAME "
+        "(builtin://tiny is the small CPU model of the examples and tests).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Parameter dtype; auto uses bfloat16 on GPU and float32 on CPU."
+    )
+
+
+class Algorithm(ApiModel):
+    """The policy-gradient algorithm and its hyper-parameters."""
+
+    __rules__ = (
+        Rule(
+            cel="self.name != 'grpo' || self.groupSize >= 2",
+            message="must be at least 2 for grpo (advantages are relative to the group)",
+            check=lambda a: a.name != "grpo" or a.group_size >= 2,
+            field=".groupSize",
+        ),
+    )
+
+    name: Literal["grpo", "ppo"] = Field(
+        "grpo", description="grpo (group-relative advantages) or ppo (clipped)."
+    )
+    group_size: int = Field(
+        8, ge=1, le=1024, description="Episodes sharing a prompt whose rewards are compared (grpo)."
+    )
+    advantage_norm: Literal["per-policy", "global", "none"] = Field(
+        "per-policy",
+        description="Normalise advantages per policy (recommended for multi-agent training), over all "
+        "policies, or not at all.",
+    )
+    lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
+    clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO clipping range.")
+    is_cap: float = Field(
+        2.0, ge=1.0, le=100.0, description="Cap on the importance weight that corrects stale samples."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, le=100.0, description="Weight of a KL penalty to the initial policy (0: off)."
+    )
+
+
+class Sampling(ApiModel):
+    """Sampling parameters of the rollout engine."""
+
+    temperature: float = Field(1.0, ge=0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens generated per agent turn.")
+
+
+class Rollout(RoleOverrides):
+    """The inference fleet that generates this policy's actions."""
+
+    __rules__ = (
+        Rule(
+            cel="self.engine != 'vllm' || self.gpus >= 1",
+            message="must be at least 1 for engine vllm (vLLM runs on GPUs only)",
+            check=lambda r: r.engine != "vllm" or r.gpus >= 1,
+            field=".gpus",
+        ),
+    )
+
+    engine: Literal["vllm", "torch"] = Field(
+        "vllm", description="vllm (GPU) or torch (the small built-in CPU engine)."
+    )
+    replicas: Replicas = Field(default_factory=Replicas, description="Rollout engine pods (elastic).")
+    gpus: int = Field(1, ge=0, le=64, description="GPUs per rollout pod (nvidia.com/gpu).")
+    gpu_type: str | None = Field(
+        None,
+        max_length=63,
+        pattern=GPU_TYPE_PATTERN,
+        description="Admin-defined GPU type name (e.g. l40s); mapped to node placement by the operator.",
+    )
+    sampling: Sampling = Field(default_factory=Sampling, description="Sampling parameters.")
+
+
+class Trainer(RoleOverrides):
+    """The training fleet that updates this policy's weights."""
+
+    backend: Literal["deepspeed"] = Field("deepspeed", description="Training backend.")
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
+    replicas: int = Field(1, ge=1, le=1000, description="Data-parallel trainer pods.")
+    gpus: int = Field(1, ge=0, le=64, description="GPUs per trainer pod (nvidia.com/gpu); 0 trains on CPU.")
+    gpu_type: str | None = Field(
+        None,
+        max_length=63,
+        pattern=GPU_TYPE_PATTERN,
+        description="Admin-defined GPU type name (e.g. h100); mapped to node placement by the operator.",
+    )
+    micro_batch_size: int = Field(8, ge=1, le=65536, description="Samples per forward/backward pass.")
+
+
+class Policy(ApiModel):
+    """One independently weighted agent policy with its own model, rollout fleet and trainer."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=40,
+        pattern=DNS_LABEL_PATTERN,
+        description="Policy name, used in pod names and by the workflow to call the agent (a DNS label).",
+    )
+    model: Model = Field(..., description="Initial weights.")
+    algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm.")
+    rollout: Rollout = Field(default_factory=Rollout, description="Inference fleet.")
+    trainer: Trainer = Field(default_factory=Trainer, description="Training fleet.")
+
+
+class WeightSync(ApiModel):
+    """How each trainer ships new weights to its policy's rollout engines."""
+
+    transport: Literal["auto", "objectstore", "shm", "collective"] = Field(
+        "auto",
+        description="auto picks the best available; objectstore (Ray, works everywhere), shm (same host), "
+        "collective (gloo on CPU, NCCL on GPU).",
+    )
+    bucket_mb: int = Field(256, ge=1, le=16384, alias="bucketMB", description="Flattened bucket size in MiB.")
+
+
+class Checkpoint(ApiModel):
+    """Periodic checkpoints of weights, optimizer state, experience buffers and counters."""
+
+    uri: str | None = Field(
+        None,
+        max_length=1024,
+        pattern=r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|s3://.+|gs://.+)$",
+        description="Where to write checkpoints (pvc://CLAIM/PATH, file:///PATH, s3://..., gs://...); "
+        "unset keeps them in the coordinator's local storage only.",
+    )
+    every_steps: int = Field(50, ge=1, le=10_000_000, description="Checkpoint every N optimizer steps.")
+    keep: int = Field(3, ge=1, le=1000, description="How many recent checkpoints to keep.")
+
+
+class FailurePolicy(ApiModel):
+    """What to do when pods fail."""
+
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Restarts of the training roles (from the last checkpoint) before Failed.",
+    )
+
+
+class Scheduling(ApiModel):
+    """Admission and priority."""
+
+    queue_name: str | None = Field(
+        None,
+        max_length=63,
+        pattern=DNS_LABEL_PATTERN,
+        description="Kueue LocalQueue that admits the job as one unit.",
+    )
+    priority_class_name: str | None = Field(
+        None, max_length=253, description="PriorityClass for every pod of the job."
+    )
+
+
+class Coordinator(RoleOverrides):
+    """The coordinator pod (Ray head and driver)."""
+
+
+class RLJobSpec(ApiModel):
+    """Desired state of a multi-policy reinforcement-learning job."""
+
+    __rules__ = (
+        Rule(
+            cel="self.mode == 'async' || !has(self.maxStaleness) || self.maxStaleness == 0",
+            message="must be 0 or unset in sync mode (sync training is strictly on-policy)",
+            check=lambda s: s.mode == "async" or not s.max_staleness,
+            field=".maxStaleness",
+        ),
+    )
+
+    image: str | None = Field(
+        None,
+        max_length=512,
+        description="Default container image for every role (operator setting if unset).",
+    )
+    suspend: bool = Field(
+        False, description="Suspend: checkpoint, delete the pods, keep status; false resumes."
+    )
+    mode: Literal["sync", "async"] = Field(
+        "async",
+        description="sync: generate, train, sync strictly on-policy; async: overlap with bounded staleness.",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="async only: how many versions a sample may lag its policy (default 2).",
+    )
+    training: Training = Field(..., description="Length of training and experience per step.")
+    workflow: Workflow = Field(..., description="The multi-agent episode program.")
+    policies: list[Policy] = Field(
+        ...,
+        min_length=1,
+        max_length=MAX_POLICIES,
+        description="The policies (agents) trained together; names must be unique.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    weight_sync: WeightSync = Field(default_factory=WeightSync, description="Weight transport settings.")
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpoint settings.")
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget.")
+    scheduling: Scheduling | None = Field(None, description="Kueue queue and priority class.")
+    coordinator: Coordinator = Field(default_factory=Coordinator, description="Coordinator pod overrides.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the job this long after it Succeeded or Failed (unset: keep)."
+    )
+
+    @field_validator("policies")
+    @classmethod
+    def _unique_policy_names(cls, policies: list[Policy]) -> list[Policy]:
+        # The API server enforces this through x-kubernetes-list-type=map keyed by name.
+        seen: set[str] = set()
+        for p in policies:
+            if p.name in seen:
+                raise ValueError(f"duplicate policy name {p.name!r}: policy names must be unique")
+            seen.add(p.name)
+        return policies
+
+    @property
+    def effective_max_staleness(self) -> int:
+        """Versions a sample may lag: 0 in sync mode, the spec value (default 2) in async mode."""
+        if self.mode == "sync":
+            return 0
+        return 2 if self.max_staleness is None else self.max_staleness

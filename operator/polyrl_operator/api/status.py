@@ -1,0 +1,90 @@
+"""The RLJob status: written by the operator only (git owns spec, the operator owns status)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from polyrl_operator.api.base import ApiModel
+
+Phase = Literal["Pending", "Admitted", "Running", "Suspended", "Succeeded", "Failed"]
+PHASES: tuple[Phase, ...] = ("Pending", "Admitted", "Running", "Suspended", "Succeeded", "Failed")
+ConditionType = Literal[
+    "Admitted", "Ready", "Progressing", "Suspended", "Succeeded", "Failed", "QuotaExceeded"
+]
+
+
+class Condition(ApiModel):
+    """A metav1.Condition: usable with ``kubectl wait --for=condition=TYPE``."""
+
+    type: str = Field(..., max_length=316, description="Condition type, e.g. Ready or Succeeded.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
+    observed_generation: int | None = Field(
+        None, ge=0, description="metadata.generation this was computed from."
+    )
+    last_transition_time: str = Field(
+        ..., json_schema_extra={"format": "date-time"}, description="When status last changed (RFC 3339)."
+    )
+    reason: str = Field(
+        ...,
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="CamelCase machine-readable reason.",
+    )
+    message: str = Field("", max_length=32768, description="Human-readable details.")
+
+
+class RoleCounts(ApiModel):
+    """Desired and ready pod counts of one role."""
+
+    desired: int = Field(0, ge=0, description="Pods the operator wants (the autoscaler's decision).")
+    ready: int = Field(0, ge=0, description="Pods that are running and ready.")
+
+
+class Staleness(ApiModel):
+    """How many versions trained samples lagged the policy."""
+
+    mean: float = Field(0.0, ge=0, description="Mean lag over recent samples.")
+    max: int = Field(0, ge=0, description="Largest lag over recent samples.")
+
+
+class PolicyStatus(ApiModel):
+    """Progress of one policy."""
+
+    name: str = Field(..., description="Policy name.")
+    version: int = Field(0, ge=0, description="Latest weight version published by the trainer.")
+    step: int = Field(0, ge=0, description="Optimizer steps done.")
+    reward_mean: float | None = Field(None, description="Mean episode reward over the last step.")
+    staleness: Staleness | None = Field(None, description="Sample staleness over the last step.")
+    rollout: RoleCounts = Field(default_factory=RoleCounts, description="Rollout pods.")
+    trainer: RoleCounts = Field(default_factory=RoleCounts, description="Trainer pods.")
+    last_checkpoint_step: int | None = Field(None, ge=0, description="Step of the newest checkpoint.")
+
+
+class RLJobStatus(ApiModel):
+    """Observed state of an RLJob."""
+
+    phase: Phase = Field("Pending", description="Pending, Admitted, Running, Suspended, Succeeded or Failed.")
+    observed_generation: int | None = Field(None, ge=0, description="metadata.generation last acted upon.")
+    conditions: list[Condition] | None = Field(
+        None,
+        description="Admitted, Ready, Progressing, Suspended, Succeeded, Failed, QuotaExceeded.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    policies: list[PolicyStatus] | None = Field(
+        None,
+        description="Per-policy progress and pod counts.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    workflow: RoleCounts | None = Field(None, description="Workflow pods.")
+    step: int | None = Field(None, ge=0, description="Job progress: the smallest step over all policies.")
+    restarts: int = Field(0, ge=0, description="Restarts of the training roles so far.")
+    start_time: str | None = Field(
+        None, json_schema_extra={"format": "date-time"}, description="When it started."
+    )
+    completion_time: str | None = Field(
+        None, json_schema_extra={"format": "date-time"}, description="When it Succeeded or Failed."
+    )
+    message: str | None = Field(None, max_length=32768, description="Why the job is in its phase.")

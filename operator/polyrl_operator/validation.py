@@ -1,0 +1,215 @@
+"""Validate RLJob manifests with the same models that generate the CRD, naming file, line and field.
+
+Used by ``polyrl validate``. Each problem says where it is (file, line of the YAML document, field path
+like ``spec.policies[1].rollout.replicas.min``) and what is wrong in the user's terms.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from polyrl_operator.api import API_VERSION, KIND, RLJob, RuleViolation
+from polyrl_operator.api.common import DNS_LABEL_PATTERN, ENV_NAME_PATTERN, QUANTITY_PATTERN
+from polyrl_operator.api.spec import ENTRYPOINT_PATTERN, GPU_TYPE_PATTERN, MODEL_URI_PATTERN
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with one document."""
+
+    file: str
+    line: int | None
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Document:
+    """One YAML document of a manifest file, with the line it starts on (1-based)."""
+
+    file: str
+    line: int
+    body: Any
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as ``1e-6`` (YAML 1.1 demands a dot and would
+    hand the API a string), matching how kubectl parses manifests."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_documents(path: Path) -> Iterator[Document]:
+    """Yield each document of a YAML file; raises yaml.YAMLError with a line on a syntax error."""
+    text = path.read_text(encoding="utf-8")
+    loader = _Loader(text)
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            if node is None:  # pragma: no cover - check_node said there is one
+                break
+            yield Document(str(path), node.start_mark.line + 1, loader.construct_document(node))
+    finally:
+        loader.dispose()
+
+
+_PATTERN_HINTS = {
+    DNS_LABEL_PATTERN: "must be a DNS label: lower-case letters, digits and '-', starting with a letter",
+    ENTRYPOINT_PATTERN: "must be an import path of the form 'package.module:Attribute'",
+    MODEL_URI_PATTERN: "must be pvc://CLAIM/PATH, file:///PATH, s3://BUCKET/PATH, gs://BUCKET/PATH or builtin://NAME",
+    GPU_TYPE_PATTERN: "must be a GPU type name (letters, digits, '-', '_', '.')",
+    ENV_NAME_PATTERN: "must be a valid environment variable name",
+    QUANTITY_PATTERN: "must be a Kubernetes quantity such as 500m, 4, 16Gi",
+}
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in {"int", "str"} or part.startswith(("function-", "constrained-str")):
+            continue  # pydantic's union-branch markers, meaningless to a user
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The API model class found at ``loc`` (to suggest field names for typos)."""
+    current: Any = RLJob
+    for part in loc:
+        current = _unwrap(current)
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        field = next((f for name, f in current.model_fields.items() if part in (f.alias or name, name)), None)
+        if field is None:
+            return None
+        current = field.annotation
+    current = _unwrap(current)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap(tp: Any) -> Any:
+    """Strip Optional/list wrappers down to the model type inside."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                return tp
+            tp = args[0]
+        elif origin is list:
+            tp = typing.get_args(tp)[0]
+        else:
+            return tp
+
+
+def _explain(err: Any) -> tuple[tuple[int | str, ...], str]:
+    loc: tuple[int | str, ...] = tuple(err["loc"])
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    if kind == "value_error" and isinstance(ctx.get("error"), RuleViolation):
+        violation: RuleViolation = ctx["error"]
+        extra = tuple(p for p in (violation.field or "").split(".") if p)
+        return loc + extra, violation.message
+    if kind == "extra_forbidden":
+        name = str(loc[-1])
+        model = _model_at(loc[:-1])
+        known = [f.alias or n for n, f in model.model_fields.items()] if model else []
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = (
+            f"; did you mean {close[0]!r}?"
+            if close
+            else (f"; known fields: {', '.join(known)}" if known else "")
+        )
+        return loc, f"unknown field {name!r}{hint}"
+    if kind == "string_pattern_mismatch" and ctx.get("pattern") in _PATTERN_HINTS:
+        return loc, f"{_PATTERN_HINTS[ctx['pattern']]} (got {err['input']!r})"
+    if kind == "missing":
+        return loc, "required field is missing"
+    message = str(err["msg"])
+    if kind == "value_error" and message.startswith("Value error, "):
+        message = message.removeprefix("Value error, ")
+    if "input" in err and kind not in {"missing"} and not isinstance(err["input"], dict | list):
+        message += f" (got {err['input']!r})"
+    return loc, message
+
+
+def validate_document(doc: Document) -> list[Problem]:
+    """Problems with one document, or [] when it is a valid RLJob (or not an RLJob at all)."""
+    body = doc.body
+    if not isinstance(body, dict):
+        return [Problem(doc.file, doc.line, "", "document is not a mapping (expected a Kubernetes object)")]
+    if body.get("kind") != KIND:
+        return []
+    if body.get("apiVersion") != API_VERSION:
+        return [
+            Problem(
+                doc.file,
+                doc.line,
+                "apiVersion",
+                f"must be {API_VERSION} for kind {KIND} (got {body.get('apiVersion')!r})",
+            )
+        ]
+    try:
+        RLJob.model_validate(body)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc, message = _explain(err)
+            problems.append(Problem(doc.file, doc.line, _format_loc(loc), message))
+        return problems
+    return []
+
+
+@dataclass
+class FileReport:
+    """What validating one file found."""
+
+    file: str
+    rljobs: int
+    problems: list[Problem]
+
+
+def validate_file(path: Path) -> FileReport:
+    """Validate every RLJob in a (multi-document) YAML file."""
+    problems: list[Problem] = []
+    count = 0
+    try:
+        for doc in load_documents(path):
+            if doc.body is None:
+                continue
+            if isinstance(doc.body, dict) and doc.body.get("kind") == KIND:
+                count += 1
+            problems.extend(validate_document(doc))
+    except OSError as exc:
+        problems.append(Problem(str(path), None, "", f"cannot read: {exc.strerror or exc}"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problems.append(Problem(str(path), line, "", f"not valid YAML: {getattr(exc, 'problem', exc)}"))
+    except UnicodeDecodeError as exc:
+        problems.append(Problem(str(path), None, "", f"not UTF-8 text: {exc.reason}"))
+    return FileReport(str(path), count, problems)

@@ -1,0 +1,191 @@
+"""Bad RLJob documents every layer must reject, each with the field the error must name.
+
+Shared by the unit tier (``polyrl validate``) and the control-plane tier (``kubectl apply`` against the
+real API server), so both layers are held to the same list.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+EXAMPLES = REPO / "manifests" / "examples"
+CPU_EXAMPLE = EXAMPLES / "signal-game-cpu.yaml"
+
+Doc = dict[str, Any]
+
+
+def base_job(name: str = "bad-job") -> Doc:
+    """The two-policy CPU example, renamed: every bad case is one mutation of it."""
+    doc: Doc = yaml.safe_load(CPU_EXAMPLE.read_text())
+    doc["metadata"] = {"name": name}
+    return doc
+
+
+@dataclass(frozen=True)
+class BadCase:
+    """One mutation of the base job and what the error must mention."""
+
+    id: str
+    mutate: Callable[[Doc], None]
+    field: str
+    """The field path ``polyrl validate`` prints (dots and [i])."""
+    server_mentions: tuple[str, ...]
+    """Substrings the API server's error must contain (it names fields its own way)."""
+    server_rejects: bool = True
+    """False where Kubernetes cannot express the rule; then only ``polyrl validate`` rejects it."""
+
+    def document(self, name: str = "bad-job") -> Doc:
+        doc = base_job(name)
+        self.mutate(doc)
+        return copy.deepcopy(doc)
+
+
+def _set(path: str, value: Any) -> Callable[[Doc], None]:
+    def mutate(doc: Doc) -> None:
+        node: Any = doc
+        parts = path.split(".")
+        for part in parts[:-1]:
+            node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+        last = parts[-1]
+        if last.isdigit():
+            node[int(last)] = value
+        else:
+            node[last] = value
+
+    return mutate
+
+
+def _dup_policy(doc: Doc) -> None:
+    doc["spec"]["policies"][1]["name"] = doc["spec"]["policies"][0]["name"]
+
+
+def _long_names(doc: Doc) -> None:
+    doc["metadata"]["name"] = "j" * 30
+    doc["spec"]["policies"][0]["name"] = "p" * 30
+
+
+def _typo(doc: Doc) -> None:
+    alg = doc["spec"]["policies"][0]["algorithm"]
+    alg["grupSize"] = alg.pop("groupSize")
+
+
+BAD_CASES: tuple[BadCase, ...] = (
+    BadCase("unknown-field-typo", _typo, "spec.policies[0].algorithm.grupSize", ("grupSize",)),
+    BadCase("unknown-top-level-field", _set("spec.trainig", {"totalSteps": 3}), "spec.trainig", ("trainig",)),
+    BadCase("duplicate-policy-names", _dup_policy, "spec.policies", ("spec.policies[1]", "Duplicate")),
+    BadCase(
+        "replicas-min-gt-max",
+        _set("spec.policies.0.rollout.replicas", {"min": 3, "max": 2}),
+        "spec.policies[0].rollout.replicas.min",
+        ("spec.policies[0].rollout.replicas.min", "less than or equal to max"),
+    ),
+    BadCase(
+        "workflow-replicas-min-gt-max",
+        _set("spec.workflow.replicas", {"min": 5, "max": 1}),
+        "spec.workflow.replicas.min",
+        ("spec.workflow.replicas.min",),
+    ),
+    BadCase(
+        "negative-max-staleness", _set("spec.maxStaleness", -1), "spec.maxStaleness", ("spec.maxStaleness",)
+    ),
+    BadCase("unknown-mode", _set("spec.mode", "turbo"), "spec.mode", ("spec.mode", "turbo")),
+    BadCase(
+        "unknown-engine",
+        _set("spec.policies.0.rollout.engine", "sglang"),
+        "spec.policies[0].rollout.engine",
+        ("spec.policies[0].rollout.engine",),
+    ),
+    BadCase(
+        "unknown-backend",
+        _set("spec.policies.1.trainer.backend", "fsdp"),
+        "spec.policies[1].trainer.backend",
+        ("spec.policies[1].trainer.backend",),
+    ),
+    BadCase(
+        "unknown-algorithm",
+        _set("spec.policies.0.algorithm.name", "dpo"),
+        "spec.policies[0].algorithm.name",
+        ("spec.policies[0].algorithm.name",),
+    ),
+    BadCase("empty-policies", _set("spec.policies", []), "spec.policies", ("spec.policies",)),
+    BadCase(
+        "policy-name-not-dns-label",
+        _set("spec.policies.0.name", "Speaker_1"),
+        "spec.policies[0].name",
+        ("spec.policies[0].name",),
+    ),
+    BadCase(
+        "job-name-not-dns-label", _set("metadata.name", "signal.game"), "metadata.name", ("metadata.name",)
+    ),
+    BadCase("pod-names-too-long", _long_names, "spec.policies", ("spec.policies", "63 characters")),
+    BadCase(
+        "trainer-replicas-zero",
+        _set("spec.policies.0.trainer.replicas", 0),
+        "spec.policies[0].trainer.replicas",
+        ("spec.policies[0].trainer.replicas",),
+    ),
+    BadCase(
+        "total-steps-zero", _set("spec.training.totalSteps", 0), "spec.training.totalSteps", ("totalSteps",)
+    ),
+    BadCase(
+        "total-steps-negative",
+        _set("spec.training.totalSteps", -5),
+        "spec.training.totalSteps",
+        ("totalSteps",),
+    ),
+    BadCase(
+        "gpus-fractional",
+        _set("spec.policies.0.rollout.gpus", 1.5),
+        "spec.policies[0].rollout.gpus",
+        ("spec.policies[0].rollout.gpus",),
+    ),
+    BadCase(
+        "gpus-string",
+        _set("spec.policies.0.trainer.gpus", "2"),
+        "spec.policies[0].trainer.gpus",
+        ("spec.policies[0].trainer.gpus",),
+    ),
+    BadCase(
+        "entrypoint-not-module-attr",
+        _set("spec.workflow.entrypoint", "my_workflows.signal.SignalGame"),
+        "spec.workflow.entrypoint",
+        ("spec.workflow.entrypoint",),
+    ),
+    BadCase(
+        "vllm-without-gpus",
+        _set("spec.policies.1.rollout.engine", "vllm"),
+        "spec.policies[1].rollout.gpus",
+        ("spec.policies[1].rollout.gpus", "vllm"),
+    ),
+    BadCase(
+        "grpo-group-size-one",
+        _set("spec.policies.0.algorithm.groupSize", 1),
+        "spec.policies[0].algorithm.groupSize",
+        ("spec.policies[0].algorithm.groupSize", "grpo"),
+    ),
+    BadCase(
+        "staleness-in-sync-mode",
+        _set("spec.mode", "sync"),
+        "spec.maxStaleness",
+        ("spec.maxStaleness", "sync"),
+    ),
+    BadCase(
+        "bad-model-uri",
+        _set("spec.policies.0.model.uri", "qwen3-0.6b"),
+        "spec.policies[0].model.uri",
+        ("spec.policies[0].model.uri",),
+    ),
+    BadCase(
+        "missing-training",
+        lambda d: d["spec"].pop("training"),
+        "spec.training",
+        ("spec.training",),
+    ),
+)
