@@ -10,10 +10,12 @@ and ``default: {}`` on optional sub-objects so the server fills in their nested 
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from polyrl_operator.api import CATEGORIES, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, RLJob
 
@@ -32,8 +34,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {
         "name": "Policies",
         "type": "string",
-        "jsonPath": ".spec.policies[*].name",
-        "description": "Policies trained together.",
+        "jsonPath": ".status.policySummary",
+        "description": "Each policy's name and weight version.",
     },
     {
         "name": "Step",
@@ -66,9 +68,26 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 ]
 
 
+def _model_classes(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """Every API model reachable from ``root``, by class name (pydantic's ``$defs`` keys)."""
+    found: dict[str, type[BaseModel]] = {}
+    stack: list[Any] = [root]
+    while stack:
+        tp = stack.pop()
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            if tp.__name__ in found:
+                continue
+            found[tp.__name__] = tp
+            stack.extend(f.annotation for f in tp.model_fields.values())
+        else:
+            stack.extend(typing.get_args(tp))
+    return found
+
+
 class _Converter:
     def __init__(self, defs: dict[str, Schema]) -> None:
         self.defs = defs
+        self.classes = _model_classes(RLJob)
 
     def node(self, s: Schema, *, in_status: bool) -> Schema:
         s = dict(s)
@@ -82,6 +101,9 @@ class _Converter:
                 raise ValueError(f"cannot express union {branches!r} in a structural schema")
             outer = {k: v for k, v in s.items() if k != "default" or v is not None}
             return self.node({**branches[0], **outer}, in_status=in_status)
+        if "const" in s:
+            # Structural schemas have no `const`; a one-value enum says the same and is enforced.
+            s["enum"] = [s.pop("const")]
         if s.get("default", "absent") is None or in_status:
             s.pop("default", None)
 
@@ -115,17 +137,12 @@ class _Converter:
 
     def property(self, sub: Schema, *, required: bool, in_status: bool) -> Schema:
         converted = self.node(sub, in_status=in_status)
-        # A sub-object built by default_factory has no JSON default; give it {} so the API server applies
-        # the nested defaults even when the user leaves the whole object out.
-        if (
-            not required
-            and not in_status
-            and "default" not in sub
-            and converted.get("type") == "object"
-            and "properties" in converted
-            and not converted.get("required")
-        ):
-            converted["default"] = {}
+        # A sub-object built by default_factory has no JSON default. Give it the model's full default
+        # value, so the API server fills it in when the user leaves the whole object out. (It must be
+        # complete, not {}: the server checks a default against the CEL rules before nested defaulting.)
+        ref = sub.get("$ref", "").rsplit("/", 1)[-1]
+        if not required and not in_status and "default" not in sub and ref in self.classes:
+            converted["default"] = self.classes[ref]().to_k8s()  # type: ignore[call-arg]
             converted = _ordered(converted)
         return converted
 

@@ -32,7 +32,11 @@ class Rule:
 
     def to_crd(self) -> dict[str, str]:
         out = {"rule": self.cel, "message": self.message}
-        if self.field:
+        if self.field and self.field.startswith(".metadata"):
+            # The API server only accepts fieldPaths into the schema, and metadata has none: name the
+            # field in the message instead.
+            out["message"] = f"{self.field.lstrip('.')}: {self.message}"
+        elif self.field:
             out["fieldPath"] = self.field
         return out
 

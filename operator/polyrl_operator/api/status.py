@@ -78,6 +78,12 @@ class RLJobStatus(ApiModel):
         description="Per-policy progress and pod counts.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+    policy_summary: str | None = Field(
+        None,
+        max_length=4096,
+        description="Compact per-policy progress for `kubectl get`: name@version, comma-separated "
+        "(printer columns can show only one element of a list).",
+    )
     workflow: RoleCounts | None = Field(None, description="Workflow pods.")
     step: int | None = Field(None, ge=0, description="Job progress: the smallest step over all policies.")
     restarts: int = Field(0, ge=0, description="Restarts of the training roles so far.")
