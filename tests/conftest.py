@@ -1,0 +1,51 @@
+"""Shared fixtures. The control-plane tier: ``controlplane`` (one per session) and ``namespace``.
+
+The control plane is the genuine Kubernetes CRD server on etcd behind a small shim (see
+tests/support/polyrl_testenv). When its binaries are not built the tests that need it are skipped
+with a loud reason, never passed.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from polyrl_testenv import ControlPlane, find_binaries
+
+CONTROLPLANE_FIXTURES = frozenset({"controlplane", "namespace"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Any test using the control plane carries the marker, so `-m "not controlplane"` works even
+    # where a test forgot to mark itself.
+    for item in items:
+        if CONTROLPLANE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.controlplane)
+
+
+@pytest.fixture(scope="session")
+def controlplane() -> Iterator[ControlPlane]:
+    """etcd + apiextensions-apiserver + shim, started once per session; kubeconfig in ``.kubeconfig``."""
+    binaries, reason = find_binaries()
+    if binaries is None:
+        pytest.skip(f"CONTROL PLANE NOT AVAILABLE: {reason} (run hack/controlplane/prepare.sh)")
+    plane = ControlPlane.start(binaries)
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def namespace(controlplane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace per test, deleted (with its contents) afterwards."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].rstrip("-")
+    name = f"t-{slug}-{uuid.uuid4().hex[:6]}"
+    controlplane.create_namespace(name)
+    try:
+        yield name
+    finally:
+        controlplane.delete_namespace(name)
