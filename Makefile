@@ -11,9 +11,9 @@ export TORCH_EXTENSIONS_DIR ?= $(CACHE)/torch_extensions
 export RAY_AUTH_MODE ?= disabled
 export RAY_ENABLE_ZERO_COPY_TORCH_TENSORS ?= 1
 
-.PHONY: test install controlplane lint typecheck crds unit clean
+.PHONY: test install controlplane helmrender crds clean
 
-test: install controlplane
+test: install controlplane helmrender
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy operator/polyrl_operator runtime/polyrl_runtime tests/support
@@ -37,6 +37,10 @@ $(STAMP): operator/pyproject.toml runtime/pyproject.toml
 # controlplane test tier. A failure is reported loudly and the tier is skipped, never passed.
 controlplane:
 	bash hack/controlplane/prepare.sh || echo "!!! CONTROL PLANE NOT AVAILABLE: the controlplane tier will be SKIPPED (see above) !!!"
+
+# Go text/template + sprig renderer standing in for `helm template` (no helm binary can be had here).
+helmrender:
+	bash hack/helmrender/prepare.sh || echo "!!! HELM RENDERER NOT AVAILABLE: the chart-rendering tests will be SKIPPED (see above) !!!"
 
 crds: install
 	$(BIN)/polyrl crds generate

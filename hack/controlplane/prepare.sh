@@ -20,7 +20,7 @@
 # Env: POLYRL_CACHE (default ~/.cache/polyrl), POLYRL_DEBIAN_MIRROR (default: the system's),
 #      POLYRL_CONTROLPLANE_REBUILD=1 to force a rebuild, POLYRL_CONTROLPLANE_KEEP_WORK=1 to keep
 #      the unpacked sources after a successful build.
-set -euo pipefail
+set -Eeuo pipefail
 
 # Bump when the recipe changes in a way that needs a rebuild of the cached binaries.
 RECIPE=6
