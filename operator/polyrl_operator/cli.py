@@ -1,4 +1,4 @@
-"""The ``polyrl`` command line: ``crds generate|check``, ``validate FILE...``.
+"""The ``polyrl`` command line: ``crds generate|check``, ``validate FILE...``, ``operator``, ``render FILE``.
 
 Subcommands of other distributions (the runtime's ``polyrl run``) plug in through the
 ``polyrl.commands`` entry-point group, so this package never imports them directly.
@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from polyrl_operator import crdgen
+from polyrl_operator import main as operator_main
 from polyrl_operator.validation import validate_file
 
 
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("files", nargs="+", metavar="FILE")
     validate.add_argument("-q", "--quiet", action="store_true", help="print problems only")
     validate.set_defaults(func=_cmd_validate)
+
+    operator_main.register(sub)
 
     for ep in entry_points(group="polyrl.commands"):
         register = ep.load()

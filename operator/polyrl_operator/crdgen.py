@@ -17,7 +17,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from polyrl_operator.api import CATEGORIES, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, RLJob
+from polyrl_operator.api import (
+    CATEGORIES,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    ApiModel,
+    RLJob,
+)
 
 CRD_FILENAME = f"{GROUP}_{PLURAL}.yaml"
 HEADER = (
@@ -142,7 +152,9 @@ class _Converter:
         # complete, not {}: the server checks a default against the CEL rules before nested defaulting.)
         ref = sub.get("$ref", "").rsplit("/", 1)[-1]
         if not required and not in_status and "default" not in sub and ref in self.classes:
-            converted["default"] = self.classes[ref]().to_k8s()  # type: ignore[call-arg]
+            model = self.classes[ref]
+            assert issubclass(model, ApiModel), ref  # every API model derives from ApiModel
+            converted["default"] = model().to_k8s()
             converted = _ordered(converted)
         return converted
 

@@ -213,3 +213,12 @@ def validate_file(path: Path) -> FileReport:
     except UnicodeDecodeError as exc:
         problems.append(Problem(str(path), None, "", f"not UTF-8 text: {exc.reason}"))
     return FileReport(str(path), count, problems)
+
+
+def explain(exc: ValidationError) -> list[tuple[str, str]]:
+    """(field path, message) for each error, in the same words ``polyrl validate`` prints."""
+    out = []
+    for err in exc.errors():
+        loc, message = _explain(err)
+        out.append((_format_loc(loc), message))
+    return out

@@ -1,0 +1,222 @@
+"""Role pods: coordinator, workflow workers, and per policy rollout engines and trainers.
+
+Bare pods with stable names (``<job>-<policy>-<role>-<i>``) so the operator picks which replica to
+drain or replace. The container is always named ``main`` and runs the runtime's entry points
+(``polyrl-runtime coordinator --config FILE`` on the coordinator, ``polyrl-runtime worker --config FILE
+--role ROLE [--policy NAME]`` everywhere else); everything else the runtime needs arrives as env, the config
+file and the downward-API volume, as written down in docs/runtime-contract.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from polyrl_operator import naming
+from polyrl_operator.api import Policy, RLJob, RoleOverrides
+from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_hash
+from polyrl_operator.builders.merge import strategic_merge
+from polyrl_operator.naming import Role
+from polyrl_operator.settings import GPU_RESOURCE, OperatorSettings, Placement
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    """Which pod to build."""
+
+    role: Role
+    index: int = 0
+    policy: str | None = None
+    attempt: int = 0
+    """Restart attempt (status.restarts) the pod belongs to; used for coordinator and trainers."""
+    flavor: Placement | None = None
+    """Node placement from the Kueue admission (ResourceFlavor nodeLabels/tolerations)."""
+
+
+def pod_name(job: str, req: PodRequest) -> str:
+    if req.role == "coordinator":
+        return naming.coordinator_pod(job)
+    if req.role == "workflow":
+        return naming.workflow_pod(job, req.index)
+    assert req.policy is not None, "rollout and trainer pods belong to a policy"
+    return naming.policy_pod(job, req.policy, req.role, req.index)
+
+
+def _policy(job: RLJob, name: str | None) -> Policy:
+    for p in job.spec.policies:
+        if p.name == name:
+            return p
+    raise KeyError(f"no policy {name!r} in job {job.metadata.name}")
+
+
+def role_spec(job: RLJob, role: Role, policy: str | None) -> tuple[RoleOverrides, int, str | None]:
+    """The role's overrides, GPUs per pod and GPU type."""
+    if role == "coordinator":
+        return job.spec.coordinator, 0, None
+    if role == "workflow":
+        return job.spec.workflow, 0, None
+    p = _policy(job, policy)
+    if role == "rollout":
+        return p.rollout, p.rollout.gpus, p.rollout.gpu_type
+    return p.trainer, p.trainer.gpus, p.trainer.gpu_type
+
+
+def role_image(job: RLJob, role: Role, policy: str | None, settings: OperatorSettings) -> str | None:
+    overrides, _, _ = role_spec(job, role, policy)
+    return overrides.image or job.spec.image or settings.default_image
+
+
+def _resources(overrides: RoleOverrides, gpus: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if overrides.resources is not None:
+        if overrides.resources.requests:
+            out["requests"] = dict(overrides.resources.requests)
+        if overrides.resources.limits:
+            out["limits"] = dict(overrides.resources.limits)
+    if gpus > 0:
+        # Extended resources must have requests == limits; setting both keeps the Kueue podSet exact.
+        out.setdefault("requests", {})[GPU_RESOURCE] = gpus
+        out.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    return out
+
+
+def _env(ref: JobRef, req: PodRequest, name: str, overrides: RoleOverrides) -> list[dict[str, Any]]:
+    service = (
+        naming.coordinator_service(ref.name)
+        if req.role == "coordinator"
+        else naming.workflow_service(ref.name)
+        if req.role == "workflow"
+        else naming.policy_service(ref.name, req.policy or "", req.role)
+    )
+    env: list[dict[str, Any]] = [
+        {"name": "POLYRL_JOB", "value": ref.name},
+        {"name": "POLYRL_NAMESPACE", "value": ref.namespace},
+        {"name": "POLYRL_ROLE", "value": req.role},
+        {"name": "POLYRL_POLICY", "value": req.policy or ""},
+        {"name": "POLYRL_INDEX", "value": str(req.index)},
+        {"name": "POLYRL_ATTEMPT", "value": str(req.attempt)},
+        {"name": "POLYRL_POD_NAME", "value": name},
+        {"name": "POLYRL_SERVICE", "value": f"{service}.{ref.namespace}.svc"},
+        {
+            "name": "POLYRL_COORDINATOR_ADDRESS",
+            "value": f"{naming.coordinator_host(ref.name, ref.namespace)}:{naming.PORT_RAY_GCS}",
+        },
+        {"name": "POLYRL_CONFIG", "value": f"{naming.CONFIG_DIR}/{naming.CONFIG_KEY}"},
+        {"name": "POLYRL_PODINFO_DIR", "value": naming.PODINFO_DIR},
+        {"name": "POLYRL_HTTP_PORT", "value": str(naming.PORT_HTTP)},
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {
+            "name": "RAY_AUTH_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": naming.secret(ref.name), "key": naming.TOKEN_KEY}},
+        },
+    ]
+    for var in overrides.env or []:
+        entry = var.to_k8s()
+        env = [e for e in env if e["name"] != var.name] + [entry]
+    return env
+
+
+def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettings) -> Manifest:
+    overrides, gpus, gpu_type = role_spec(job, req.role, req.policy)
+    name = pod_name(ref.name, req)
+    image = role_image(job, req.role, req.policy, settings)
+    labels = naming.labels(ref.name, req.role, req.policy)
+    labels[naming.LABEL_INDEX] = str(req.index)
+    if req.role in ("coordinator", "trainer"):
+        labels[naming.LABEL_ATTEMPT] = str(req.attempt)
+    subdomain = (
+        naming.workflow_service(ref.name)
+        if req.role == "workflow"
+        else naming.policy_service(ref.name, req.policy or "", req.role)
+        if req.policy
+        else None
+    )
+    config = f"{naming.CONFIG_DIR}/{naming.CONFIG_KEY}"
+    if req.role == "coordinator":
+        args = ["coordinator", "--config", config]
+    else:
+        args = ["worker", "--config", config, "--role", req.role]
+        if req.policy:
+            args += ["--policy", req.policy]
+    container: dict[str, Any] = {
+        "name": naming.CONTAINER,
+        "image": image,
+        "command": list(settings.runtime_command),
+        "args": args,
+        "env": _env(ref, req, name, overrides),
+        "ports": [{"name": "http", "containerPort": naming.PORT_HTTP, "protocol": "TCP"}],
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": naming.PORT_HTTP},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": naming.CONFIG_DIR, "readOnly": True},
+            {"name": "podinfo", "mountPath": naming.PODINFO_DIR, "readOnly": True},
+        ],
+    }
+    if req.role == "coordinator":
+        container["ports"] += [
+            {"name": "gcs", "containerPort": naming.PORT_RAY_GCS, "protocol": "TCP"},
+            {"name": "client", "containerPort": naming.PORT_RAY_CLIENT, "protocol": "TCP"},
+            {"name": "dashboard", "containerPort": naming.PORT_RAY_DASHBOARD, "protocol": "TCP"},
+        ]
+    if req.role == "trainer":
+        container["ports"].append(
+            {"name": "rendezvous", "containerPort": naming.PORT_RENDEZVOUS, "protocol": "TCP"}
+        )
+    if settings.image_pull_policy:
+        container["imagePullPolicy"] = settings.image_pull_policy
+    resources = _resources(overrides, gpus)
+    if resources:
+        container["resources"] = resources
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": naming.config_map(ref.name)}},
+        {
+            "name": "podinfo",
+            "downwardAPI": {
+                "items": [
+                    {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+                    {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+                ]
+            },
+        },
+    ]
+    if gpus > 0:
+        # vLLM and NCCL need a large /dev/shm; the container runtime's default is 64 MiB.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "enableServiceLinks": False,
+        "hostname": name,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if subdomain:
+        spec["subdomain"] = subdomain
+    if job.spec.scheduling and job.spec.scheduling.priority_class_name:
+        spec["priorityClassName"] = job.spec.scheduling.priority_class_name
+    for placement in (settings.placement(gpu_type) if gpus > 0 or gpu_type else None, req.flavor):
+        if placement is None:
+            continue
+        if placement.node_selector:
+            spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **placement.node_selector}
+        if placement.tolerations:
+            spec["tolerations"] = spec.get("tolerations", []) + [
+                t for t in placement.tolerations if t not in spec.get("tolerations", [])
+            ]
+        if placement.affinity:
+            spec["affinity"] = placement.affinity
+    meta = metadata(ref, name, labels)
+    template = overrides.pod_template
+    if template is not None:
+        if template.metadata is not None:
+            if template.metadata.labels:
+                meta["labels"] = {**template.metadata.labels, **meta["labels"]}
+            if template.metadata.annotations:
+                meta["annotations"] = dict(template.metadata.annotations)
+        if template.spec:
+            spec = strategic_merge(spec, template.spec)
+    manifest: Manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+    return stamp_hash(manifest)

@@ -1,0 +1,113 @@
+"""The operator's own checks: what passes the CRD but cannot run, reported as InvalidSpec.
+
+An RLJob failing these is set to phase Failed with reason InvalidSpec and a message naming the field;
+the operator creates nothing for it and does not retry until the spec changes (a new generation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from polyrl_operator import naming
+from polyrl_operator.api import RLJob, RoleOverrides
+from polyrl_operator.builders.pods import role_image
+from polyrl_operator.builders.workload import MAX_PODSETS
+from polyrl_operator.settings import OperatorSettings
+from polyrl_operator.validation import explain
+
+Problem = tuple[str, str]
+
+
+def parse_job(body: dict[str, Any]) -> tuple[RLJob | None, list[Problem]]:
+    """The RLJob model of a live object (status ignored: it is the operator's, not the user's)."""
+    meta = body.get("metadata") or {}
+    doc = {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+        "spec": body.get("spec"),
+    }
+    try:
+        return RLJob.model_validate(doc), []
+    except ValidationError as exc:
+        return None, explain(exc)
+
+
+def _role_checks(path: str, overrides: RoleOverrides, problems: list[Problem]) -> None:
+    template = overrides.pod_template
+    if template is None:
+        return
+    if template.metadata is not None:
+        for key in template.metadata.labels or {}:
+            if key.startswith(naming.DOMAIN + "/") or key == naming.LABEL_MANAGED_BY:
+                problems.append(
+                    (f"{path}.podTemplate.metadata.labels", f"label {key!r} is reserved for the operator")
+                )
+    spec = template.spec or {}
+    restart = spec.get("restartPolicy")
+    if restart not in (None, "Never"):
+        problems.append(
+            (
+                f"{path}.podTemplate.spec.restartPolicy",
+                f"must be unset or Never (got {restart!r}): the operator replaces and restarts pods itself",
+            )
+        )
+    for i, container in enumerate(spec.get("containers") or []):
+        if not isinstance(container, dict) or not container.get("name"):
+            problems.append((f"{path}.podTemplate.spec.containers[{i}].name", "required field is missing"))
+
+
+def operator_checks(job: RLJob, settings: OperatorSettings) -> list[Problem]:
+    problems: list[Problem] = []
+    spec = job.spec
+    name = job.metadata.name
+    longest, size = naming.longest_child_name(
+        name, [p.name for p in spec.policies], spec.workflow.replicas.max
+    )
+    if size > naming.MAX_NAME:
+        problems.append(
+            (
+                "metadata.name",
+                f"too long: child object {longest!r} would have {size} characters (at most {naming.MAX_NAME})",
+            )
+        )
+    roles: list[tuple[str, str, str | None, RoleOverrides]] = [
+        ("spec.coordinator", "coordinator", None, spec.coordinator),
+        ("spec.workflow", "workflow", None, spec.workflow),
+    ]
+    for i, p in enumerate(spec.policies):
+        roles.append((f"spec.policies[{i}].rollout", "rollout", p.name, p.rollout))
+        roles.append((f"spec.policies[{i}].trainer", "trainer", p.name, p.trainer))
+        for path, gpu_type in (
+            (f"spec.policies[{i}].rollout.gpuType", p.rollout.gpu_type),
+            (f"spec.policies[{i}].trainer.gpuType", p.trainer.gpu_type),
+        ):
+            if settings.strict_gpu_types and gpu_type and gpu_type not in settings.gpu_types:
+                known = ", ".join(sorted(settings.gpu_types)) or "none"
+                problems.append((path, f"unknown GPU type {gpu_type!r} (this cluster maps: {known})"))
+    for path, role, policy, overrides in roles:
+        if role_image(job, role, policy, settings) is None:  # type: ignore[arg-type]
+            problems.append(
+                (
+                    f"{path}.image",
+                    "no image: set spec.image or the role's image (the operator has no default)",
+                )
+            )
+        _role_checks(path, overrides, problems)
+    if spec.scheduling and spec.scheduling.queue_name:
+        podsets = 2 + 2 * len(spec.policies)
+        if podsets > MAX_PODSETS:
+            problems.append(
+                (
+                    "spec.policies",
+                    f"{len(spec.policies)} policies need {podsets} Kueue podSets; a Workload allows "
+                    f"{MAX_PODSETS} (at most {(MAX_PODSETS - 2) // 2} policies with scheduling.queueName)",
+                )
+            )
+    return problems
+
+
+def format_problems(problems: list[Problem]) -> str:
+    return "; ".join(f"{path}: {message}" if path else message for path, message in problems)

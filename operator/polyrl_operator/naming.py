@@ -1,0 +1,139 @@
+"""Names, labels, annotations and ports of everything the operator creates for an RLJob.
+
+One module so that the builders, the plan, the kopf index filters and the runtime contract
+(docs/runtime-contract.md) agree on every string. Child names are stable and derived from the job
+(no generated suffixes): that is what makes apply idempotent and a restarted operator converge.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+Role = Literal["coordinator", "workflow", "rollout", "trainer"]
+ROLES: Final[tuple[Role, ...]] = ("coordinator", "workflow", "rollout", "trainer")
+POLICY_ROLES: Final[tuple[Role, ...]] = ("rollout", "trainer")
+
+DOMAIN: Final = "polyrl.dev"
+LABEL_JOB: Final = f"{DOMAIN}/job"
+LABEL_POLICY: Final = f"{DOMAIN}/policy"
+LABEL_ROLE: Final = f"{DOMAIN}/role"
+LABEL_INDEX: Final = f"{DOMAIN}/index"
+LABEL_ATTEMPT: Final = f"{DOMAIN}/attempt"
+"""Coordinator and trainer pods carry the restart attempt they belong to (status.restarts when
+created); a failure of a pod of an older attempt was already counted."""
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+MANAGER: Final = "polyrl-operator"
+
+ANNOTATION_HASH: Final = f"{DOMAIN}/spec-hash"
+"""Hash of the manifest the operator wants; a different hash on the live object means drift."""
+ANNOTATION_DRAIN: Final = f"{DOMAIN}/drain"
+"""Set to "true" on a pod to drain it: the pod sees it through its downward-API volume and tells the
+coordinator, which stops dispatching to it and reports it drained in /progress."""
+ANNOTATION_DRAIN_SINCE: Final = f"{DOMAIN}/drain-since"
+"""RFC 3339 time the drain was requested, so the drain timeout survives an operator restart."""
+
+ANNOTATION_CHECKPOINT: Final = f"{DOMAIN}/checkpoint-request"
+"""Set on the coordinator pod to ask for a checkpoint before its pods are deleted (suspend or Kueue
+eviction); the value is a request id that /progress echoes in checkpoint.lastRequestId when done."""
+ANNOTATION_CHECKPOINT_SINCE: Final = f"{DOMAIN}/checkpoint-since"
+MUTABLE_ANNOTATIONS: Final = (
+    ANNOTATION_DRAIN,
+    ANNOTATION_DRAIN_SINCE,
+    ANNOTATION_CHECKPOINT,
+    ANNOTATION_CHECKPOINT_SINCE,
+)
+"""Annotations the operator patches on live pods; not part of the pod's identity (hash)."""
+
+FINALIZER: Final = f"{DOMAIN}/cleanup"
+CONTAINER: Final = "main"
+
+# Ports (the runtime contract). The coordinator runs the Ray head (GCS 6379, client 10001,
+# dashboard 8265); every pod serves /healthz, and the coordinator /progress and /checkpoint, on HTTP.
+PORT_HTTP: Final = 8000
+PORT_RAY_GCS: Final = 6379
+PORT_RAY_CLIENT: Final = 10001
+PORT_RAY_DASHBOARD: Final = 8265
+PORT_RENDEZVOUS: Final = 29500
+
+CONFIG_KEY: Final = "rljob.json"
+CONFIG_DIR: Final = "/etc/polyrl/config"
+PODINFO_DIR: Final = "/etc/polyrl/podinfo"
+TOKEN_KEY: Final = "ray-token"
+
+MAX_NAME: Final = 63
+
+
+def coordinator_pod(job: str) -> str:
+    return f"{job}-coordinator"
+
+
+def coordinator_service(job: str) -> str:
+    return f"{job}-coordinator"
+
+
+def workflow_pod(job: str, index: int) -> str:
+    return f"{job}-workflow-{index}"
+
+
+def workflow_service(job: str) -> str:
+    return f"{job}-workflow"
+
+
+def policy_pod(job: str, policy: str, role: Role, index: int) -> str:
+    return f"{job}-{policy}-{role}-{index}"
+
+
+def policy_service(job: str, policy: str, role: Role) -> str:
+    return f"{job}-{policy}-{role}"
+
+
+def config_map(job: str) -> str:
+    return f"{job}-config"
+
+
+def secret(job: str) -> str:
+    return f"{job}-ray-token"
+
+
+def workload(job: str) -> str:
+    return job
+
+
+def podset(role: Role, policy: str | None) -> str:
+    """Kueue podSet name of a role (a DNS label, unique in the Workload)."""
+    return f"{policy}-{role}" if policy else role
+
+
+def coordinator_host(job: str, namespace: str) -> str:
+    return f"{coordinator_service(job)}.{namespace}.svc"
+
+
+def labels(job: str, role: Role | None = None, policy: str | None = None) -> dict[str, str]:
+    """Labels every child carries: the job (for the index and cleanup), the role and the policy."""
+    out = {LABEL_JOB: job, LABEL_MANAGED_BY: MANAGER}
+    if role is not None:
+        out[LABEL_ROLE] = role
+    if policy is not None:
+        out[LABEL_POLICY] = policy
+    return out
+
+
+def selector(job: str, role: Role, policy: str | None = None) -> dict[str, str]:
+    """The Service selector of a role: the same keys as ``labels`` minus the manager."""
+    out = {LABEL_JOB: job, LABEL_ROLE: role}
+    if policy is not None:
+        out[LABEL_POLICY] = policy
+    return out
+
+
+def longest_child_name(job: str, policies: list[str], workflow_max: int) -> tuple[str, int]:
+    """The longest child name and its length (for the operator's own length check)."""
+    names = [
+        coordinator_pod(job),
+        config_map(job),
+        secret(job),
+        workflow_pod(job, max(workflow_max - 1, 0)),
+    ]
+    names.extend(policy_service(job, p, "rollout") for p in policies)
+    longest = max(names, key=len)
+    return longest, len(longest)

@@ -1,0 +1,96 @@
+"""Operator settings: what a cluster admin owns (default image, GPU type placement, timings).
+
+Loaded from a YAML file (``polyrl operator --settings FILE``), typically a ConfigMap mounted into the
+operator's pod. Everything has a default so ``polyrl render`` and tests work with no file. A GPU type
+with no mapping becomes the node selector ``polyrl.dev/gpu-type: <name>`` (admins label nodes), so a
+new type works without touching the operator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GPU_TYPE_LABEL = "polyrl.dev/gpu-type"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class Placement(_Model):
+    """Where pods of one GPU type go: merged into the pod spec before the role's podTemplate."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+
+
+class Autoscale(_Model):
+    """Rollout/workflow autoscaling from the coordinator's /progress, with hysteresis.
+
+    Scale out when the backlog per ready replica stays above ``backlog_high`` for ``out_window``
+    seconds; scale in (one replica at a time, drained) when there is no backlog and mean utilisation
+    stays below ``utilisation_low`` for ``in_window`` seconds; nothing changes for ``cooldown``
+    seconds after a change. The gap between the two thresholds and the windows is the hysteresis.
+    """
+
+    backlog_high: float = 4.0
+    utilisation_low: float = 0.3
+    out_window: float = 30.0
+    in_window: float = 120.0
+    cooldown: float = 60.0
+
+
+class OperatorSettings(_Model):
+    """All operator settings; every field has a default."""
+
+    default_image: str | None = "ghcr.io/polyrl/polyrl-runtime:0.1.0"
+    image_pull_policy: str | None = None
+    gpu_types: dict[str, Placement] = Field(default_factory=dict)
+    strict_gpu_types: bool = False
+    """Reject (InvalidSpec) a gpuType with no mapping instead of using the default node label."""
+    runtime_command: list[str] = Field(default_factory=lambda: ["polyrl-runtime"])
+    resync_seconds: float = 30.0
+    """Every job is reconciled at least this often (the periodic timer)."""
+    progress_interval: float = 10.0
+    """Read a running job's /progress at most this often."""
+    progress_timeout: float = 3.0
+    progress_url: str = "http://{service}.{namespace}.svc:{port}"
+    """Base URL of a job's coordinator; {job}, {namespace}, {service}, {port} are filled in."""
+    drain_timeout: float = 300.0
+    checkpoint_timeout: float = 600.0
+    quota_backoff: float = 10.0
+    quota_backoff_max: float = 300.0
+    error_backoff: float = 2.0
+    error_backoff_max: float = 120.0
+    max_concurrent_reconciles: int = 16
+    max_concurrent_writes: int = 8
+    """Writes in flight per reconcile (pods of one job are created in parallel up to this)."""
+    autoscale: Autoscale = Field(default_factory=Autoscale)
+    metrics_port: int | None = 9090
+    liveness_port: int | None = 8080
+
+    def placement(self, gpu_type: str | None) -> Placement:
+        """Placement for a role's gpuType; unmapped names select nodes labelled with the name."""
+        if gpu_type is None:
+            return Placement()
+        mapped = self.gpu_types.get(gpu_type)
+        if mapped is not None:
+            return mapped
+        return Placement(node_selector={GPU_TYPE_LABEL: gpu_type})
+
+
+def load_settings(path: Path | None) -> OperatorSettings:
+    """Settings from a YAML file (camelCase or snake_case keys), or the defaults."""
+    if path is None:
+        return OperatorSettings()
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: settings must be a YAML mapping")
+    return OperatorSettings.model_validate(data)

@@ -1,0 +1,389 @@
+"""The reconciler (plan + apply + status) step by step against an in-memory API server.
+
+The test plays the kubelet, the runtime's /progress, Kueue and the clock; every decision of the
+operator is checked as the exact objects and status it leaves behind."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from polyrl_operator import naming
+from polyrl_testenv.operator_fixtures import Sim, gpu_job, pod_status, progress, stored_job
+
+CPU_PODS = {
+    "signal-game-coordinator",
+    "signal-game-workflow-0",
+    "signal-game-speaker-rollout-0",
+    "signal-game-speaker-trainer-0",
+    "signal-game-listener-rollout-0",
+    "signal-game-listener-trainer-0",
+}
+
+
+async def running_sim(job: dict[str, Any] | None = None) -> Sim:
+    sim = Sim(job or stored_job())
+    await sim.step()
+    sim.kubelet()
+    await sim.step()
+    assert sim.status["phase"] == "Running"
+    return sim
+
+
+async def test_first_reconcile_creates_the_exact_child_set() -> None:
+    sim = Sim(stored_job())
+    await sim.step()
+    api = sim.api
+    assert sim.job["metadata"]["finalizers"] == [naming.FINALIZER]
+    assert sim.pods() == CPU_PODS
+    assert api.names("services") == {
+        "signal-game-coordinator",
+        "signal-game-workflow",
+        "signal-game-speaker-rollout",
+        "signal-game-speaker-trainer",
+        "signal-game-listener-rollout",
+        "signal-game-listener-trainer",
+    }
+    assert api.names("configmaps") == {"signal-game-config"}
+    assert api.names("secrets") == {"signal-game-ray-token"}
+    uid = sim.job["metadata"]["uid"]
+    for (plural, _, name), obj in api.objects.items():
+        if plural in ("rljobs", "events"):
+            continue
+        [owner] = obj["metadata"]["ownerReferences"]
+        assert owner["uid"] == uid and owner["controller"] is True, name
+        assert obj["metadata"]["labels"][naming.LABEL_JOB] == "signal-game"
+    pod = api.obj("pods", "signal-game-speaker-trainer-0")
+    assert pod["metadata"]["labels"][naming.LABEL_POLICY] == "speaker"
+    assert pod["metadata"]["labels"][naming.LABEL_ROLE] == "trainer"
+    assert pod["spec"]["containers"][0]["name"] == "main"
+    status = sim.status
+    assert status["observedGeneration"] == 1
+    assert status["phase"] == "Pending"
+    reasons = [e["reason"] for (pl, _, _), e in api.objects.items() if pl == "events"]
+    assert "CreatedPods" in reasons
+
+
+async def test_an_unchanged_job_costs_no_write() -> None:
+    sim = await running_sim()
+    before = sim.api.writes
+    for _ in range(3):
+        await sim.step(30)
+    assert sim.api.writes == before
+
+
+async def test_ready_pods_make_the_job_running_and_transition_times_hold() -> None:
+    sim = Sim(stored_job())
+    await sim.step()
+    ready_before = sim.condition("Ready")
+    assert ready_before["status"] == "False"
+    sim.kubelet()
+    await sim.step(5)
+    ready = sim.condition("Ready")
+    assert ready["status"] == "True" and ready["reason"] == "PodsReady"
+    assert ready["lastTransitionTime"] != ready_before["lastTransitionTime"]
+    assert sim.condition("Suspended")["lastTransitionTime"] == ready_before["lastTransitionTime"]
+    await sim.step(60)
+    assert sim.condition("Ready")["lastTransitionTime"] == ready["lastTransitionTime"]
+    assert {p["name"]: (p["rollout"], p["trainer"]) for p in sim.status["policies"]} == {
+        "speaker": ({"desired": 1, "ready": 1}, {"desired": 1, "ready": 1}),
+        "listener": ({"desired": 1, "ready": 1}, {"desired": 1, "ready": 1}),
+    }
+
+
+async def test_backlog_scales_out_into_status_never_spec() -> None:
+    sim = await running_sim()
+    spec = copy.deepcopy(sim.job["spec"])
+    sim.progress = progress("running")
+    await sim.step()
+    speaker = next(p for p in sim.status["policies"] if p["name"] == "speaker")
+    assert speaker["rollout"]["desired"] == 2  # ceil(9 / 4) = 3, capped at max 2
+    assert speaker["version"] == 12 and speaker["rewardMean"] == 0.41 and speaker["lastCheckpointStep"] == 10
+    assert "signal-game-speaker-rollout-1" in sim.pods()
+    assert sim.job["spec"] == spec and sim.job["metadata"]["generation"] == 1
+    scaled = [e for (pl, _, _), e in sim.api.objects.items() if pl == "events" and e["reason"] == "Scaled"]
+    assert len(scaled) == 1 and "speaker: 1 -> 2" in scaled[0]["message"]
+
+
+async def test_scale_in_drains_the_highest_index_before_deleting_it() -> None:
+    sim = await running_sim()
+    sim.progress = progress("running")
+    await sim.step()
+    sim.kubelet()
+    await sim.step()
+    sim.progress = progress("idle")
+    await sim.step()
+    victim = sim.api.obj("pods", "signal-game-speaker-rollout-1")
+    assert victim["metadata"]["annotations"][naming.ANNOTATION_DRAIN] == "true"
+    assert "signal-game-speaker-rollout-1" in sim.pods()
+    await sim.step()  # not drained yet: still there
+    assert "signal-game-speaker-rollout-1" in sim.pods()
+    sim.progress = progress("draining")
+    await sim.step()
+    assert "signal-game-speaker-rollout-1" not in sim.pods()
+    assert "signal-game-speaker-rollout-0" in sim.pods()
+
+
+async def test_drain_times_out() -> None:
+    sim = await running_sim()
+    sim.progress = progress("running")
+    await sim.step()
+    sim.kubelet()
+    await sim.step()
+    sim.progress = progress("idle")
+    await sim.step()
+    assert "signal-game-speaker-rollout-1" in sim.pods()
+    await sim.step(sim.settings.drain_timeout + 1)
+    assert "signal-game-speaker-rollout-1" not in sim.pods()
+
+
+async def test_failed_rollout_pod_is_replaced_without_a_restart() -> None:
+    sim = await running_sim()
+    sim.api.set_pod_status("signal-game-listener-rollout-0", pod_status("Failed"))
+    await sim.step()
+    assert "signal-game-listener-rollout-0" not in sim.pods()
+    await sim.step()
+    assert "signal-game-listener-rollout-0" in sim.pods()
+    assert sim.status["restarts"] == 0
+
+
+async def test_trainer_failure_restarts_training_roles_and_counts_once() -> None:
+    sim = await running_sim()
+    rollout_uid = sim.api.obj("pods", "signal-game-speaker-rollout-0")["metadata"]["uid"]
+    sim.api.set_pod_status("signal-game-speaker-trainer-0", pod_status("Failed"))
+    await sim.step()
+    assert sim.status["restarts"] == 1
+    # Stale view (as after a kill between the status write and the deletes): no second count.
+    await sim.step()
+    await sim.step()
+    assert sim.status["restarts"] == 1
+    for name in (
+        "signal-game-coordinator",
+        "signal-game-speaker-trainer-0",
+        "signal-game-listener-trainer-0",
+    ):
+        assert sim.api.obj("pods", name)["metadata"]["labels"][naming.LABEL_ATTEMPT] == "1"
+    assert sim.api.obj("pods", "signal-game-speaker-rollout-0")["metadata"]["uid"] == rollout_uid
+    assert sim.pods() == CPU_PODS
+
+
+async def test_restart_limit_fails_the_job_and_frees_the_pods() -> None:
+    job = stored_job()
+    job["spec"]["failurePolicy"] = {"maxRestarts": 1}
+    sim = await running_sim(job)
+    sim.api.set_pod_status("signal-game-speaker-trainer-0", pod_status("Failed"))
+    await sim.converge(3)
+    assert sim.status["restarts"] == 1
+    sim.kubelet()
+    await sim.step()
+    sim.api.set_pod_status("signal-game-listener-trainer-0", pod_status("Failed"))
+    await sim.step()
+    assert sim.status["phase"] == "Failed"
+    failed = sim.condition("Failed")
+    assert failed["status"] == "True" and failed["reason"] == "RestartLimitExceeded"
+    assert "signal-game-listener-trainer-0" in failed["message"]
+    assert sim.pods() == {"signal-game-listener-trainer-0"}  # kept for its logs; the rest freed
+    assert "completionTime" in sim.status
+
+
+async def test_suspend_checkpoints_then_deletes_pods_and_resume_recreates() -> None:
+    sim = await running_sim()
+    sim.progress = progress("idle")
+    sim.patch_spec({"suspend": True})
+    await sim.step()
+    coordinator = sim.api.obj("pods", "signal-game-coordinator")
+    request = coordinator["metadata"]["annotations"][naming.ANNOTATION_CHECKPOINT]
+    assert sim.pods() == CPU_PODS  # waiting for the checkpoint
+    assert sim.status["phase"] == "Suspended"
+    assert sim.condition("Suspended")["status"] == "False"
+    await sim.step()
+    assert sim.pods() == CPU_PODS
+    sim.progress = progress("checkpointed", REQUEST=request)
+    await sim.step()
+    assert sim.pods() == set()
+    await sim.step()
+    assert sim.condition("Suspended")["status"] == "True"
+    assert sim.status["policies"][0]["lastCheckpointStep"] == 40  # status kept
+    sim.progress = None
+    sim.patch_spec({"suspend": False})
+    await sim.step()
+    assert sim.pods() == CPU_PODS
+    assert sim.condition("Suspended")["reason"] == "Resumed"
+
+
+async def test_suspend_without_checkpoint_answer_times_out() -> None:
+    sim = await running_sim()
+    sim.patch_spec({"suspend": True})
+    await sim.step()
+    assert sim.pods() == CPU_PODS
+    await sim.step(sim.settings.checkpoint_timeout + 1)
+    assert sim.pods() == set()
+
+
+async def test_done_succeeds_frees_workers_and_ttl_deletes_the_job() -> None:
+    job = stored_job()
+    job["spec"]["ttlSecondsAfterFinished"] = 600
+    sim = await running_sim(job)
+    sim.progress = progress("done")
+    await sim.step()
+    assert sim.status["phase"] == "Succeeded"
+    assert sim.condition("Succeeded")["status"] == "True"
+    assert sim.pods() == {"signal-game-coordinator"}  # kept for its logs
+    await sim.step(300)
+    assert ("rljobs", "team-a", "signal-game") in sim.api.objects
+    await sim.step(301)
+    assert sim.job["metadata"].get("deletionTimestamp")  # TTL: deleted; the finalizer cleans up
+    await sim.converge(2)
+    assert ("rljobs", "team-a", "signal-game") not in sim.api.objects
+    assert sim.pods() == set() and sim.api.names("services") == set()
+
+
+async def test_fatal_runtime_failure_fails_without_restart() -> None:
+    sim = await running_sim()
+    sim.progress = progress("failed-fatal")
+    await sim.step()
+    assert sim.status["phase"] == "Failed"
+    assert sim.condition("Failed")["reason"] == "RuntimeFailed"
+    assert "SignalGam" in sim.condition("Failed")["message"]
+    assert sim.status["restarts"] == 0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (
+            lambda s: s["policies"][1]["rollout"].__setitem__(
+                "podTemplate", {"metadata": {"labels": {"polyrl.dev/role": "x"}}}
+            ),
+            "spec.policies[1].rollout.podTemplate.metadata.labels",
+        ),
+        (
+            lambda s: s["workflow"].__setitem__("podTemplate", {"spec": {"restartPolicy": "Always"}}),
+            "spec.workflow.podTemplate.spec.restartPolicy",
+        ),
+    ],
+)
+async def test_invalid_spec_fails_naming_the_field_and_stays_quiet(mutate: Any, field: str) -> None:
+    job = stored_job()
+    mutate(job["spec"])
+    sim = Sim(job)
+    await sim.step()
+    assert sim.status["phase"] == "Failed"
+    failed = sim.condition("Failed")
+    assert failed["reason"] == "InvalidSpec" and field in failed["message"]
+    assert sim.pods() == set()
+    writes = sim.api.writes
+    await sim.converge(3)
+    assert sim.api.writes == writes
+    # Fixing the spec (a new generation) brings the job back.
+    sim.replace_spec(stored_job()["spec"])
+    await sim.step()
+    assert sim.status["phase"] == "Pending" and sim.pods() == CPU_PODS
+
+
+async def test_quota_refusal_rolls_the_job_back_and_retries() -> None:
+    sim = Sim(stored_job())
+    sim.api.pod_quota = 4
+    await sim.step()
+    assert sim.pods() == set()  # never half a job
+    quota = sim.condition("QuotaExceeded")
+    assert quota["status"] == "True" and "exceeded quota" in quota["message"]
+    assert sim.status["phase"] == "Pending"
+    creates = sim.api.requests["create"]
+    await sim.step(1)  # inside the backoff: nothing is tried
+    assert sim.api.requests["create"] == creates and sim.pods() == set()
+    sim.api.pod_quota = None
+    await sim.step(sim.settings.quota_backoff + 1)
+    assert sim.pods() == CPU_PODS
+    await sim.step()
+    assert sim.condition("QuotaExceeded")["status"] == "False"
+
+
+async def test_kueue_workload_gates_pods_and_admission_places_them() -> None:
+    job = gpu_job()
+    sim = Sim(job)
+    await sim.step()
+    assert sim.api.names("workloads") == {"debate"}
+    assert sim.pods() == set()
+    workload = sim.api.obj("workloads", "debate")
+    podsets = {p["name"]: p["count"] for p in workload["spec"]["podSets"]}
+    assert podsets == {
+        "coordinator": 1,
+        "workflow": 8,
+        "proposer-rollout": 8,
+        "proposer-trainer": 2,
+        "critic-rollout": 4,
+        "critic-trainer": 1,
+        "judge-rollout": 2,
+        "judge-trainer": 1,
+    }
+    assert workload["spec"]["queueName"] == "team-a" and workload["spec"]["active"] is True
+    assert sim.condition("Admitted")["status"] == "False"
+    sim.api._create(
+        "resourceflavors",
+        None,
+        {"metadata": {"name": "h100-spot"}, "spec": {"nodeLabels": {"pool": "h100-spot"}}},
+    )
+    workload["status"] = {
+        "admission": {
+            "clusterQueue": "gpus",
+            "podSetAssignments": [
+                {
+                    "name": ps,
+                    "count": n,
+                    "flavors": {"nvidia.com/gpu": "h100-spot"} if "trainer" in ps else {},
+                }
+                for ps, n in podsets.items()
+            ],
+        },
+        "conditions": [{"type": "QuotaReserved", "status": "True"}, {"type": "Admitted", "status": "True"}],
+    }
+    await sim.step()
+    assert sim.condition("Admitted")["status"] == "True"
+    assert len(sim.pods()) == 11
+    trainer = sim.api.obj("pods", "debate-proposer-trainer-0")
+    assert trainer["spec"]["nodeSelector"] == {"polyrl.dev/gpu-type": "h100", "pool": "h100-spot"}
+    assert trainer["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # Eviction: pods go (no coordinator running, nothing to checkpoint), the job shows Suspended.
+    workload["status"]["conditions"].append({"type": "Evicted", "status": "True", "message": "preempted"})
+    await sim.step()
+    await sim.step()
+    assert sim.pods() == set()
+    assert sim.status["phase"] == "Suspended" and sim.condition("Suspended")["reason"] == "Evicted"
+    sim.patch_spec({"suspend": True})
+    await sim.step()
+    assert sim.api.obj("workloads", "debate")["spec"]["active"] is False
+
+
+async def test_delete_removes_every_child_then_the_finalizer() -> None:
+    sim = await running_sim()
+    key = ("rljobs", "team-a", "signal-game")
+    sim.api._delete(key, sim.api.objects[key])
+    await sim.step()
+    assert sim.pods() == set() and sim.api.names("services") == set()
+    await sim.step()
+    assert key not in sim.api.objects
+
+
+async def test_children_of_an_older_job_with_the_same_name_are_replaced() -> None:
+    sim = await running_sim()
+    old = sim.api.obj("pods", "signal-game-workflow-0")
+    old["metadata"]["ownerReferences"][0]["uid"] = "an-earlier-incarnation"
+    await sim.step()
+    assert "signal-game-workflow-0" not in sim.pods()
+    await sim.step()
+    assert (
+        sim.api.obj("pods", "signal-game-workflow-0")["metadata"]["ownerReferences"][0]["uid"]
+        == sim.job["metadata"]["uid"]
+    )
+
+
+async def test_secret_token_is_stable_across_reconciles() -> None:
+    sim = await running_sim()
+    token = sim.api.obj("secrets", "signal-game-ray-token")["data"]
+    sim.patch_spec({"training": {"totalSteps": 61, "episodesPerStep": 32, "seed": 7}})
+    await sim.converge(3)
+    assert sim.api.obj("secrets", "signal-game-ray-token")["data"] == token
+    assert '"totalSteps": 61' in sim.api.obj("configmaps", "signal-game-config")["data"]["rljob.json"]

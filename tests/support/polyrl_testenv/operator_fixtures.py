@@ -1,0 +1,176 @@
+"""Helpers for the operator's unit tests: jobs as the API server stores them, and observations built
+from a plan's own manifests (the test plays the API server and the kubelet)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from polyrl_operator.api.progress import Progress
+from polyrl_operator.observed import Child, Observed, summarize
+from polyrl_operator.plan import Plan
+from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES
+
+PROGRESS_SAMPLES = Path(__file__).resolve().parents[2] / "operator" / "data" / "progress"
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+UID = "3f1c2a9e-0000-4000-8000-000000000001"
+
+
+def stored_job(
+    path: Path = CPU_EXAMPLE, *, name: str | None = None, namespace: str = "team-a", uid: str = UID
+) -> dict[str, Any]:
+    """An example RLJob as the API server returns it (uid, generation, our finalizer)."""
+    doc: dict[str, Any] = yaml.safe_load(path.read_text())
+    meta = doc.setdefault("metadata", {})
+    meta.update(
+        name=name or meta["name"],
+        namespace=namespace,
+        uid=uid,
+        generation=1,
+        resourceVersion="1",
+        finalizers=["polyrl.dev/cleanup"],
+    )
+    return doc
+
+
+def gpu_job(**kwargs: Any) -> dict[str, Any]:
+    return stored_job(EXAMPLES / "debate-gpu.yaml", **kwargs)
+
+
+def progress(sample: str, **replace: str) -> Progress:
+    text = (PROGRESS_SAMPLES / f"{sample}.json").read_text()
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    return Progress.model_validate_json(text)
+
+
+def pod_status(phase: str = "Running", ready: bool = True, **extra: Any) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Ready", "status": "True" if ready and phase == "Running" else "False"},
+        ],
+    }
+    status.update(extra)
+    return status
+
+
+def children_of(
+    plan: Plan,
+    *,
+    pod_status_for: dict[str, dict[str, Any]] | None = None,
+    default_status: dict[str, Any] | None = None,
+    annotations: dict[str, dict[str, str]] | None = None,
+) -> list[Child]:
+    """What the API server would hold after applying ``plan`` (each pod with the given status)."""
+    out = []
+    for (kind, name), manifest in plan.desired.items():
+        body = copy.deepcopy(manifest)
+        if kind == "Pod":
+            body["status"] = (pod_status_for or {}).get(name, default_status or {"phase": "Pending"})
+            for key, value in (annotations or {}).get(name, {}).items():
+                body["metadata"]["annotations"][key] = value
+        out.append(summarize(kind, body))
+    return out
+
+
+def with_status(job: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """The job after the operator wrote ``plan.status``."""
+    out = copy.deepcopy(job)
+    out["status"] = json.loads(json.dumps(plan.status))
+    return out
+
+
+def later(seconds: float, start: datetime = T0) -> datetime:
+    return start + timedelta(seconds=seconds)
+
+
+def observed(children: list[Child], prog: Progress | None = None, **kwargs: Any) -> Observed:
+    return Observed(children=children, progress=prog, **kwargs)
+
+
+class Sim:
+    """The reconciler against the in-memory API, driven step by step by a test.
+
+    The test plays the kubelet (pod status), the runtime (``progress``), Kueue (Workload status)
+    and the clock; each ``step()`` is exactly one reconcile, with the kicks it asked for recorded
+    instead of scheduled, so nothing happens behind the test's back."""
+
+    def __init__(self, job: dict[str, Any], settings: Any = None) -> None:
+        from polyrl_operator.reconcile import CHILD_KINDS, Reconciler
+        from polyrl_operator.settings import Autoscale, OperatorSettings
+        from polyrl_testenv.fake_api import FakeApi
+
+        self.api = FakeApi()
+        self.now = T0
+        self.progress: Progress | None = None
+        self.kicks: list[float] = []
+        sim = self
+        self.settings = settings or OperatorSettings(
+            autoscale=Autoscale(out_window=0, in_window=0, cooldown=0), metrics_port=None
+        )
+
+        class _Reconciler(Reconciler):
+            def kick(self, key: tuple[str, str], delay: float = 0.0) -> None:
+                sim.kicks.append(delay)
+
+            async def _progress_of(self, key: tuple[str, str]) -> tuple[Progress | None, str | None]:
+                return sim.progress, None if sim.progress else "no progress"
+
+        self.reconciler = _Reconciler(self.api, self.settings, clock=lambda: self.now)
+        for kind in CHILD_KINDS:
+            self.reconciler.indexes[kind] = self.api.index(kind)
+        meta = job["metadata"]
+        self.key = (meta["namespace"], meta["name"])
+        job = copy.deepcopy(job)
+        for field in ("uid", "resourceVersion", "finalizers", "generation"):
+            meta = job["metadata"]
+            meta.pop(field, None)
+        self.api._create("rljobs", self.key[0], job)
+
+    @property
+    def job(self) -> dict[str, Any]:
+        return self.api.obj("rljobs", self.key[1], self.key[0])
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return dict(self.job.get("status") or {})
+
+    def condition(self, ctype: str) -> dict[str, Any]:
+        return next(c for c in self.status.get("conditions") or [] if c["type"] == ctype)
+
+    async def step(self, seconds: float = 1.0) -> Plan | None:
+        from datetime import timedelta
+
+        self.now += timedelta(seconds=seconds)
+        self.kicks.clear()
+        self.reconciler.update_job(copy.deepcopy(self.job))
+        return await self.reconciler.reconcile(self.key)
+
+    async def converge(self, steps: int = 6) -> None:
+        for _ in range(steps):
+            await self.step()
+
+    def pods(self) -> set[str]:
+        return self.api.names("pods", self.key[0])
+
+    def kubelet(self, phase: str = "Running", ready: bool = True, only: set[str] | None = None) -> None:
+        for name in self.pods():
+            if only is None or name in only:
+                self.api.set_pod_status(name, pod_status(phase, ready), self.key[0])
+
+    def replace_spec(self, spec: dict[str, Any]) -> None:
+        job = self.api.objects[("rljobs", self.key[0], self.key[1])]
+        job["spec"] = copy.deepcopy(spec)
+        job["metadata"]["generation"] += 1
+
+    def patch_spec(self, spec: dict[str, Any]) -> None:
+
+        key = ("rljobs", self.key[0], self.key[1])
+        self.api._patch(key, self.api.objects[key], {"spec": spec}, None)
