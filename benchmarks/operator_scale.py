@@ -1,7 +1,7 @@
 """Operator scale benchmark against the control-plane test tier (real CRD server + shim on etcd).
 
 Creates N RLJobs (default 200; 3 policies each, so coordinator + workflow + 3 x (rollout, trainer)
-pods, 8 Services, a ConfigMap and a Secret: 18 children per job) and reports, as ratios against the
+pods, 8 Services, a ConfigMap, a Secret, a ServiceAccount and 2 NetworkPolicies: 21 children per job) and reports, as ratios against the
 machine's own bound measured in the same run:
 
 * p50/p99 seconds from an RLJob's create to all of its children existing;
@@ -34,12 +34,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
-from polyrl_operator.kube import Credentials, KubeClient, path_for  # noqa: E402
+from polyrl_operator.kube import CHILD_API_VERSIONS, PLURALS, Credentials, KubeClient, path_for  # noqa: E402
 from polyrl_operator.main import render  # noqa: E402
 from polyrl_operator.settings import OperatorSettings  # noqa: E402
 from polyrl_testenv import ControlPlane  # noqa: E402
 
-KINDS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Secret": "secrets"}
+KINDS = {
+    kind: PLURALS[kind]
+    for kind in OperatorSettings.model_validate({"kueue": {"enabled": False}}).child_kinds()
+}
 
 
 def job_doc(name: str, namespace: str) -> dict[str, Any]:
@@ -88,7 +91,7 @@ async def raw_rate(client: KubeClient, namespace: str, jobs: int, concurrency: i
     start = time.perf_counter()
     await bounded(
         concurrency,
-        [client.create(path_for("v1", m["kind"], namespace), m) for m in manifests],
+        [client.create(path_for(CHILD_API_VERSIONS[m["kind"]], m["kind"], namespace), m) for m in manifests],
     )
     elapsed = time.perf_counter() - start
     return len(manifests) / elapsed, len(manifests)
@@ -97,8 +100,10 @@ async def raw_rate(client: KubeClient, namespace: str, jobs: int, concurrency: i
 async def watch_children(server: str, namespace: str, seen: dict[str, float], stop: asyncio.Event) -> None:
     """Record the first time each child (by job) is seen, through watch streams."""
 
-    async def one(plural: str) -> None:
-        url = f"{server}/api/v1/namespaces/{namespace}/{plural}?watch=true&labelSelector=polyrl.dev%2Fjob"
+    async def one(kind: str) -> None:
+        plural = KINDS[kind]
+        collection = path_for(CHILD_API_VERSIONS[kind], kind, namespace)
+        url = f"{server}{collection}?watch=true&labelSelector=polyrl.dev%2Fjob"
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session,
             session.get(url) as resp,
@@ -111,7 +116,7 @@ async def watch_children(server: str, namespace: str, seen: dict[str, float], st
                 if stop.is_set():
                     return
 
-    tasks = [asyncio.create_task(one(p)) for p in KINDS.values()]
+    tasks = [asyncio.create_task(one(k)) for k in KINDS]
     await stop.wait()
     for t in tasks:
         t.cancel()

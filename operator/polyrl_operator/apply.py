@@ -19,7 +19,7 @@ import structlog
 
 from polyrl_operator import naming
 from polyrl_operator.builders.common import Manifest
-from polyrl_operator.kube import ApiError, KubeClient, merge_patch, path_for
+from polyrl_operator.kube import CHILD_API_VERSIONS, ApiError, KubeClient, merge_patch, path_for
 from polyrl_operator.observed import Child
 from polyrl_operator.plan import Plan
 
@@ -42,7 +42,7 @@ class ApplyResult:
 
 
 def _api_version(kind: str) -> str:
-    return "kueue.x-k8s.io/v1beta2" if kind == "Workload" else "v1"
+    return CHILD_API_VERSIONS[kind]
 
 
 def _path(kind: str, namespace: str, name: str | None = None) -> str:
@@ -151,9 +151,11 @@ async def apply_plan(
                 patches.append((child.kind, child.name, _metadata_patch(child, manifest)))
             else:
                 body = _metadata_patch(child, manifest)
-                for part in ("spec", "data"):
-                    if part in manifest:
-                        body[part] = manifest[part]
+                # Everything the operator owns besides metadata: spec, data, and top-level fields
+                # such as a ServiceAccount's automountServiceAccountToken.
+                for part, value in manifest.items():
+                    if part not in ("apiVersion", "kind", "metadata", "status"):
+                        body[part] = value
                 patches.append((child.kind, child.name, body))
         elif child.kind == "Workload" and child.active != manifest["spec"].get("active", True):
             patches.append((child.kind, child.name, {"spec": {"active": manifest["spec"]["active"]}}))

@@ -96,7 +96,15 @@ def operator_checks(job: RLJob, settings: OperatorSettings) -> list[Problem]:
                 )
             )
         _role_checks(path, overrides, problems)
-    if spec.scheduling and spec.scheduling.queue_name:
+    if spec.scheduling and spec.scheduling.queue_name and not settings.kueue.enabled:
+        problems.append(
+            (
+                "spec.scheduling.queueName",
+                "this operator's Kueue integration is off (operator settings kueue.enabled): "
+                "remove queueName, or ask the cluster admin to turn it on",
+            )
+        )
+    elif spec.scheduling and spec.scheduling.queue_name:
         podsets = 2 + 2 * len(spec.policies)
         if podsets > MAX_PODSETS:
             problems.append(

@@ -24,11 +24,14 @@ from polyrl_operator.kube import Credentials
 from polyrl_operator.observed import summarize
 from polyrl_operator.reconcile import Reconciler
 
+NETWORKING_GROUP = "networking.k8s.io"
 INDEXES = {
     "Pod": "polyrl_pods",
     "Service": "polyrl_services",
     "ConfigMap": "polyrl_configmaps",
     "Secret": "polyrl_secrets",
+    "ServiceAccount": "polyrl_serviceaccounts",
+    "NetworkPolicy": "polyrl_networkpolicies",
     "Workload": "polyrl_workloads",
 }
 _SELECTORS: dict[str, tuple[str, ...]] = {
@@ -36,6 +39,8 @@ _SELECTORS: dict[str, tuple[str, ...]] = {
     "Service": ("v1", "services"),
     "ConfigMap": ("v1", "configmaps"),
     "Secret": ("v1", "secrets"),
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "NetworkPolicy": (NETWORKING_GROUP, "v1", "networkpolicies"),
     "Workload": (KUEUE_GROUP, KUEUE_VERSION, "workloads"),
 }
 LABELS = {naming.LABEL_JOB: kopf.PRESENT}
@@ -51,10 +56,17 @@ def build_registry(
     *,
     credentials: Credentials | None = None,
     metrics_port: int | None = None,
+    scanning: bool = True,
 ) -> kopf.OperatorRegistry:
-    """A kopf registry wired to ``reconciler``; ``credentials`` (else kopf's defaults) for login."""
+    """A kopf registry wired to ``reconciler``; ``credentials`` (else kopf's defaults) for login.
+
+    Only the child kinds the settings enable are indexed and watched (no Kueue Workloads with Kueue
+    off), so the operator needs no RBAC for the others. ``scanning=False`` turns off kopf's live
+    observation of CRDs and namespaces (cluster-scoped reads): a namespaced install with exact
+    namespace names needs neither, and its Roles grant neither."""
     registry = kopf.OperatorRegistry()
     tasks: list[asyncio.Task[None]] = []
+    kinds = reconciler.settings.child_kinds()
 
     def capture(kwargs: dict[str, Any]) -> None:
         for kind, name in INDEXES.items():
@@ -62,6 +74,8 @@ def build_registry(
                 reconciler.indexes[kind] = kwargs[name]
 
     for kind, index_name in INDEXES.items():
+        if kind not in kinds:
+            continue
 
         def make_index(kind: str = kind) -> Any:
             def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
@@ -101,6 +115,8 @@ def build_registry(
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.posting.level = logging.WARNING
+        if not scanning:
+            settings.scanning.disabled = True
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         settings.networking.request_timeout = 60

@@ -27,13 +27,21 @@ CORE = {
     "ConfigMap": "configmaps",
     "Secret": "secrets",
     "Event": "events",
+    "ServiceAccount": "serviceaccounts",
 }
 PLURALS = {
     **CORE,
+    "NetworkPolicy": "networkpolicies",
     "RLJob": "rljobs",
     "Workload": "workloads",
     "ResourceFlavor": "resourceflavors",
 }
+CHILD_API_VERSIONS = {
+    **dict.fromkeys(("Pod", "Service", "ConfigMap", "Secret", "ServiceAccount"), "v1"),
+    "NetworkPolicy": "networking.k8s.io/v1",
+    "Workload": "kueue.x-k8s.io/v1beta2",
+}
+"""apiVersion of every kind of child the operator creates."""
 CLUSTER_SCOPED = frozenset({"ResourceFlavor"})
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"

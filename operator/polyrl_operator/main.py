@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,7 +20,15 @@ from polyrl_operator.settings import OperatorSettings, load_settings
 from polyrl_operator.validation import load_documents
 
 RENDER_UID = "00000000-0000-0000-0000-000000000000"
-KIND_ORDER = {"ConfigMap": 0, "Secret": 1, "Service": 2, "Workload": 3, "Pod": 4}
+KIND_ORDER = {
+    "ServiceAccount": 0,
+    "NetworkPolicy": 1,
+    "ConfigMap": 2,
+    "Secret": 3,
+    "Service": 4,
+    "Workload": 5,
+    "Pod": 6,
+}
 
 
 def configure_logging(verbose: bool = False) -> None:
@@ -114,6 +123,17 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def with_own_namespace(settings: OperatorSettings, pod_namespace: str | None) -> OperatorSettings:
+    """Fill ``networkPolicy.operatorNamespace`` from the operator pod's own namespace (downward API
+    ``POD_NAMESPACE``) when the settings leave it unset."""
+    np = settings.network_policy
+    if np.operator_namespace or not pod_namespace:
+        return settings
+    return settings.model_copy(
+        update={"network_policy": np.model_copy(update={"operator_namespace": pod_namespace})}
+    )
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     import kopf
 
@@ -126,15 +146,21 @@ def cmd_operator(args: argparse.Namespace) -> int:
     settings = load_settings(Path(args.settings) if args.settings else None)
     if args.metrics_port is not None:
         settings = settings.model_copy(update={"metrics_port": args.metrics_port or None})
+    settings = with_own_namespace(settings, os.environ.get("POD_NAMESPACE"))
     credentials = load_credentials(args.kubeconfig, args.context)
     namespaces = list(args.namespace or [])
+    # Exact namespace names need no cluster-scoped reads: kopf's live observation of namespaces and
+    # CRDs is then off (a namespaced install's Roles do not grant them). Patterns need it.
+    exact = bool(namespaces) and not any(set(ns) & set("*?![],") for ns in namespaces)
     liveness = args.liveness
     if liveness is None and settings.liveness_port:
         liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz"
 
     async def main() -> None:
         reconciler = Reconciler(KubeClient(credentials), settings, Metrics())
-        registry = build_registry(reconciler, credentials=credentials, metrics_port=settings.metrics_port)
+        registry = build_registry(
+            reconciler, credentials=credentials, metrics_port=settings.metrics_port, scanning=not exact
+        )
         await kopf.operator(
             registry=registry,
             clusterwide=not namespaces,

@@ -95,6 +95,21 @@ def secret(job: str) -> str:
     return f"{job}-ray-token"
 
 
+def service_account(job: str) -> str:
+    """The job's own ServiceAccount: its pods run as it; it is bound to no role (no API access)."""
+    return f"{job}-runtime"
+
+
+def network_policy(job: str) -> str:
+    """NetworkPolicy selecting every pod of the job: ingress only from pods of the same job."""
+    return f"{job}-isolation"
+
+
+def progress_network_policy(job: str) -> str:
+    """NetworkPolicy selecting the coordinator: ingress on the HTTP port from the operator."""
+    return f"{job}-progress"
+
+
 def workload(job: str) -> str:
     return job
 
@@ -132,6 +147,9 @@ def longest_child_name(job: str, policies: list[str], workflow_max: int) -> tupl
         coordinator_pod(job),
         config_map(job),
         secret(job),
+        service_account(job),
+        network_policy(job),
+        progress_network_policy(job),
         workflow_pod(job, max(workflow_max - 1, 0)),
     ]
     names.extend(policy_service(job, p, "rollout") for p in policies)

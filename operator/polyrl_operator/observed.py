@@ -12,7 +12,7 @@ from typing import Any
 from polyrl_operator import naming
 from polyrl_operator.api.progress import Progress
 
-KINDS = ("Pod", "Service", "ConfigMap", "Secret", "Workload")
+KINDS = ("Pod", "Service", "ConfigMap", "Secret", "ServiceAccount", "NetworkPolicy", "Workload")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ from polyrl_operator.builders import (
     build_config_map,
     build_coordinator_service,
     build_headless_service,
+    build_network_policies,
     build_secret,
+    build_service_account,
     build_workload,
 )
 from polyrl_operator.builders.common import Manifest
@@ -93,10 +95,14 @@ def _add(out: Plan, manifest: Manifest) -> None:
     out.desired[_key(manifest)] = manifest
 
 
-def _infrastructure(out: Plan, job: RLJob, ref: JobRef) -> None:
-    """ConfigMap, Secret and Services: they exist for the job's whole life (pods come and go)."""
+def _infrastructure(out: Plan, job: RLJob, ref: JobRef, settings: OperatorSettings) -> None:
+    """ConfigMap, Secret, ServiceAccount, NetworkPolicies and Services: they exist for the job's
+    whole life (pods come and go)."""
     _add(out, build_config_map(job, ref))
     _add(out, build_secret(ref, None))
+    _add(out, build_service_account(ref))
+    for policy in build_network_policies(ref, settings):
+        _add(out, policy)
     _add(out, build_coordinator_service(ref))
     _add(out, build_headless_service(ref, "workflow"))
     for p in job.spec.policies:
@@ -241,7 +247,7 @@ def plan(
                     ),
                 )
 
-    _infrastructure(out, job, ref)
+    _infrastructure(out, job, ref, settings)
     queue = job.spec.scheduling.queue_name if job.spec.scheduling else None
     workload = next((c for c in own if c.kind == "Workload"), None)
 

@@ -26,7 +26,7 @@ from polyrl_operator.api import API_VERSION, KIND
 from polyrl_operator.api.progress import Progress
 from polyrl_operator.apply import apply_plan, delete_pods, patch_for_status
 from polyrl_operator.builders.workload import KUEUE_API_VERSION, admission_flavors
-from polyrl_operator.kube import ApiError, KubeClient, path_for
+from polyrl_operator.kube import CHILD_API_VERSIONS, ApiError, KubeClient, path_for
 from polyrl_operator.metrics import Metrics
 from polyrl_operator.observed import Child, Observed, summarize
 from polyrl_operator.plan import Event, JobMemory, Plan, plan
@@ -37,7 +37,8 @@ log = structlog.get_logger("polyrl.reconcile")
 
 Key = tuple[str, str]
 Index = Mapping[Key, Iterable[Child]]
-CHILD_KINDS = ("Pod", "Service", "ConfigMap", "Secret", "Workload")
+CHILD_KINDS = ("Pod", "Service", "ConfigMap", "Secret", "ServiceAccount", "NetworkPolicy", "Workload")
+"""Every kind of child there is; ``settings.child_kinds()`` says which ones this operator manages."""
 EVENT_DEDUP_SECONDS = 300.0
 
 
@@ -181,7 +182,7 @@ class Reconciler:
 
     def children(self, key: Key) -> list[Child]:
         out: list[Child] = []
-        for kind in CHILD_KINDS:
+        for kind in self.settings.child_kinds():
             index = self.indexes.get(kind)
             if index is not None:
                 out.extend(index.get(key, ()))
@@ -193,10 +194,9 @@ class Reconciler:
         namespace, name = key
         selector = f"{naming.LABEL_JOB}={name}"
         out: list[Child] = []
-        for kind in CHILD_KINDS:
-            api_version = KUEUE_API_VERSION if kind == "Workload" else "v1"
+        for kind in self.settings.child_kinds():
             try:
-                items = await self.client.list(path_for(api_version, kind, namespace), selector)
+                items = await self.client.list(path_for(CHILD_API_VERSIONS[kind], kind, namespace), selector)
             except ApiError as exc:
                 if exc.status == 404 and kind == "Workload":
                     continue  # Kueue is not installed

@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_camel
 
 GPU_TYPE_LABEL = "polyrl.dev/gpu-type"
 GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_OPERATOR_NAMESPACE = "polyrl-system"
 
 
 class _Model(BaseModel):
@@ -47,6 +48,49 @@ class Autoscale(_Model):
     cooldown: float = 60.0
 
 
+class Kueue(_Model):
+    """Kueue integration. On: a job with ``scheduling.queueName`` gets one Kueue Workload and waits
+    for its admission. Off: the operator neither watches nor creates Workloads (and needs no RBAC for
+    them); a job that names a queue is rejected (InvalidSpec) instead of silently bypassing quota."""
+
+    enabled: bool = True
+
+
+class NetworkPolicySettings(_Model):
+    """The per-job NetworkPolicies: job pods accept traffic only from pods of the same job, plus the
+    coordinator's progress port (8000) from the operator's pods. Egress is not restricted."""
+
+    enabled: bool = True
+    operator_namespace: str | None = None
+    """Namespace of the operator's pods; None: the operator's own namespace (``POD_NAMESPACE``,
+    from the downward API), else ``polyrl-system``."""
+    operator_pod_labels: dict[str, str] = Field(
+        default_factory=lambda: {"app.kubernetes.io/name": "polyrl-operator"}
+    )
+    """Labels that select the operator's pods (must match the operator Deployment's pod labels)."""
+    extra_ingress: list[dict[str, Any]] = Field(default_factory=list)
+    """More NetworkPolicy ingress rules for every job pod (e.g. a Prometheus namespace)."""
+
+    def namespace(self) -> str:
+        return self.operator_namespace or DEFAULT_OPERATOR_NAMESPACE
+
+
+class PodSecurity(_Model):
+    """The security context of every job pod (restricted Pod Security Standard). Roles run as this
+    non-root UID whatever the image's USER is; podTemplate overrides may change it per role."""
+
+    run_as_user: int = 10001
+    run_as_group: int = 10001
+    fs_group: int = 10001
+    read_only_root_filesystem: dict[str, bool] = Field(
+        default_factory=lambda: dict.fromkeys(("coordinator", "workflow", "rollout", "trainer"), True)
+    )
+    """Per role. Every pod gets a writable ``emptyDir`` at /tmp with the runtime's scratch and cache
+    directories pointed there (TMPDIR, XDG_CACHE_HOME, TRITON_CACHE_DIR, TORCH_EXTENSIONS_DIR), so
+    all four built-in roles run with a read-only root; set a role to false when its user code
+    (workflows, custom images) writes elsewhere."""
+
+
 class OperatorSettings(_Model):
     """All operator settings; every field has a default."""
 
@@ -75,6 +119,18 @@ class OperatorSettings(_Model):
     autoscale: Autoscale = Field(default_factory=Autoscale)
     metrics_port: int | None = 9090
     liveness_port: int | None = 8080
+    kueue: Kueue = Field(default_factory=Kueue)
+    network_policy: NetworkPolicySettings = Field(default_factory=NetworkPolicySettings)
+    pod_security: PodSecurity = Field(default_factory=PodSecurity)
+
+    def child_kinds(self) -> tuple[str, ...]:
+        """The kinds of children the operator creates, watches and cleans up with these settings."""
+        kinds = ["Pod", "Service", "ConfigMap", "Secret", "ServiceAccount"]
+        if self.network_policy.enabled:
+            kinds.append("NetworkPolicy")
+        if self.kueue.enabled:
+            kinds.append("Workload")
+        return tuple(kinds)
 
     def placement(self, gpu_type: str | None) -> Placement:
         """Placement for a role's gpuType; unmapped names select nodes labelled with the name."""

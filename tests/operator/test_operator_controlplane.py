@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from polyrl_operator import naming
-from polyrl_operator.kube import ApiError, Credentials, KubeClient, path_for
+from polyrl_operator.kube import CHILD_API_VERSIONS, ApiError, Credentials, KubeClient, path_for
 from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES, REPO
 from polyrl_testenv.operator_fixtures import pod_status
@@ -428,8 +428,10 @@ async def test_examples_reconcile_to_what_render_prints(
 
         async def converged() -> bool:
             live = {}
-            for kind in ("Pod", "Service", "ConfigMap", "Secret"):
-                for item in await k8s.api.list(path_for("v1", kind, k8s.ns)):
+            for kind in settings.child_kinds():
+                if kind == "Workload":
+                    continue  # no Kueue admission in this test
+                for item in await k8s.api.list(path_for(CHILD_API_VERSIONS[kind], kind, k8s.ns)):
                     live[(kind, item["metadata"]["name"])] = item
             if set(live) != set(expected):
                 return False

@@ -27,7 +27,14 @@ SETTINGS: dict[str, Any] = {
     "errorBackoffMax": 1,
     "progressTimeout": 0.5,
 }
-CHILD_KINDS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Secret": "secrets"}
+CHILD_KINDS = {
+    "Pod": "/api/v1/namespaces/{ns}/pods",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
+    "Secret": "/api/v1/namespaces/{ns}/secrets",
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+}
 KILLS = 22
 
 
@@ -130,8 +137,8 @@ def check_exact_children(api: SyncApi, namespace: str) -> list[str]:
             manifest["_attempt"] = str(status.get("restarts", 0))
             expected[(manifest["kind"], manifest["metadata"]["name"])] = manifest
     live: dict[tuple[str, str], dict[str, Any]] = {}
-    for kind, plural in CHILD_KINDS.items():
-        for item in api.list(f"/api/v1/namespaces/{namespace}/{plural}", naming.LABEL_JOB):
+    for kind, collection in CHILD_KINDS.items():
+        for item in api.list(collection.format(ns=namespace), naming.LABEL_JOB):
             live[(kind, item["metadata"]["name"])] = item
     for key in sorted(set(live) - set(expected)):
         problems.append(f"orphan or surplus {key}")

@@ -26,6 +26,8 @@ RESOURCES = {
     "v1/services": {"kind": "Service", "namespaced": True, "verbs": VERBS},
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True, "verbs": VERBS},
     "v1/secrets": {"kind": "Secret", "namespaced": True, "verbs": VERBS},
+    "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True, "verbs": VERBS},
+    "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True, "verbs": VERBS},
     "v1/events": {"kind": "Event", "namespaced": True, "verbs": VERBS},
     # kopf waits for the namespaces resource in discovery before it starts any watch.
     "v1/namespaces": {"kind": "Namespace", "namespaced": False, "verbs": VERBS},
@@ -133,6 +135,8 @@ async def test_deleting_the_job_deletes_every_child_then_the_finalizer(
     assert await pods(api, "signal-game") == set()
     assert await api.list(path_for("v1", "Service", NS)) == []
     assert await api.list(path_for("v1", "ConfigMap", NS)) == []
+    assert await api.list(path_for("v1", "ServiceAccount", NS)) == []
+    assert await api.list(path_for("networking.k8s.io/v1", "NetworkPolicy", NS)) == []
 
 
 async def test_a_pod_change_reaches_the_job_through_the_index(

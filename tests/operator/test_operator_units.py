@@ -92,9 +92,9 @@ def test_pod_template_override_merges_strategically() -> None:
         job, JobRef("signal-game", "ns", "u"), PodRequest("trainer", 0, "speaker"), OperatorSettings()
     )
     [c] = pod["spec"]["containers"]
-    assert [m["name"] for m in c["volumeMounts"]] == ["config", "podinfo", "data"]
+    assert [m["name"] for m in c["volumeMounts"]] == ["config", "podinfo", "scratch", "data"]
     assert c["image"] == OperatorSettings().default_image
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["config", "podinfo", "data"]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["config", "podinfo", "scratch", "data"]
     assert pod["spec"]["serviceAccountName"] == "trainer"
     assert (
         pod["metadata"]["labels"]["team"] == "a" and pod["metadata"]["labels"][naming.LABEL_ROLE] == "trainer"
@@ -258,3 +258,106 @@ def test_render_rejects_what_the_operator_would_reject(
     path.write_text(yaml.safe_dump(body))
     assert main(["render", str(path)]) == 1
     assert "spec.workflow.podTemplate.spec.restartPolicy" in capsys.readouterr().err
+
+
+def test_every_pod_runs_as_the_jobs_own_account_with_the_restricted_profile() -> None:
+    job = gpu_model()
+    for role, policy in (
+        ("coordinator", None),
+        ("workflow", None),
+        ("rollout", "proposer"),
+        ("trainer", "judge"),
+    ):
+        pod = build_pod(job, REF, PodRequest(role, 0, policy), OperatorSettings())  # type: ignore[arg-type]
+        spec = pod["spec"]
+        assert (
+            spec["serviceAccountName"] == "debate-runtime" and spec["automountServiceAccountToken"] is False
+        )
+        assert spec["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "fsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        [c] = spec["containers"]
+        assert c["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        assert {"name": "scratch", "mountPath": "/tmp"} in c["volumeMounts"]
+        [token] = [e for e in c["env"] if e["name"] == "RAY_AUTH_TOKEN"]
+        assert token == {
+            "name": "RAY_AUTH_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "debate-ray-token", "key": "ray-token"}},
+        }
+
+
+def test_pod_security_settings_apply_per_role() -> None:
+    settings = OperatorSettings.model_validate(
+        {"podSecurity": {"runAsUser": 2000, "readOnlyRootFilesystem": {"workflow": False}}}
+    )
+    job = gpu_model()
+    workflow = build_pod(job, REF, PodRequest("workflow", 0), settings)
+    trainer = build_pod(job, REF, PodRequest("trainer", 0, "judge"), settings)
+    assert workflow["spec"]["securityContext"]["runAsUser"] == 2000
+    assert workflow["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is False
+    assert trainer["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is False  # unlisted
+
+
+def test_network_policies_and_service_account_of_a_job() -> None:
+    from polyrl_operator.builders import build_network_policies, build_service_account
+
+    sa = build_service_account(REF)
+    assert sa["metadata"]["name"] == "debate-runtime" and sa["automountServiceAccountToken"] is False
+    settings = OperatorSettings.model_validate(
+        {
+            "networkPolicy": {
+                "operatorNamespace": "ops",
+                "operatorPodLabels": {"app": "op"},
+                "extraIngress": [{"from": [{"namespaceSelector": {}}]}],
+            }
+        }
+    )
+    isolation, progress = build_network_policies(REF, settings)
+    assert isolation["metadata"]["name"] == "debate-isolation"
+    assert isolation["spec"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": {naming.LABEL_JOB: "debate"}}}]},
+        {"from": [{"namespaceSelector": {}}]},
+    ]
+    assert progress["spec"]["podSelector"]["matchLabels"] == naming.selector("debate", "coordinator")
+    [rule] = progress["spec"]["ingress"]
+    assert rule == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+                "podSelector": {"matchLabels": {"app": "op"}},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": naming.PORT_HTTP}],
+    }
+    off = OperatorSettings.model_validate({"networkPolicy": {"enabled": False}})
+    assert build_network_policies(REF, off) == []
+    assert "NetworkPolicy" not in off.child_kinds()
+
+
+def test_operator_namespace_comes_from_the_pod_unless_set() -> None:
+    from polyrl_operator.main import with_own_namespace
+
+    assert OperatorSettings().network_policy.namespace() == "polyrl-system"
+    mine = with_own_namespace(OperatorSettings(), "ops")
+    assert mine.network_policy.namespace() == "ops"
+    pinned = OperatorSettings.model_validate({"networkPolicy": {"operatorNamespace": "admin"}})
+    assert with_own_namespace(pinned, "ops").network_policy.namespace() == "admin"
+
+
+def test_kueue_off_rejects_jobs_that_name_a_queue(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("kueue: {enabled: false}\n")
+    assert main(["render", str(EXAMPLES / "debate-gpu.yaml"), "--settings", str(settings)]) == 1
+    assert "spec.scheduling.queueName" in capsys.readouterr().err
+    off = OperatorSettings.model_validate({"kueue": {"enabled": False}})
+    assert "Workload" not in off.child_kinds()
+    assert main(["render", str(EXAMPLES / "signal-game-cpu.yaml"), "--settings", str(settings)]) == 0

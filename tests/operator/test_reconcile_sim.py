@@ -48,6 +48,8 @@ async def test_first_reconcile_creates_the_exact_child_set() -> None:
     }
     assert api.names("configmaps") == {"signal-game-config"}
     assert api.names("secrets") == {"signal-game-ray-token"}
+    assert api.names("serviceaccounts") == {"signal-game-runtime"}
+    assert api.names("networkpolicies") == {"signal-game-isolation", "signal-game-progress"}
     uid = sim.job["metadata"]["uid"]
     for (plural, _, name), obj in api.objects.items():
         if plural in ("rljobs", "events"):

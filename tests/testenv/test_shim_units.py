@@ -93,3 +93,37 @@ def test_to_public_rewrites_lists_events_and_status() -> None:
 def test_version_priority() -> None:
     versions = ["v1alpha1", "v2", "foo", "v1beta2", "v1", "v1beta1"]
     assert sorted(versions, key=version_priority) == ["v2", "v1", "v1beta2", "v1beta1", "v1alpha1", "foo"]
+
+
+def test_group_paths_and_bodies() -> None:
+    from polyrl_testenv.corekinds import map_group_path, to_internal
+
+    deploy = map_group_path("/apis/apps/v1/namespaces/ns/deployments/d/status")
+    assert deploy is not None
+    assert (deploy.internal, deploy.resource, deploy.name, deploy.subresource) == (
+        "/apis/apps.shim.polyrl.dev/v1/namespaces/ns/deployments/d/status",
+        "deployments",
+        "d",
+        "status",
+    )
+    role = map_group_path("/apis/rbac.authorization.k8s.io/v1/clusterroles/r")
+    assert (
+        role is not None
+        and role.internal == "/apis/rbac.authorization.k8s.io.shim.polyrl.dev/v1/clusterroles/r"
+    )
+    watch = map_group_path("/apis/networking.k8s.io/v1/watch/namespaces/ns/networkpolicies")
+    assert watch is not None and watch.legacy_watch and watch.resource == "networkpolicies"
+    assert map_group_path("/apis/polyrl.dev/v1alpha1/rljobs") is None  # a real CRD: not mapped
+    body = to_internal({"apiVersion": "apps/v1", "kind": "Deployment"})
+    assert body["apiVersion"] == "apps.shim.polyrl.dev/v1"
+    assert to_internal({"apiVersion": "apps/v1", "kind": "Widget"})["apiVersion"] == "apps/v1"
+    public = to_public({"apiVersion": "networking.k8s.io.shim.polyrl.dev/v1", "kind": "NetworkPolicyList", "items": [
+        {"apiVersion": "networking.k8s.io.shim.polyrl.dev/v1", "kind": "NetworkPolicy"}]})  # fmt: skip
+    assert public["apiVersion"] == public["items"][0]["apiVersion"] == "networking.k8s.io/v1"
+    discovery = to_public(
+        {"kind": "APIResourceList", "groupVersion": "apps.shim.polyrl.dev/v1", "resources": []}
+    )
+    assert discovery["groupVersion"] == "apps/v1"
+    status = to_public({"kind": "Status", "message": 'deployments.apps.shim.polyrl.dev "d" not found',
+                        "details": {"group": "apps.shim.polyrl.dev"}})  # fmt: skip
+    assert status["message"] == 'deployments.apps "d" not found' and status["details"]["group"] == "apps"

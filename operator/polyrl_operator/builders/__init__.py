@@ -9,6 +9,7 @@ from polyrl_operator.builders.common import JobRef, manifest_hash, owner_referen
 from polyrl_operator.builders.config import build_config_map, build_secret, runtime_config
 from polyrl_operator.builders.merge import strategic_merge
 from polyrl_operator.builders.pods import PodRequest, build_pod
+from polyrl_operator.builders.security import build_network_policies, build_service_account
 from polyrl_operator.builders.services import build_coordinator_service, build_headless_service
 from polyrl_operator.builders.workload import (
     KUEUE_API_VERSION,
@@ -25,8 +26,10 @@ __all__ = [
     "build_config_map",
     "build_coordinator_service",
     "build_headless_service",
+    "build_network_policies",
     "build_pod",
     "build_secret",
+    "build_service_account",
     "build_workload",
     "manifest_hash",
     "owner_reference",

@@ -16,6 +16,12 @@ from polyrl_operator import naming
 from polyrl_operator.api import Policy, RLJob, RoleOverrides
 from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_hash
 from polyrl_operator.builders.merge import strategic_merge
+from polyrl_operator.builders.security import (
+    SCRATCH_DIR,
+    SCRATCH_ENV,
+    container_security_context,
+    pod_security_context,
+)
 from polyrl_operator.naming import Role
 from polyrl_operator.settings import GPU_RESOURCE, OperatorSettings, Placement
 
@@ -109,6 +115,7 @@ def _env(ref: JobRef, req: PodRequest, name: str, overrides: RoleOverrides) -> l
             "name": "RAY_AUTH_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": naming.secret(ref.name), "key": naming.TOKEN_KEY}},
         },
+        *({"name": key, "value": value} for key, value in SCRATCH_ENV),
     ]
     for var in overrides.env or []:
         entry = var.to_k8s()
@@ -153,7 +160,9 @@ def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettin
         "volumeMounts": [
             {"name": "config", "mountPath": naming.CONFIG_DIR, "readOnly": True},
             {"name": "podinfo", "mountPath": naming.PODINFO_DIR, "readOnly": True},
+            {"name": "scratch", "mountPath": SCRATCH_DIR},
         ],
+        "securityContext": container_security_context(req.role, settings),
     }
     if req.role == "coordinator":
         container["ports"] += [
@@ -181,6 +190,7 @@ def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettin
                 ]
             },
         },
+        {"name": "scratch", "emptyDir": {}},
     ]
     if gpus > 0:
         # vLLM and NCCL need a large /dev/shm; the container runtime's default is 64 MiB.
@@ -190,6 +200,11 @@ def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettin
         "restartPolicy": "Never",
         "enableServiceLinks": False,
         "hostname": name,
+        # The job's own ServiceAccount, bound to no role, and no API token in the pod: job pods
+        # never talk to the Kubernetes API (the operator alone writes status).
+        "serviceAccountName": naming.service_account(ref.name),
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security_context(settings),
         "containers": [container],
         "volumes": volumes,
     }

@@ -20,6 +20,8 @@ KINDS = {
     "services": "Service",
     "configmaps": "ConfigMap",
     "secrets": "Secret",
+    "serviceaccounts": "ServiceAccount",
+    "networkpolicies": "NetworkPolicy",
     "events": "Event",
     "workloads": "Workload",
     "rljobs": "RLJob",

@@ -9,7 +9,9 @@ certificate:
   ``application/json`` type, so kubectl falls back from aggregated discovery;
 * core kinds (Pod, Service, ConfigMap, Secret, Event, Namespace, ServiceAccount, PVC, Node) stored
   as schemaless CRDs of the hidden group ``core.shim.polyrl.dev``: ``/api/v1/...`` paths and
-  ``apiVersion: v1`` are rewritten both ways, watch streams line by line without buffering;
+  ``apiVersion: v1`` are rewritten both ways, watch streams line by line without buffering; the
+  same for a few built-in kinds of named groups (apps Deployment, rbac.authorization.k8s.io
+  Role/ClusterRole/bindings, networking.k8s.io NetworkPolicy) under ``<group>.shim.polyrl.dev``;
 * strategic merge patches on core kinds (see ``strategicpatch``), ``Content-Type`` defaulting,
   Secret ``stringData`` folding and ``status.phase: Active`` on new Namespaces.
 
@@ -39,15 +41,19 @@ from aiohttp import web
 from yarl import URL
 
 from polyrl_testenv.corekinds import (
-    CORE_KINDS,
+    BUILTIN_KINDS,
+    BUILTIN_OF_PLURAL,
+    GROUPS,
     INTERNAL_GROUP,
     INTERNAL_GV,
     INTERNAL_PREFIX,
-    KIND_OF,
     PUBLIC_PLURAL,
+    SHIM_SUFFIX,
     CorePath,
     crd_manifest,
+    internal_group,
     map_core_path,
+    map_group_path,
     publish_gvk,
     to_internal,
     to_public,
@@ -149,8 +155,9 @@ class Shim:
             established = any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
             group = crd["spec"]["group"]
             if established and group != INTERNAL_GROUP:
+                public = group.removesuffix(SHIM_SUFFIX)  # a built-in named group: its real name
                 served = {v["name"] for v in crd["spec"]["versions"] if v.get("served")}
-                versions.setdefault(group, set()).update(served)
+                versions.setdefault(public, set()).update(served)
         groups = [("apiextensions.k8s.io", ["v1"])]
         groups += [(g, sorted(vs, key=version_priority)) for g, vs in sorted(versions.items()) if vs]
         items = []
@@ -178,19 +185,30 @@ class Shim:
         if internal:
             url = URL(internal["serverRelativeURL"])
             paths["api/v1"] = {"serverRelativeURL": str(url.with_path("/openapi/v3/api/v1"))}
+        for group in GROUPS:
+            paths.pop(f"apis/{internal_group(group)}", None)
+            entry = paths.pop(f"apis/{internal_group(group)}/v1", None)
+            if entry:
+                url = URL(entry["serverRelativeURL"])
+                paths[f"apis/{group}/v1"] = {
+                    "serverRelativeURL": str(url.with_path(f"/openapi/v3/apis/{group}/v1"))
+                }
         return json_response(root)
 
-    async def openapi_core(self, request: web.Request) -> web.Response:
+    async def openapi_core(self, request: web.Request, group: str = "") -> web.Response:
+        """The OpenAPI v3 document of core (``api/v1``) or of a built-in named group."""
         query = request.rel_url.raw_query_string
+        internal_prefix = f"/apis/{internal_group(group)}/v1"
+        public_prefix = f"/apis/{group}/v1" if group else "/api/v1"
         url = URL(
-            f"{self.upstream}/openapi/v3{INTERNAL_PREFIX}" + (f"?{query}" if query else ""), encoded=True
+            f"{self.upstream}/openapi/v3{internal_prefix}" + (f"?{query}" if query else ""), encoded=True
         )
         async with self.session.get(url, headers={"Accept": "application/json"}) as up:
             if up.status != 200:
                 return web.Response(status=up.status, body=await up.read(), content_type="application/json")
             doc = await up.json(content_type=None)
         doc["paths"] = {
-            key.replace(INTERNAL_PREFIX, "/api/v1").replace("/shimnamespaces", "/namespaces"): value
+            key.replace(internal_prefix, public_prefix).replace("/shimnamespaces", "/namespaces"): value
             for key, value in doc.get("paths", {}).items()
         }
         publish_gvk(doc)
@@ -211,6 +229,10 @@ class Shim:
                 return await self.openapi_root(request)
             if path == "/openapi/v3/api/v1":
                 return await self.openapi_core(request)
+            if path.startswith("/openapi/v3/apis/") and path.endswith("/v1"):
+                group = path.removeprefix("/openapi/v3/apis/").removesuffix("/v1")
+                if group in GROUPS:
+                    return await self.openapi_core(request, group)
             if path == "/readyz":  # the CRD server alone never reports ready (no core APIs)
                 if self.ready:
                     return web.Response(text="ok")
@@ -223,8 +245,12 @@ class Shim:
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         raw_path = request.rel_url.raw_path
         query = request.rel_url.raw_query_string
-        core = raw_path.startswith("/api/v1/")
-        target = map_core_path(raw_path[len("/api/v1/") :]) if core else None
+        target = (
+            map_core_path(raw_path[len("/api/v1/") :])
+            if raw_path.startswith("/api/v1/")
+            else map_group_path(raw_path)
+        )
+        core = target is not None  # a built-in kind (core or named group): rewritten both ways
         if target:
             raw_path = target.internal
             if target.legacy_watch:
@@ -335,10 +361,11 @@ class Shim:
         if not isinstance(obj, dict):
             return body
         resource = target.resource
-        if method in ("POST", "PUT") and not obj.get("kind") and resource in KIND_OF:
+        if method in ("POST", "PUT") and not obj.get("kind") and resource in BUILTIN_OF_PLURAL:
             # The real API server takes the kind of a built-in object from the URL; clients rely
             # on that (the Python client with plain dicts). CRDs would answer "Kind is missing".
-            obj["apiVersion"], obj["kind"] = "v1", KIND_OF[resource]
+            builtin = BUILTIN_OF_PLURAL[resource]
+            obj["apiVersion"], obj["kind"] = builtin.public_api_version, builtin.kind
         to_internal(obj)
         if resource == "secrets" and isinstance(obj.get("stringData"), dict):
             # What the real API server does for Secrets: stringData is folded into data.
@@ -409,21 +436,29 @@ class Shim:
 
         await until("the CRD server's /healthz", healthy)
         crd_url = self.upstream + "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-        for kind in CORE_KINDS:
+        for kind in BUILTIN_KINDS:
             async with self.session.post(crd_url, json=crd_manifest(kind)) as resp:
                 if resp.status not in (201, 409):
                     raise RuntimeError(f"creating the CRD for {kind.kind}: {resp.status} {await resp.text()}")
 
         async def served() -> bool:
-            status, body = await self.get_json(INTERNAL_PREFIX)
-            names = {r["name"] for r in body.get("resources", [])} if status == 200 else set()
-            return all(kind.internal_plural in names for kind in CORE_KINDS)
+            for group in {kind.internal_group for kind in BUILTIN_KINDS}:
+                try:
+                    status, body = await self.get_json(f"/apis/{group}/v1")
+                except ValueError:  # "404 page not found" (plain text) until the group is served
+                    return False
+                names = {r["name"] for r in body.get("resources", [])} if status == 200 else set()
+                if not all(k.internal_plural in names for k in BUILTIN_KINDS if k.internal_group == group):
+                    return False
+            return True
 
-        await until("the core-kind CRDs to be served", served)
+        await until("the built-in-kind CRDs to be served", served)
 
         async def listable() -> bool:  # first requests load each watch cache (429 meanwhile)
-            for kind in CORE_KINDS:
-                status, _ = await self.get_json(f"{INTERNAL_PREFIX}/{kind.internal_plural}?limit=1")
+            for kind in BUILTIN_KINDS:
+                status, _ = await self.get_json(
+                    f"/apis/{kind.internal_group}/v1/{kind.internal_plural}?limit=1"
+                )
                 if status != 200:
                     return False
             return True
