@@ -1,0 +1,237 @@
+"""Experience streaming through the buffer actor vs raw Ray transfer of the same bytes, in one run.
+
+    .venv/bin/python benchmarks/experience.py [--episodes 2000] [--response 2048] [--batch 32]
+
+Workflow -> buffer actor -> one trainer per policy, all separate Ray actor processes. Each episode has
+one turn per policy (two policies). The raw baseline moves the same bytes over the same hops with the
+same number of calls: the producer sends one numpy array per policy per batch to a relay actor, and
+each consumer takes one array per call. Then the producer is made 10x faster than the trainers, and
+the buffer's peak resident episodes (its memory bound) and the producer's blocked time are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import deque
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import numpy as np
+import ray
+
+from polyrl_runtime.experience import Episode, PolicyConfig, Turn
+from polyrl_runtime.experience.actor import create_experience_actor
+
+POLICIES = ("a", "b")
+
+
+def make_turns(prompt: int, response: int) -> dict[str, Turn]:
+    rng = np.random.default_rng(0)
+    return {
+        p: Turn(
+            f"agent-{p}",
+            p,
+            rng.integers(0, 32000, prompt),
+            rng.integers(0, 32000, response),
+            rng.standard_normal(response).astype(np.float32),
+            np.zeros(response, dtype=np.int32),
+        )
+        for p in POLICIES
+    }
+
+
+def turn_bytes(t: Turn) -> int:
+    return int(t.prompt_ids.nbytes + t.response_ids.nbytes + t.logprobs.nbytes + t.versions.nbytes)
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    def __init__(self, prompt: int, response: int) -> None:
+        self.turns = make_turns(prompt, response)
+        self.blocked_s = 0.0
+
+    def _episode(self, i: int, versions: dict[str, int]) -> Episode:
+        turns = tuple(
+            Turn(t.agent, p, t.prompt_ids, t.response_ids, t.logprobs, np.full_like(t.versions, versions[p]))
+            for p, t in self.turns.items()
+        )
+        return Episode(f"ep{i}", turns, {t.agent: 1.0 for t in turns})
+
+    def run(self, buf: Any, episodes: int, batch: int) -> float:
+        """One `exchange` call per batch: put the finished episodes, get credit for the next ones."""
+        done, items = 0, []
+        self.blocked_s = 0.0
+        while True:
+            t = time.perf_counter()
+            tickets, versions = ray.get(
+                buf.exchange.remote(items, POLICIES, min(batch, episodes - done), None)
+            )
+            self.blocked_s += time.perf_counter() - t
+            if not tickets:
+                return self.blocked_s
+            # Stamped with the version each policy's engines would be serving now.
+            items = [(tk, self._episode(done + k, versions)) for k, tk in enumerate(tickets)]
+            done += len(tickets)
+
+    def run_raw(self, relay: Any, episodes: int, batch: int) -> None:
+        for start in range(0, episodes, batch):
+            n = min(batch, episodes - start)
+            arrays = {p: np.tile(np.frombuffer(self._bytes(p), dtype=np.uint8), n) for p in POLICIES}
+            ray.get(relay.put.remote(arrays))
+
+    def _bytes(self, p: str) -> bytes:
+        t = self.turns[p]
+        return t.prompt_ids.tobytes() + t.response_ids.tobytes() + t.logprobs.tobytes() + t.versions.tobytes()
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self.v = 0
+
+    def run(
+        self, buf: Any, samples: int, micro: int, per_version: int, step_s: float, *, watch: bool
+    ) -> dict[str, float]:
+        """One `pull` call per step: it acks the previous lease and reports a new version if any."""
+        got, peak, since, nbytes = 0, 0, 0, 0
+        self.v = 0  # a fresh buffer per run starts at version 0
+        ack: list[int] = []
+        new_version: int | None = None
+        while got < samples:
+            lease = ray.get(
+                buf.pull.remote(
+                    self.policy, f"trainer-{self.policy}", micro, None, ack=ack, version=new_version
+                )
+            )
+            if step_s:
+                time.sleep(step_s)  # the "optimizer step" of a trainer 10x slower than the producer
+            ack, new_version = [lease.lease_id], None
+            got += len(lease.batch)
+            nbytes += lease.batch.nbytes
+            since += len(lease.batch)
+            if since >= per_version:
+                since -= per_version
+                self.v += 1
+                new_version = self.v
+            if watch:
+                peak = max(peak, ray.get(buf.resident_episodes.remote()))
+        ray.get(buf.ack.remote(ack))
+        return {"bytes": nbytes, "peak_resident": peak}
+
+    def run_raw(self, relay: Any, calls: int) -> int:
+        nbytes = 0
+        for _ in range(calls):
+            nbytes += int(ray.get(relay.pull.remote(self.policy)).nbytes)
+        return nbytes
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class Relay:
+    """The raw baseline: a queue per policy, no accounting."""
+
+    def __init__(self) -> None:
+        self.q: dict[str, deque[Any]] = {p: deque() for p in POLICIES}
+
+    def put(self, arrays: dict[str, Any]) -> None:
+        for p, a in arrays.items():
+            self.q[p].append(a)
+
+    def pull(self, policy: str) -> Any:
+        while not self.q[policy]:
+            time.sleep(0.0005)
+        return self.q[policy].popleft()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--episodes", type=int, default=2000)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--response", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=32, help="episodes per put = samples per trainer pull")
+    ap.add_argument("--capacity", type=int, default=128, help="resident-episode bound of the buffer")
+    ap.add_argument("--max-staleness", type=int, default=2)
+    args = ap.parse_args()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+
+    turns = make_turns(args.prompt, args.response)
+    ep_bytes = sum(turn_bytes(t) for t in turns.values())
+    total = ep_bytes * args.episodes
+    per_version = 4 * args.batch
+    cfgs = [PolicyConfig(p, per_version, args.max_staleness) for p in POLICIES]
+    producer = Producer.remote(args.prompt, args.response)
+    trainers = {p: Trainer.remote(p) for p in POLICIES}
+    ray.get([producer.__ray_ready__.remote(), *(t.__ray_ready__.remote() for t in trainers.values())])
+
+    def buffered(step_s: float) -> tuple[float, float, int, int]:
+        buf = create_experience_actor(cfgs, args.capacity)
+        ray.get(buf.__ray_ready__.remote())
+        t = time.perf_counter()
+        prod = producer.run.remote(buf, args.episodes, args.batch)
+        outs = ray.get(
+            [
+                tr.run.remote(buf, args.episodes, args.batch, per_version, step_s, watch=step_s > 0)
+                for tr in trainers.values()
+            ]
+        )
+        blocked = ray.get(prod)
+        wall = time.perf_counter() - t
+        stats = ray.get(buf.stats.remote())
+        for s in stats.values():
+            assert s.consumed == args.episodes and sum(s.dropped.values()) == 0 and s.buffered == 0, s
+        assert sum(o["bytes"] for o in outs) == total
+        ray.kill(buf)
+        return (
+            wall,
+            blocked,
+            max(int(o["peak_resident"]) for o in outs),
+            max(s.staleness_max for s in stats.values()),
+        )
+
+    def raw() -> float:
+        relay = Relay.remote()
+        ray.get(relay.__ray_ready__.remote())
+        calls = -(-args.episodes // args.batch)
+        t = time.perf_counter()
+        prod = producer.run_raw.remote(relay, args.episodes, args.batch)
+        got = ray.get([tr.run_raw.remote(relay, calls) for tr in trainers.values()])
+        ray.get(prod)
+        wall = time.perf_counter() - t
+        assert sum(got) == total
+        ray.kill(relay)
+        return wall
+
+    raw()  # warm-up: worker processes, code paths
+    buffered(0.0)
+    raw_s = min(raw() for _ in range(2))
+    buf_runs = [buffered(0.0) for _ in range(2)]
+    buf_s, _, _, _ = min(buf_runs)
+    mb = total / 1e6
+    print(
+        f"experience: {args.episodes} episodes x 2 policies, {ep_bytes / 1e3:.1f} kB/episode, "
+        f"batch {args.batch}, best of 2"
+    )
+    print(f"{'path':>8} {'episodes/s':>11} {'MB/s':>8} {'ratio':>6}")
+    print(f"{'raw ray':>8} {args.episodes / raw_s:>11.0f} {mb / raw_s:>8.1f} {1.0:>6.2f}")
+    print(f"{'buffer':>8} {args.episodes / buf_s:>11.0f} {mb / buf_s:>8.1f} {raw_s / buf_s:>6.2f}")
+
+    # Producer 10x faster than the trainers: each trainer step takes 10x the producer's time per batch.
+    step = 10 * buf_s / (args.episodes / args.batch)
+    wall, blocked, peak, stale = buffered(step)
+    print(f"\nproducer 10x faster than trainers (trainer step {step * 1e3:.1f} ms per {args.batch} samples)")
+    print(
+        f"{'capacity':>9} {'peak resident':>14} {'peak MB':>8} {'producer blocked':>17} {'max staleness':>14}"
+    )
+    print(
+        f"{args.capacity:>9} {peak:>14} {peak * ep_bytes / 1e6:>8.1f} {blocked / wall:>16.0%} "
+        f"{stale:>8} (<= {args.max_staleness})"
+    )
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Weight-sync throughput of each transport next to this machine's own bounds, measured in one run.
+
+    .venv/bin/python benchmarks/weight_sync.py [--sizes 64,256,1024] [--bucket-mb 256] [--repeats 3]
+
+Trainer and engine are separate Ray actor processes. Every figure is end to end as seen from the
+driver (publish -> the engine has applied the version); the bounds are measured the same way:
+  copy   in-process single-thread tensor copy of the same bytes (what shm is compared with)
+  gloo   raw broadcast of one flat uint8 tensor between two processes (what collective is compared with)
+  ray    raw Ray transfer: ray.put of one numpy array in one actor, ray.get + copy into a
+         preallocated array in another (what objectstore is compared with)
+A second table shows that control messages per sync do not grow with the number of tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+
+import numpy as np
+import ray
+import torch
+from torch._C._distributed_c10d import BroadcastOptions, TCPStore
+
+from polyrl_runtime.weights import VersionRegistry
+from polyrl_runtime.weights.collective import GroupAddress, build_group
+from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
+
+MiB = 1 << 20
+
+
+def model(total_bytes: int, n_tensors: int) -> dict[str, torch.Tensor]:
+    per = total_bytes // 4 // n_tensors
+    out = {}
+    for i in range(n_tensors):
+        t = torch.empty(per, dtype=torch.float32)
+        t.fill_(float(i))
+        out[f"layer.{i}.weight"] = t
+    return out
+
+
+class Worker(TrainerWeights, EngineWeights):
+    """One actor process that plays every role in turn (trainer, engine, raw peers): two processes
+    serve the whole run, so no figure includes a process start."""
+
+    def trainer(
+        self, transport: str, total: int, n_tensors: int, bucket: int, kwargs: dict[str, Any]
+    ) -> None:
+        self.tensors = model(total, n_tensors)
+        self.init_weight_sender(transport, "bench", bucket, **kwargs)
+
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        return self.tensors
+
+    def engine(self, transport: str, total: int, n_tensors: int) -> None:
+        self.init_weight_receiver(
+            transport, {k: torch.zeros_like(v) for k, v in model(total, n_tensors).items()}
+        )
+
+    def check(self) -> bool:
+        return all(
+            bool((t == float(i)).all()) for i, t in enumerate(self._weight_target.named_tensors().values())
+        )
+
+    def reset(self) -> None:
+        for name in ("_weight_sender", "_weight_receiver"):
+            if hasattr(self, name):
+                getattr(self, name).close()
+                delattr(self, name)
+        self.tensors = {}
+        self.raw_buf: Any = None
+        self.pg: Any = None
+        self.store: Any = None
+        self.arr: Any = None
+        self.dst: Any = None
+
+    # raw gloo broadcast
+    def gloo_host(self) -> int:
+        self.store = TCPStore(
+            "127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False
+        )
+        return int(self.store.port)
+
+    def gloo_join(self, rank: int, port: int, nbytes: int, generation: int) -> None:
+        if rank:
+            self.store = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=120))
+        addr = GroupAddress("127.0.0.1", port, generation, 2, "gloo")
+        self.pg = build_group(self.store, addr, rank, datetime.timedelta(seconds=120))
+        fill = torch.ones if rank == 0 else torch.zeros
+        self.raw_buf = fill(nbytes, dtype=torch.uint8)
+
+    def bcast(self) -> None:
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([self.raw_buf], opts).wait()
+
+    # raw Ray transfer
+    def ray_setup(self, nbytes: int) -> None:
+        self.arr = np.ones(nbytes, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, dtype=np.uint8)
+
+    def put(self) -> list[Any]:
+        return [ray.put(self.arr)]  # wrapped: a bare ref returned from a task would be resolved
+
+    def get(self, refs: list[Any]) -> None:
+        np.copyto(self.dst, ray.get(refs[0]))
+
+
+class Counting:
+    """Wraps an actor handle and counts the remote calls made through it (control messages)."""
+
+    def __init__(self, handle: Any, counter: list[int]) -> None:
+        self._h, self._c = handle, counter
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._h, name)
+        counter = self._c
+
+        class _M:
+            def remote(self, *a: Any, **k: Any) -> Any:
+                counter[0] += 1
+                return method.remote(*a, **k)
+
+        return _M()
+
+
+def best(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up: first-touch page faults, group rendezvous, worker start
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def copy_bound(nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+
+    def one() -> None:
+        dst.copy_(src)
+
+    return best(one, repeats)
+
+
+def gloo_bound(a: Any, b: Any, nbytes: int, repeats: int) -> float:
+    port = ray.get(a.gloo_host.remote())
+    ray.get([a.gloo_join.remote(0, port, nbytes, 0), b.gloo_join.remote(1, port, nbytes, 0)])
+
+    def one() -> None:
+        ray.get([a.bcast.remote(), b.bcast.remote()])
+
+    t = best(one, repeats)
+    ray.get([a.reset.remote(), b.reset.remote()])
+    return t
+
+
+def ray_bound(a: Any, b: Any, nbytes: int, repeats: int) -> float:
+    ray.get([a.ray_setup.remote(nbytes), b.ray_setup.remote(nbytes)])
+    t = best(lambda: ray.get(b.get.remote(a.put.remote())), repeats)
+    ray.get([a.reset.remote(), b.reset.remote()])
+    return t
+
+
+def transport_time(
+    a: Any, b: Any, transport: str, nbytes: int, *, n_tensors: int, bucket: int, repeats: int
+) -> tuple[float, float, int]:
+    """(best seconds per sync, engine pause of that sync, control messages per sync)."""
+    kwargs: dict[str, Any] = {"num_receivers": 1, "host": "127.0.0.1"} if transport == "collective" else {}
+    ray.get(
+        [
+            a.trainer.remote(transport, nbytes, n_tensors, bucket, kwargs),
+            b.engine.remote(transport, nbytes, n_tensors),
+        ]
+    )
+    counter = [0]
+    wsync = PolicyWeightSync(
+        "bench", Counting(a, counter), {"e0": Counting(b, counter)}, VersionRegistry(), transport=transport
+    )
+    version = [0]
+    pauses: list[float] = []
+
+    def one() -> None:
+        counter[0] = 0
+        result = wsync.sync(version[0])
+        version[0] += 1
+        assert not result.failures, result.failures
+        pauses.append(result.reports["e0"].pause_s)
+
+    t = best(one, repeats)
+    messages = counter[0]
+    assert ray.get(b.check.remote()), f"{transport}: engine weights differ from the trainer's"
+    ray.get([a.reset.remote(), b.reset.remote()])
+    return t, min(pauses), messages
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64,256,1024", help="MiB of fp32 weights, comma separated")
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tensors", type=int, default=16, help="tensors in the model for the main table")
+    ap.add_argument("--tensor-counts", default="10,1000", help="tensor counts for the control-message table")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    bucket = args.bucket_mb * MiB
+    ray.init(
+        address="local",  # a new local cluster, never one another process on this host started
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="ERROR",
+        object_store_memory=max(sizes) * 3 * MiB + (512 * MiB),
+    )
+
+    worker = ray.remote(num_cpus=0)(Worker)
+    a, b = worker.remote(), worker.remote()
+    ray.get([a.reset.remote(), b.reset.remote()])
+    gb = lambda n, s: n / s / 1e9  # noqa: E731
+    print(f"weight sync, fp32, {args.tensors} tensors, bucket {args.bucket_mb} MiB, best of {args.repeats}")
+    print(
+        f"{'MiB':>6} {'bound':>6} {'bound GB/s':>10} {'transport':>12} {'GB/s':>6} {'ratio':>6} {'pause ms':>9}"
+    )
+    for mib in sizes:
+        n = mib * MiB
+        bounds = {
+            "copy": copy_bound(n, args.repeats),
+            "gloo": gloo_bound(a, b, n, args.repeats),
+            "ray": ray_bound(a, b, n, args.repeats),
+        }
+        for transport, bound in (("shm", "copy"), ("collective", "gloo"), ("objectstore", "ray")):
+            t, pause, _ = transport_time(
+                a, b, transport, n, n_tensors=args.tensors, bucket=bucket, repeats=args.repeats
+            )
+            print(
+                f"{mib:>6} {bound:>6} {gb(n, bounds[bound]):>10.2f} {transport:>12} {gb(n, t):>6.2f} "
+                f"{bounds[bound] / t:>6.2f} {pause * 1e3:>9.1f}"
+            )
+
+    size = min(sizes) * MiB
+    print(f"\ncontrol messages per sync, {min(sizes)} MiB total, bucket {args.bucket_mb} MiB")
+    print(f"{'transport':>12} {'tensors':>8} {'messages':>9} {'GB/s':>6}")
+    for transport in ("shm", "collective", "objectstore"):
+        for n_tensors in (int(c) for c in args.tensor_counts.split(",")):
+            t, _, messages = transport_time(
+                a, b, transport, size, n_tensors=n_tensors, bucket=bucket, repeats=args.repeats
+            )
+            print(f"{transport:>12} {n_tensors:>8} {messages:>9} {gb(size, t):>6.2f}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

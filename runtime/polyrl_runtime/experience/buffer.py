@@ -1,0 +1,468 @@
+"""Per-policy experience buffers with staleness credit, leases, redelivery and counted drops.
+
+Flow: a workflow `acquire`s a ticket (credit from every policy its episode will involve), plays the
+episode, and `put`s it; the episode is split into per-policy samples. A trainer `pull`s a micro-batch
+under a lease and `ack`s it after its optimizer step; a trainer that dies (`consumer_failed`) or gives
+a batch back (`nack`) has its samples redelivered first. `advance` records a trainer's new version.
+
+Accounting, per policy, at every moment:  produced == buffered + leased + consumed + sum(dropped).
+A sample leaves only by an ack (consumed) or a drop with a counted `DropReason`.
+
+Back-pressure, per policy p (AReaL's staleness control): the episodes admitted for p that have not been
+dropped never exceed (version_p + max_staleness + 1) * episodes_per_version, so in async mode producers
+run at most `max_staleness` versions ahead, and in sync mode (max_staleness=0) exactly one step's worth
+is generated per version. A job-wide bound on resident episodes (tickets out + episodes with samples
+not yet consumed or dropped) keeps memory bounded whatever the producer/consumer speed ratio.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import structlog
+
+from polyrl_runtime.experience.types import Episode, Sample, SampleBatch
+
+log = structlog.get_logger(__name__)
+
+
+class DropReason(StrEnum):
+    STALE = "stale"  # older than max_staleness versions behind the trainer
+    POLICY_FINISHED = "policy_finished"  # the policy's training is over
+    JOB_CANCELLED = "job_cancelled"
+
+
+class UnknownTicketError(KeyError):
+    """A put with a ticket that was never issued, already used, released, or voided by a restore."""
+
+
+class UnknownLeaseError(KeyError):
+    """An ack/nack of a lease that is not outstanding (already acked, redelivered, or voided)."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str
+    episodes_per_version: int  # episodes one trainer step consumes (spec.training.episodesPerStep)
+    max_staleness: int = 0  # 0: sync mode
+
+    def __post_init__(self) -> None:
+        if self.episodes_per_version < 1 or self.max_staleness < 0:
+            raise ValueError(f"{self.name}: episodes_per_version >= 1 and max_staleness >= 0 required")
+
+
+@dataclass(frozen=True)
+class Ticket:
+    ticket_id: int
+    policies: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: int
+    policy: str
+    consumer: str
+    batch: SampleBatch
+
+
+@dataclass(frozen=True)
+class PolicyStats:
+    policy: str
+    version: int
+    buffered: int
+    leased: int
+    admitted: int
+    credit: int
+    produced: int
+    consumed: int
+    redelivered: int
+    dropped: dict[str, int]
+    staleness_mean: float
+    staleness_max: int
+    finished: bool
+
+
+@dataclass
+class _Policy:
+    cfg: PolicyConfig
+    version: int = 0
+    admitted: int = 0  # (episode, policy) pairs granted and not dropped
+    produced: int = 0
+    consumed: int = 0
+    redelivered: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in DropReason})
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    finished: bool = False
+    queue: deque[Sample] = field(default_factory=deque)
+
+    def limit(self) -> int:
+        return (self.version + self.cfg.max_staleness + 1) * self.cfg.episodes_per_version
+
+    def credit(self) -> int:
+        return self.limit() - self.admitted
+
+
+@dataclass
+class _LeaseState:
+    policy: str
+    consumer: str
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class BufferSnapshot:
+    """Everything not yet consumed, plus the counters; leases and tickets are not kept (see restore)."""
+
+    configs: tuple[PolicyConfig, ...]
+    capacity_episodes: int
+    policies: dict[str, dict[str, object]]
+    samples: dict[str, list[Sample]]
+    pairs: dict[tuple[str, str], tuple[int, int]]
+    cancelled: bool
+
+
+class ExperienceBuffer:
+    """All policies' buffers of one job. Thread-safe; blocking calls wait on a condition."""
+
+    def __init__(self, policies: Sequence[PolicyConfig], capacity_episodes: int) -> None:
+        if capacity_episodes < 1:
+            raise ValueError("capacity_episodes must be >= 1")
+        self.capacity_episodes = capacity_episodes
+        self._p = {c.name: _Policy(c) for c in policies}
+        self._cond = threading.Condition()
+        self._tickets: dict[int, Ticket] = {}
+        self._leases: dict[int, _LeaseState] = {}
+        # (episode_id, policy) -> [samples not yet final, samples consumed]: credit comes back when a
+        # pair ends with nothing consumed; an episode stays resident while any of its pairs is live.
+        self._pairs: dict[tuple[str, str], list[int]] = {}
+        self._live_episodes: dict[str, int] = {}
+        self._next_id = 1
+        self._cancelled = False
+
+    # -- producers ---------------------------------------------------------------------------
+
+    def _policy(self, name: str) -> _Policy:
+        try:
+            return self._p[name]
+        except KeyError:
+            raise KeyError(f"unknown policy {name!r}; known: {sorted(self._p)}") from None
+
+    @property
+    def resident_episodes(self) -> int:
+        return len(self._tickets) + len(self._live_episodes)
+
+    def _can_admit(self, policies: frozenset[str]) -> bool:
+        if self._cancelled or self.resident_episodes >= self.capacity_episodes:
+            return False
+        # A finished policy takes no credit: its samples will be dropped (and counted) on arrival.
+        return all(self._p[n].finished or self._p[n].credit() > 0 for n in policies)
+
+    def acquire(self, policies: Iterable[str], timeout: float | None = 0.0) -> Ticket | None:
+        """Credit for one episode from each policy named (all or none); None if none came in time."""
+        names = frozenset(policies)
+        if not names:
+            raise ValueError("an episode involves at least one policy")
+        for n in names:
+            self._policy(n)
+        with self._cond:
+            if not self._wait(lambda: self._can_admit(names), timeout):
+                return None
+            for n in names:
+                if not self._p[n].finished:
+                    self._p[n].admitted += 1
+            ticket = Ticket(self._take_id(), names)
+            self._tickets[ticket.ticket_id] = ticket
+            return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back an unused ticket (the episode was abandoned before it produced anything)."""
+        with self._cond:
+            t = self._pop_ticket(ticket)
+            for n in t.policies:
+                if not self._p[n].finished:
+                    self._p[n].admitted -= 1
+            self._cond.notify_all()
+
+    def put(self, ticket: Ticket, episode: Episode) -> None:
+        """Accept a finished episode: every sample is buffered, or dropped with a counted reason."""
+        samples = episode.samples()
+        for s in samples:
+            self._policy(s.policy)
+        with self._cond:
+            if self._cancelled:
+                # Tickets were voided by cancel; the episode still finished, so count its drops.
+                self._tickets.pop(ticket.ticket_id, None)
+                for s in samples:
+                    p = self._p[s.policy]
+                    p.produced += 1
+                    p.dropped[DropReason.JOB_CANCELLED] += 1
+                return
+            t = self._tickets.get(ticket.ticket_id)
+            if t is None:
+                raise UnknownTicketError(f"ticket {ticket.ticket_id} is not outstanding")
+            extra = episode.policies - t.policies
+            if extra:
+                raise ValueError(
+                    f"episode {episode.episode_id} involves policies without credit: {sorted(extra)}"
+                )
+            del self._tickets[t.ticket_id]
+            for n in t.policies - episode.policies:
+                if not self._p[n].finished:
+                    self._p[n].admitted -= 1  # credit back: this episode never used that policy
+            for n in episode.policies:
+                if not self._p[n].finished:
+                    self._pairs[(episode.episode_id, n)] = [0, 0]
+            accepted = []
+            for s in samples:
+                p = self._p[s.policy]
+                p.produced += 1
+                if p.finished:
+                    p.dropped[DropReason.POLICY_FINISHED] += 1
+                    continue
+                self._pairs[(s.episode_id, s.policy)][0] += 1
+                self._live_episodes[s.episode_id] = self._live_episodes.get(s.episode_id, 0) + 1
+                accepted.append(s)
+            # Only once the whole episode is counted as live may a sample settle (a stale drop):
+            # settling the first of a pair's samples early would close the pair under the others.
+            for s in accepted:
+                p = self._p[s.policy]
+                if p.version - s.min_version > p.cfg.max_staleness:
+                    self._drop(p, s, DropReason.STALE)
+                else:
+                    p.queue.append(s)
+            self._cond.notify_all()
+
+    # -- consumers ---------------------------------------------------------------------------
+
+    def pull(self, policy: str, consumer: str, max_samples: int, timeout: float | None = 0.0) -> Lease | None:
+        """Lease up to `max_samples` of `policy`'s oldest samples to `consumer`; None if none came in time."""
+        if max_samples < 1:
+            raise ValueError("max_samples must be >= 1")
+        p = self._policy(policy)
+        with self._cond:
+            if not self._wait(lambda: bool(p.queue) or p.finished or self._cancelled, timeout) or not p.queue:
+                return None
+            taken = [p.queue.popleft() for _ in range(min(max_samples, len(p.queue)))]
+            lease_id = self._take_id()
+            self._leases[lease_id] = _LeaseState(policy, consumer, taken)
+            return Lease(lease_id, policy, consumer, SampleBatch.from_samples(policy, taken))
+
+    def ack(self, lease_id: int) -> None:
+        """The lease's samples were trained on (after the optimizer step): they are consumed."""
+        with self._cond:
+            lease = self._pop_lease(lease_id)
+            p = self._p[lease.policy]
+            for s in lease.samples:
+                lag = max(0, p.version - s.min_version)
+                p.staleness_sum += lag
+                p.staleness_max = max(p.staleness_max, lag)
+                p.consumed += 1
+                self._settle(s, consumed=True)
+            self._cond.notify_all()
+
+    def nack(self, lease_id: int) -> None:
+        """Give a lease back untrained: its samples are redelivered before anything newer."""
+        with self._cond:
+            self._requeue(self._pop_lease(lease_id))
+            self._cond.notify_all()
+
+    def consumer_failed(self, consumer: str) -> int:
+        """A trainer died: redeliver every sample it held but had not acknowledged. Returns the count."""
+        with self._cond:
+            ids = sorted((i for i, ls in self._leases.items() if ls.consumer == consumer), reverse=True)
+            n = 0
+            # Newest lease first, each pushed to the front: the oldest ends up first again.
+            for i in ids:
+                lease = self._leases.pop(i)
+                n += len(lease.samples)
+                self._requeue(lease)
+            self._cond.notify_all()
+            return n
+
+    def advance(self, policy: str, version: int) -> int:
+        """The trainer reached `version`: more credit; buffered samples now too stale are dropped."""
+        p = self._policy(policy)
+        with self._cond:
+            if version < p.version:
+                raise ValueError(f"{policy}: version {version} < current {p.version}")
+            p.version = version
+            keep: deque[Sample] = deque()
+            dropped = 0
+            for s in p.queue:
+                if version - s.min_version > p.cfg.max_staleness:
+                    self._drop(p, s, DropReason.STALE)
+                    dropped += 1
+                else:
+                    keep.append(s)
+            p.queue = keep
+            self._cond.notify_all()
+            return dropped
+
+    # -- ends --------------------------------------------------------------------------------
+
+    def finish(self, policy: str) -> None:
+        """The policy's training is over: its buffered samples (and any that arrive later) are dropped."""
+        p = self._policy(policy)
+        with self._cond:
+            p.finished = True
+            while p.queue:
+                self._drop(p, p.queue.popleft(), DropReason.POLICY_FINISHED)
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """The job is cancelled: everything not yet consumed is dropped; leases and tickets are void."""
+        with self._cond:
+            self._cancelled = True
+            for lease in self._leases.values():
+                for s in lease.samples:
+                    self._drop(self._p[s.policy], s, DropReason.JOB_CANCELLED)
+            self._leases.clear()
+            for p in self._p.values():
+                while p.queue:
+                    self._drop(p, p.queue.popleft(), DropReason.JOB_CANCELLED)
+            self._tickets.clear()
+            self._cond.notify_all()
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def policies(self) -> list[str]:
+        return list(self._p)
+
+    def stats(self, policy: str) -> PolicyStats:
+        p = self._policy(policy)
+        with self._cond:
+            leased = sum(len(ls.samples) for ls in self._leases.values() if ls.policy == policy)
+            return PolicyStats(
+                policy=policy,
+                version=p.version,
+                buffered=len(p.queue),
+                leased=leased,
+                admitted=p.admitted,
+                credit=p.credit(),
+                produced=p.produced,
+                consumed=p.consumed,
+                redelivered=p.redelivered,
+                dropped=dict(p.dropped),
+                staleness_mean=p.staleness_sum / p.consumed if p.consumed else 0.0,
+                staleness_max=p.staleness_max,
+                finished=p.finished,
+            )
+
+    def snapshot(self) -> BufferSnapshot:
+        """State for a checkpoint: leased samples count as unconsumed (the trainer restarts too)."""
+        with self._cond:
+            samples: dict[str, list[Sample]] = {}
+            for name, p in self._p.items():
+                leased = [
+                    s
+                    for i in sorted(self._leases)
+                    for s in self._leases[i].samples
+                    if self._leases[i].policy == name
+                ]
+                samples[name] = leased + list(p.queue)
+            policies = {
+                name: {
+                    "version": p.version,
+                    # Outstanding tickets die with the process that restores: their credit comes back.
+                    "admitted": p.admitted
+                    - sum(1 for t in self._tickets.values() if name in t.policies and not p.finished),
+                    "produced": p.produced,
+                    "consumed": p.consumed,
+                    "redelivered": p.redelivered
+                    + sum(len(ls.samples) for ls in self._leases.values() if ls.policy == name),
+                    "dropped": dict(p.dropped),
+                    "staleness_sum": p.staleness_sum,
+                    "staleness_max": p.staleness_max,
+                    "finished": p.finished,
+                }
+                for name, p in self._p.items()
+            }
+            return BufferSnapshot(
+                configs=tuple(p.cfg for p in self._p.values()),
+                capacity_episodes=self.capacity_episodes,
+                policies=policies,
+                samples=samples,
+                pairs={k: (v[0], v[1]) for k, v in self._pairs.items()},
+                cancelled=self._cancelled,
+            )
+
+    @classmethod
+    def restore(cls, snap: BufferSnapshot) -> ExperienceBuffer:
+        buf = cls(snap.configs, snap.capacity_episodes)
+        for name, state in snap.policies.items():
+            p = buf._p[name]
+            for key, value in state.items():
+                setattr(p, key, dict(value) if isinstance(value, dict) else value)
+            p.queue = deque(snap.samples[name])
+        buf._pairs = {k: [v[0], v[1]] for k, v in snap.pairs.items()}
+        for (episode_id, _), (live, _) in snap.pairs.items():
+            if live:
+                buf._live_episodes[episode_id] = buf._live_episodes.get(episode_id, 0) + live
+        buf._cancelled = snap.cancelled
+        return buf
+
+    # -- internals (called with the lock held) ----------------------------------------------
+
+    def _take_id(self) -> int:
+        i = self._next_id
+        self._next_id += 1
+        return i
+
+    def _pop_ticket(self, ticket: Ticket) -> Ticket:
+        t = self._tickets.pop(ticket.ticket_id, None)
+        if t is None:
+            raise UnknownTicketError(f"ticket {ticket.ticket_id} is not outstanding")
+        return t
+
+    def _pop_lease(self, lease_id: int) -> _LeaseState:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise UnknownLeaseError(f"lease {lease_id} is not outstanding")
+        return lease
+
+    def _requeue(self, lease: _LeaseState) -> None:
+        p = self._p[lease.policy]
+        p.redelivered += len(lease.samples)
+        if p.finished:
+            for s in lease.samples:
+                self._drop(p, s, DropReason.POLICY_FINISHED)
+            return
+        p.queue.extendleft(reversed(lease.samples))
+
+    def _drop(self, p: _Policy, s: Sample, reason: DropReason) -> None:
+        p.dropped[reason] += 1
+        log.debug("experience.drop", policy=p.cfg.name, sample=s.sample_id, reason=reason.value)
+        self._settle(s, consumed=False)
+
+    def _settle(self, s: Sample, *, consumed: bool) -> None:
+        """A sample became final: update its (episode, policy) pair and the episode's residency."""
+        key = (s.episode_id, s.policy)
+        pair = self._pairs[key]
+        pair[0] -= 1
+        pair[1] += int(consumed)
+        if pair[0] == 0:
+            del self._pairs[key]
+            p = self._p[s.policy]
+            if pair[1] == 0 and not p.finished:
+                p.admitted -= 1  # nothing of this episode reached the trainer: its credit comes back
+        left = self._live_episodes[s.episode_id] - 1
+        if left:
+            self._live_episodes[s.episode_id] = left
+        else:
+            del self._live_episodes[s.episode_id]
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        if timeout is None:
+            self._cond.wait_for(ready)
+            return True
+        if timeout <= 0:
+            return bool(ready())
+        deadline = time.monotonic() + timeout
+        return bool(self._cond.wait_for(ready, timeout=max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,217 @@
+"""Types shared by every weight-sync transport: tensor specs, the one control message, reports, errors.
+
+A sync moves one *version* of one policy's named tensors from the trainer (sender) to each rollout
+engine (receiver). The sender produces a `WeightManifest`: the only control message of a sync, whatever
+the number of tensors, carrying the names/shapes/dtypes, the bucket layout and a transport-specific
+handle (object references, a shared-memory path, a process-group address). Receivers check it against
+their own parameters before any byte moves, so a mismatched engine keeps serving its old version.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from polyrl_runtime.weights.buckets import BucketLayout
+
+
+class WeightSyncError(RuntimeError):
+    """A sync could not be completed; the receiving engine still holds its previous version."""
+
+
+class WeightMismatchError(WeightSyncError):
+    """The manifest does not match the engine's parameters; `name` is the first offending tensor."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"weight update rejected at tensor {name!r}: {reason}")
+        self.name = name
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[WeightMismatchError], tuple[str, str]]:
+        # Crosses Ray actor boundaries: rebuild from (name, reason), not from the formatted message.
+        return (type(self), (self.name, self.reason))
+
+
+class VersionError(WeightSyncError):
+    """A version would move backwards (versions are monotone per policy)."""
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """The single control message of one sync (O(1) per sync, independent of the tensor count)."""
+
+    policy: str
+    version: int
+    transport: str
+    layout: BucketLayout
+    # Transport-specific: list of Ray ObjectRefs (objectstore), a file path (shm), a rendezvous
+    # address (collective). Opaque to everyone except that transport's receiver.
+    handle: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total_bytes
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one receiver measured for one sync."""
+
+    policy: str
+    version: int
+    transport: str
+    nbytes: int
+    num_tensors: int
+    num_buckets: int
+    control_messages: int
+    wall_s: float
+    pause_s: float
+    applied: bool
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.wall_s / 1e9 if self.wall_s > 0 else float("inf")
+
+
+@runtime_checkable
+class WeightTarget(Protocol):
+    """The engine side of a sync: named tensors to overwrite in place, and the version they hold."""
+
+    @property
+    def version(self) -> int: ...
+
+    def named_tensors(self) -> Mapping[str, torch.Tensor]: ...
+
+    def paused(self, new_version: int) -> Any:
+        """Context manager: stop serving, let the caller overwrite tensors, then record `new_version`."""
+        ...
+
+
+class TensorTarget:
+    """A `WeightTarget` over a dict of tensors (or an nn.Module's parameters and buffers).
+
+    Serving code takes `serving()` around each forward pass; an update takes the same lock, so a
+    generation never sees a half-written model, and the time spent waiting is the engine pause.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = -1) -> None:
+        for name, t in tensors.items():
+            if not t.is_contiguous():
+                raise ValueError(f"engine tensor {name!r} is not contiguous; weights are written in place")
+        self._tensors = dict(tensors)
+        self._version = version
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, version: int = -1) -> TensorTarget:
+        named: dict[str, torch.Tensor] = {k: p.data for k, p in module.named_parameters()}
+        named.update(dict(module.named_buffers()))
+        return cls(named, version)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def named_tensors(self) -> Mapping[str, torch.Tensor]:
+        return self._tensors
+
+    @contextmanager
+    def paused(self, new_version: int) -> Iterator[None]:
+        with self._lock:
+            yield
+            self._version = new_version
+
+    @contextmanager
+    def serving(self) -> Iterator[int]:
+        with self._lock:
+            yield self._version
+
+
+def check_manifest(manifest: WeightManifest, target: WeightTarget) -> None:
+    """Raise `WeightMismatchError` naming the first tensor whose name, shape or dtype differs."""
+    own = target.named_tensors()
+    seen: set[str] = set()
+    for spec in manifest.layout.specs:
+        seen.add(spec.name)
+        t = own.get(spec.name)
+        if t is None:
+            raise WeightMismatchError(spec.name, "the engine has no tensor of that name")
+        if tuple(t.shape) != spec.shape:
+            raise WeightMismatchError(spec.name, f"shape {spec.shape} != engine's {tuple(t.shape)}")
+        if t.dtype != spec.dtype:
+            raise WeightMismatchError(spec.name, f"dtype {spec.dtype} != engine's {t.dtype}")
+        if not t.is_contiguous():
+            raise WeightMismatchError(spec.name, "the engine's tensor is not contiguous")
+    for name in own:
+        if name not in seen:
+            raise WeightMismatchError(name, "the update does not contain this engine tensor")
+    if manifest.version < target.version:
+        raise VersionError(
+            f"{manifest.policy}: update to version {manifest.version} is older than the engine's "
+            f"{target.version}"
+        )
+
+
+class WeightSender(ABC):
+    """Trainer side: makes one version of a policy's tensors available to its engines."""
+
+    transport: ClassVar[str]
+
+    def __init__(self, policy: str, bucket_bytes: int) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError("bucket_bytes must be positive")
+        self.policy = policy
+        self.bucket_bytes = bucket_bytes
+        self.latest: WeightManifest | None = None
+
+    def _check_version(self, version: int) -> None:
+        if self.latest is not None and version <= self.latest.version:
+            raise VersionError(
+                f"{self.policy}: version {version} is not newer than the published {self.latest.version}"
+            )
+
+    @abstractmethod
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> WeightManifest:
+        """Start (or complete) moving `tensors` as `version`; return the control message for engines."""
+
+    def wait(self) -> None:  # noqa: B027 - a no-op default is right for store-based transports
+        """Block until the data of the last publish has left this process (collective transports)."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to free by default
+        """Release transport resources (segments, groups, object references)."""
+
+
+class WeightReceiver(ABC):
+    """Engine side: applies a whole version from a manifest, or nothing."""
+
+    transport: ClassVar[str]
+
+    @abstractmethod
+    def receive(self, manifest: WeightManifest, target: WeightTarget) -> SyncReport:
+        """Fetch the version named by `manifest` and write it into `target`, all or nothing."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to free by default
+        """Release cached mappings or groups."""
+
+
+def make_report(manifest: WeightManifest, start: float, pause_s: float, *, applied: bool) -> SyncReport:
+    """The report of one receive that began at `start` (a `time.perf_counter()` reading)."""
+    return SyncReport(
+        policy=manifest.policy,
+        version=manifest.version,
+        transport=manifest.transport,
+        nbytes=manifest.nbytes if applied else 0,
+        num_tensors=len(manifest.layout.specs),
+        num_buckets=len(manifest.layout.buckets),
+        control_messages=1,
+        wall_s=time.perf_counter() - start,
+        pause_s=pause_s,
+        applied=applied,
+    )

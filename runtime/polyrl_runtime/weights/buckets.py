@@ -1,0 +1,229 @@
+"""Flatten named tensors into fixed-size byte buckets and back, for any dtype (bf16 included).
+
+All tensors of a version are laid back to back in one flat byte space (in publish order, no padding:
+bytes are copied through uint8 views, so no alignment is needed). That space is cut into buckets of
+at most `bucket_bytes`; a tensor larger than a bucket spans several, so a bucket never exceeds its
+size and memory for staging stays bounded by it. The layout is a pure function of the specs and the
+bucket size, so sender and receivers agree on it from the manifest alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+# Copies smaller than this are not split across threads: thread hand-off costs more than it saves.
+_PARALLEL_MIN_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> TensorSpec:
+        return cls(name, tuple(t.shape), t.dtype)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`nbytes` bytes of tensor `tensor` starting at its byte `src_offset`, stored at flat `flat_offset`."""
+
+    tensor: int
+    src_offset: int
+    flat_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    offset: int
+    nbytes: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    specs: tuple[TensorSpec, ...]
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs)
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketLayout:
+    """Cut the flat byte space of `specs` into buckets of at most `bucket_bytes`."""
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be positive")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError("tensor names must be unique")
+    buckets: list[Bucket] = []
+    current: list[Segment] = []
+    bucket_start = 0
+    flat = 0
+    for i, spec in enumerate(specs):
+        done = 0
+        size = spec.nbytes
+        while done < size:
+            room = bucket_bytes - (flat - bucket_start)
+            take = min(room, size - done)
+            current.append(Segment(i, done, flat, take))
+            done += take
+            flat += take
+            if flat - bucket_start == bucket_bytes:
+                buckets.append(Bucket(len(buckets), bucket_start, flat - bucket_start, tuple(current)))
+                current, bucket_start = [], flat
+    if flat > bucket_start:
+        buckets.append(Bucket(len(buckets), bucket_start, flat - bucket_start, tuple(current)))
+    return BucketLayout(tuple(specs), tuple(buckets), bucket_bytes)
+
+
+def layout_for(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> BucketLayout:
+    return plan_buckets([TensorSpec.of(n, t) for n, t in tensors.items()], bucket_bytes)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of a contiguous tensor's bytes (no copy; works for bf16, bool, 0-d, empty)."""
+    if not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous tensor")
+    return t.reshape(-1).view(torch.uint8)
+
+
+@cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="polyrl-copy")
+
+
+def default_copy_threads() -> int:
+    """Threads for host memcpy: torch's copy_ releases the GIL, so two threads nearly double throughput."""
+    env = os.environ.get("POLYRL_COPY_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None) -> None:
+    """`dst.copy_(src)` for each pair, splitting large host copies into chunks run on a thread pool."""
+    threads = default_copy_threads() if threads is None else threads
+    total = sum(d.numel() for d, _ in pairs)
+    host = all(d.device.type == "cpu" and s.device.type == "cpu" for d, s in pairs)
+    if threads <= 1 or not host or total < _PARALLEL_MIN_BYTES:
+        for d, s in pairs:
+            d.copy_(s)
+        return
+    # One job per thread, each an even share of the bytes (large tensors split, small ones grouped):
+    # a pool task per tensor would cost more in hand-offs than a thousand small copies themselves.
+    share = -(-total // threads)
+    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    room = share
+    for d, s in pairs:
+        start, n = 0, d.numel()
+        while start < n:
+            if room == 0:
+                groups.append([])
+                room = share
+            take = min(room, n - start)
+            groups[-1].append((d[start : start + take], s[start : start + take]))
+            start += take
+            room -= take
+
+    def run(group: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for d, s in group:
+            d.copy_(s)
+
+    list(_pool(threads).map(run, groups))
+
+
+def bucket_pairs(
+    layout: BucketLayout,
+    bucket: Bucket,
+    tensors: Sequence[torch.Tensor],
+    flat: torch.Tensor,
+    *,
+    into_flat: bool,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(dst, src) uint8 pairs that move `bucket` between `tensors` and the flat byte buffer `flat`.
+
+    `flat` holds the whole version and is indexed by flat offsets.
+    """
+    pairs = []
+    for seg in bucket.segments:
+        tb = byte_view(tensors[seg.tensor])[seg.src_offset : seg.src_offset + seg.nbytes]
+        fb = flat[seg.flat_offset : seg.flat_offset + seg.nbytes]
+        pairs.append((fb, tb) if into_flat else (tb, fb))
+    return pairs
+
+
+class PairCache:
+    """Remembers the copy pairs of the last sync: with a thousand tensors, building a thousand slices
+    per side costs more than copying them. Valid while the layout, the flat buffer and the tensors'
+    storage are unchanged (trainers and engines update parameters in place, so they usually are)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def pairs(
+        self, layout: BucketLayout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, *, into_flat: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        key = (layout, flat.data_ptr(), flat.numel(), into_flat, tuple(t.data_ptr() for t in tensors))
+        if key != self._key:
+            self._pairs = [
+                p for b in layout.buckets for p in bucket_pairs(layout, b, tensors, flat, into_flat=into_flat)
+            ]
+            self._key = key
+        return self._pairs
+
+
+def ordered_tensors(layout: BucketLayout, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in layout order, made contiguous (a copy only for non-contiguous inputs)."""
+    return [tensors[s.name].contiguous() for s in layout.specs]
+
+
+def flatten(
+    layout: BucketLayout, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """All tensors packed into one flat uint8 buffer of `layout.total_bytes` (reused when `out` is given)."""
+    ordered = ordered_tensors(layout, tensors)
+    device = ordered[0].device if ordered else torch.device("cpu")
+    if out is None:
+        out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+    pairs = [p for b in layout.buckets for p in bucket_pairs(layout, b, ordered, out, into_flat=True)]
+    copy_pairs(pairs)
+    return out
+
+
+def unflatten_into(layout: BucketLayout, flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy a flat buffer produced by `flatten` into existing tensors (same names, shapes, dtypes)."""
+    ordered = [tensors[s.name] for s in layout.specs]
+    pairs = [p for b in layout.buckets for p in bucket_pairs(layout, b, ordered, flat, into_flat=False)]
+    copy_pairs(pairs)
+
+
+def unflatten(layout: BucketLayout, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """New tensors holding the contents of a flat buffer."""
+    out = {s.name: torch.empty(s.shape, dtype=s.dtype, device=flat.device) for s in layout.specs}
+    unflatten_into(layout, flat, out)
+    return out

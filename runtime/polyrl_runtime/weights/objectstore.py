@@ -1,0 +1,100 @@
+"""`objectstore` transport: each bucket is one object in Ray's object store (works across nodes).
+
+Design for Ray's fast path: a bucket is put as a list of *numpy* uint8 views of its tensor segments.
+Ray serialises numpy buffers out of band and lays them back to back in one plasma object, so the
+flattening copy is the put itself (one copy on the sender, none for a same-node reader, one into the
+engine's parameters). Torch tensors would go through the much slower torch pickling path unless
+`RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`; numpy views need no such switch. The manifest carries the
+object references; the sender keeps the latest version's references alive so a late-joining engine
+can still fetch it, and drops them when the next version is published.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import ray
+import structlog
+import torch
+
+from polyrl_runtime.weights.api import (
+    SyncReport,
+    WeightManifest,
+    WeightReceiver,
+    WeightSender,
+    WeightTarget,
+    check_manifest,
+    make_report,
+)
+from polyrl_runtime.weights.buckets import byte_view, copy_pairs, layout_for, ordered_tensors
+
+log = structlog.get_logger(__name__)
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    b = byte_view(t)
+    if b.device.type != "cpu":
+        # GPU weights are staged through host memory; the object store is host memory.
+        b = b.cpu()
+    arr: np.ndarray[Any, np.dtype[np.uint8]] = b.numpy()
+    return arr
+
+
+class ObjectStoreSender(WeightSender):
+    transport: ClassVar[str] = "objectstore"
+
+    def __init__(self, policy: str, bucket_bytes: int) -> None:
+        super().__init__(policy, bucket_bytes)
+        self._refs: list[Any] = []
+
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> WeightManifest:
+        self._check_version(version)
+        layout = layout_for(tensors, self.bucket_bytes)
+        ordered = ordered_tensors(layout, tensors)
+        host = [_host_bytes(t) for t in ordered]
+        refs = []
+        for bucket in layout.buckets:
+            views = [host[s.tensor][s.src_offset : s.src_offset + s.nbytes] for s in bucket.segments]
+            refs.append(ray.put(views))
+        # Replacing the list drops our references to the previous version; engines still reading it
+        # hold their own (borrowed) references through the manifest, so Ray frees it after them.
+        self._refs = refs
+        self.latest = WeightManifest(self.policy, version, self.transport, layout, handle=tuple(refs))
+        log.debug("weights.published", policy=self.policy, version=version, buckets=len(refs))
+        return self.latest
+
+    def close(self) -> None:
+        self._refs = []
+        self.latest = None
+
+
+class ObjectStoreReceiver(WeightReceiver):
+    transport: ClassVar[str] = "objectstore"
+
+    def receive(self, manifest: WeightManifest, target: WeightTarget) -> SyncReport:
+        start = time.perf_counter()
+        check_manifest(manifest, target)
+        layout = manifest.layout
+        if manifest.version == target.version:
+            return make_report(manifest, start, 0.0, applied=False)
+        # Fetch every bucket before touching the engine: a failed fetch leaves the old version intact.
+        buckets: list[list[np.ndarray[Any, np.dtype[np.uint8]]]] = ray.get(list(manifest.handle))
+        own = target.named_tensors()
+        ordered = [own[s.name] for s in layout.specs]
+        pairs = []
+        with warnings.catch_warnings():
+            # Plasma buffers are read-only; we only ever read from these tensors.
+            warnings.simplefilter("ignore", UserWarning)
+            for bucket, arrays in zip(layout.buckets, buckets, strict=True):
+                for seg, arr in zip(bucket.segments, arrays, strict=True):
+                    dst = byte_view(ordered[seg.tensor])[seg.src_offset : seg.src_offset + seg.nbytes]
+                    pairs.append((dst, torch.from_numpy(arr)))
+        pause_start = time.perf_counter()
+        with target.paused(manifest.version):
+            copy_pairs(pairs)
+        pause = time.perf_counter() - pause_start
+        return make_report(manifest, start, pause, applied=True)

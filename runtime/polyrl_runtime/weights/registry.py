@@ -1,0 +1,84 @@
+"""Transports by name (the `spec.weightSync.transport` enum) and the `auto` choice.
+
+Extension point: `register_transport(name, sender_factory, receiver_factory)` adds a transport (for
+example a later `delta` or a CUDA-IPC one) without touching the callers, which only ever name it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from polyrl_runtime.weights.api import WeightReceiver, WeightSender
+
+SenderFactory = Callable[..., WeightSender]
+ReceiverFactory = Callable[..., WeightReceiver]
+
+# The values of the RLJob API's `spec.weightSync.transport`.
+TRANSPORTS = ("auto", "objectstore", "shm", "collective")
+
+
+@dataclass(frozen=True)
+class Transport:
+    name: str
+    sender: SenderFactory
+    receiver: ReceiverFactory
+
+
+_REGISTRY: dict[str, Transport] = {}
+
+
+def register_transport(name: str, sender: SenderFactory, receiver: ReceiverFactory) -> None:
+    if name == "auto":
+        raise ValueError("'auto' is a choice among transports, not a transport")
+    _REGISTRY[name] = Transport(name, sender, receiver)
+
+
+def get_transport(name: str) -> Transport:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown weight-sync transport {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def registered() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def choose_transport(requested: str, *, cuda: bool, same_host: bool, ray_available: bool = True) -> str:
+    """Resolve `auto` to the best transport for where the trainer and its engines are.
+
+    GPU weights go through NCCL (`collective`): anything else copies them through host memory. On CPU,
+    engines on the trainer's host read one shared segment (`shm`, the cheapest: two host copies);
+    across hosts Ray's object store works everywhere; without Ray, gloo (`collective`) does.
+    """
+    if requested != "auto":
+        get_transport(requested)
+        return requested
+    if cuda:
+        return "collective"
+    if same_host:
+        return "shm"
+    return "objectstore" if ray_available else "collective"
+
+
+def make_sender(name: str, policy: str, bucket_bytes: int, **kwargs: Any) -> WeightSender:
+    return get_transport(name).sender(policy, bucket_bytes, **kwargs)
+
+
+def make_receiver(name: str, **kwargs: Any) -> WeightReceiver:
+    return get_transport(name).receiver(**kwargs)
+
+
+def _register_builtins() -> None:
+    from polyrl_runtime.weights.collective import CollectiveReceiver, CollectiveSender
+    from polyrl_runtime.weights.objectstore import ObjectStoreReceiver, ObjectStoreSender
+    from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
+
+    register_transport("objectstore", ObjectStoreSender, ObjectStoreReceiver)
+    register_transport("shm", ShmSender, ShmReceiver)
+    register_transport("collective", CollectiveSender, CollectiveReceiver)
+
+
+_register_builtins()

@@ -1,0 +1,169 @@
+"""Buffer behaviour the state machine does not spell out: typed records, blocking, tickets, batches."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from polyrl_runtime.experience import (
+    DropReason,
+    Episode,
+    ExperienceBuffer,
+    PolicyConfig,
+    SampleBatch,
+    Ticket,
+    Turn,
+    UnknownTicketError,
+)
+
+
+def turn(policy: str, version: int = 0, n: int = 3, agent: str | None = None) -> Turn:
+    return Turn(agent or policy, policy, [7, 8], list(range(n)), [-0.1] * n, [version] * n)
+
+
+def episode(eid: str, *turns: Turn) -> Episode:
+    return Episode(eid, turns, {t.agent: 0.5 for t in turns}, {"seed": 1})
+
+
+def test_turn_and_episode_validation() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        Turn("a", "p", [1], [1, 2], [0.0], [0, 0])
+    with pytest.raises(ValueError, match="no response tokens"):
+        Turn("a", "p", [1], [], [], [])
+    with pytest.raises(ValueError, match="one-dimensional"):
+        Turn("a", "p", [[1]], [1], [0.0], [0])
+    with pytest.raises(ValueError, match="no reward"):
+        Episode("e", (turn("p"),), {"someone-else": 1.0})
+    t = turn("p")
+    assert t.prompt_ids.dtype == np.int32 and t.logprobs.dtype == np.float32
+
+
+def test_split_and_batch_round_trip() -> None:
+    ep = Episode(
+        "e1",
+        (
+            turn("speaker", 3, agent="s"),
+            turn("listener", 2, n=5, agent="l"),
+            turn("speaker", 4, n=1, agent="s"),
+        ),
+        {"s": 1.0, "l": -1.0},
+    )
+    samples = ep.samples()
+    assert [s.sample_id for s in samples] == ["e1/0", "e1/1", "e1/2"]
+    assert [s.reward for s in samples] == [1.0, -1.0, 1.0]
+    speaker = [s for s in samples if s.policy == "speaker"]
+    batch = SampleBatch.from_samples("speaker", speaker)
+    assert len(batch) == 2 and list(batch.response_offsets) == [0, 3, 4]
+    back = batch.samples()
+    for a, b in zip(speaker, back, strict=True):
+        assert a.sample_id == b.sample_id and a.reward == b.reward and a.min_version == b.min_version
+        assert np.array_equal(a.response_ids, b.response_ids) and np.array_equal(a.logprobs, b.logprobs)
+        assert np.array_equal(a.prompt_ids, b.prompt_ids) and np.array_equal(a.versions, b.versions)
+
+
+def test_ticket_rules() -> None:
+    buf = ExperienceBuffer([PolicyConfig("a", 2), PolicyConfig("b", 2)], 10)
+    t = buf.acquire(["a"])
+    assert t is not None
+    with pytest.raises(ValueError, match="without credit"):
+        buf.put(t, episode("e", turn("b")))
+    buf.put(t, episode("e", turn("a")))
+    with pytest.raises(UnknownTicketError):
+        buf.put(t, episode("e2", turn("a")))  # a ticket is good for one episode
+    with pytest.raises(UnknownTicketError):
+        buf.release(Ticket(999, frozenset({"a"})))
+    with pytest.raises(KeyError, match="unknown policy"):
+        buf.acquire(["zz"])
+
+
+def test_sync_mode_generates_one_step_per_version() -> None:
+    buf = ExperienceBuffer([PolicyConfig("a", episodes_per_version=2, max_staleness=0)], 100)
+    tickets = [buf.acquire(["a"]) for _ in range(3)]
+    assert tickets[2] is None  # two episodes per version, none ahead
+    for i, t in enumerate(tickets[:2]):
+        assert t is not None
+        buf.put(t, episode(f"e{i}", turn("a")))
+    lease = buf.pull("a", "trainer", 8)
+    assert lease is not None and len(lease.batch) == 2
+    buf.ack(lease.lease_id)
+    assert buf.acquire(["a"]) is None
+    buf.advance("a", 1)
+    assert buf.acquire(["a"]) is not None
+
+
+def test_stale_samples_dropped_with_reason_and_credit_returned() -> None:
+    buf = ExperienceBuffer([PolicyConfig("a", 1, max_staleness=1)], 100)
+    t0, t1 = buf.acquire(["a"]), buf.acquire(["a"])
+    assert t0 is not None and t1 is not None and buf.acquire(["a"]) is None
+    buf.put(t0, episode("e0", turn("a", version=0)))
+    buf.advance("a", 2)  # e0 is now two versions behind
+    s = buf.stats("a")
+    assert s.dropped[DropReason.STALE] == 1 and s.buffered == 0 and s.produced == 1
+    assert s.credit == (2 + 1 + 1) * 1 - 1  # e0's credit came back; t1 still holds one
+
+
+def test_blocking_pull_and_acquire_wake_up() -> None:
+    buf = ExperienceBuffer([PolicyConfig("a", 1, max_staleness=0)], 100)
+    got: list[object] = []
+    consumer = threading.Thread(target=lambda: got.append(buf.pull("a", "t", 4, timeout=None)))
+    consumer.start()
+    t = buf.acquire(["a"])
+    assert t is not None
+    waiter = threading.Thread(target=lambda: got.append(buf.acquire(["a"], timeout=None)))
+    waiter.start()  # no credit until the trainer advances
+    buf.put(t, episode("e", turn("a")))
+    consumer.join()
+    buf.advance("a", 1)
+    waiter.join()
+    assert got[0] is not None and got[1] is not None
+
+
+def test_finished_policy_drops_late_arrivals_and_redeliveries() -> None:
+    buf = ExperienceBuffer([PolicyConfig("a", 5, 1), PolicyConfig("b", 5, 1)], 100)
+    t = buf.acquire(["a", "b"])
+    assert t is not None
+    buf.put(t, episode("e0", turn("a"), turn("b")))
+    lease = buf.pull("a", "t", 1)
+    assert lease is not None
+    t2 = buf.acquire(["a", "b"])
+    assert t2 is not None
+    buf.finish("a")
+    buf.put(t2, episode("e1", turn("a"), turn("b")))
+    buf.consumer_failed("t")
+    a, b = buf.stats("a"), buf.stats("b")
+    assert a.dropped[DropReason.POLICY_FINISHED] == 2 and a.buffered == 0 and a.produced == 2
+    assert b.buffered == 2 and b.dropped[DropReason.POLICY_FINISHED] == 0
+
+
+def test_cancel_counts_everything_and_late_puts() -> None:
+    buf = ExperienceBuffer([PolicyConfig("a", 5, 1)], 100)
+    t1, t2 = buf.acquire(["a"]), buf.acquire(["a"])
+    assert t1 is not None and t2 is not None
+    buf.put(t1, episode("e1", turn("a"), turn("a")))
+    assert buf.pull("a", "t", 1) is not None
+    buf.cancel()
+    buf.put(t2, episode("e2", turn("a")))  # a workflow finishing after the cancel
+    s = buf.stats("a")
+    assert s.dropped[DropReason.JOB_CANCELLED] == 3 and s.produced == 3
+    assert buf.acquire(["a"]) is None and buf.pull("a", "t", 1) is None
+
+
+def test_episode_pickles_exactly() -> None:
+    import pickle
+
+    ep = Episode(
+        "e9",
+        (turn("a", 3, n=4, agent="x"), Turn("y", "b", [], [5], [-2.5], [7]), turn("a", 4, n=1, agent="x")),
+        {"x": 1.5, "y": -1.0},
+        {"k": [1, 2]},
+    )
+    back = pickle.loads(pickle.dumps(ep))
+    assert back.episode_id == ep.episode_id and dict(back.rewards) == dict(ep.rewards)
+    assert dict(back.metadata) == {"k": [1, 2]}
+    for a, b in zip(ep.turns, back.turns, strict=True):
+        assert (a.agent, a.policy) == (b.agent, b.policy)
+        for name in ("prompt_ids", "response_ids", "logprobs", "versions"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and np.array_equal(x, y), name

@@ -1,0 +1,64 @@
+"""The benchmark scripts still run end to end (tiny sizes; the figures themselves are not checked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _rows(out: str, first: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.split()[:1] == [first]]
+
+
+@pytest.mark.slow
+def test_weight_sync_benchmark_runs() -> None:
+    out = _run(
+        "weight_sync.py", "--sizes", "1", "--repeats", "1", "--bucket-mb", "1", "--tensor-counts", "3,30"
+    )
+    rows = _rows(out, "1")
+    assert {r[3] for r in rows} == {"shm", "collective", "objectstore"}
+    assert all(float(r[5]) > 0 for r in rows)  # a ratio was computed for each transport
+    # Control messages per sync do not depend on the number of tensors.
+    for transport in ("shm", "collective", "objectstore"):
+        counts = {r[2] for r in _rows(out, transport)}
+        assert len(counts) == 1, (transport, counts)
+
+
+@pytest.mark.slow
+def test_experience_benchmark_runs() -> None:
+    out = _run(
+        "experience.py",
+        "--episodes",
+        "48",
+        "--batch",
+        "8",
+        "--prompt",
+        "8",
+        "--response",
+        "16",
+        "--capacity",
+        "16",
+    )
+    assert _rows(out, "buffer") and _rows(out, "raw")
+    (bound,) = _rows(out, "16")  # capacity row of the memory-bound table
+    assert int(bound[1]) <= 16

@@ -1,0 +1,94 @@
+"""Trainer and engines as Ray actors (separate processes): sync, scale-out catch-up, a mismatched engine."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from polyrl_runtime.weights import VersionRegistry, WeightMismatchError
+from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
+
+
+def _model(seed: int, width: int = 8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layer.0.weight": torch.randn(width, 5, generator=g).to(torch.bfloat16),
+        "layer.0.bias": torch.randn(width, generator=g),
+        "head.weight": torch.randn(3, width, generator=g),
+        "step": torch.tensor(seed, dtype=torch.int64),
+    }
+
+
+class Trainer(TrainerWeights):
+    def __init__(self, transport: str, kwargs: dict[str, Any]) -> None:
+        self.step = 0
+        self.init_weight_sender(transport, "alice", 48, **kwargs)
+
+    def train_step(self) -> None:
+        self.step += 1
+
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        return _model(self.step)
+
+
+class Engine(EngineWeights):
+    def __init__(self, transport: str, width: int = 8) -> None:
+        self.init_weight_receiver(transport, {k: torch.zeros_like(v) for k, v in _model(0, width).items()})
+
+    def fingerprint(self) -> dict[str, list[int]]:
+        t = self._weight_target.named_tensors()
+        return {k: v.reshape(-1).view(torch.uint8).tolist() for k, v in t.items()}
+
+
+def _expected(seed: int) -> dict[str, list[int]]:
+    return {k: v.reshape(-1).view(torch.uint8).tolist() for k, v in _model(seed).items()}
+
+
+@pytest.mark.parametrize("transport", ["objectstore", "shm", "collective"])
+def test_sync_and_scale_out_across_actors(ray_session: Any, transport: str) -> None:
+    ray = ray_session
+    # Actor classes live in this test module, which Ray workers cannot import by name.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    kwargs: dict[str, Any] = {"num_receivers": 1, "timeout_s": 60.0} if transport == "collective" else {}
+    remote_trainer = ray.remote(num_cpus=0)(Trainer)
+    remote_engine = ray.remote(num_cpus=0)(Engine)
+    trainer = remote_trainer.remote(transport, kwargs)
+    engines = {"e0": remote_engine.remote(transport)}
+    actors = [trainer, *engines.values()]
+    try:
+        registry = VersionRegistry()
+        wsync = PolicyWeightSync("alice", trainer, engines, registry, transport=transport)
+        for version in range(2):
+            ray.get(trainer.train_step.remote())
+            result = wsync.sync(version)
+            assert not result.failures
+            assert result.reports["e0"].control_messages == 1 and result.reports["e0"].applied
+        assert ray.get(engines["e0"].fingerprint.remote()) == _expected(2)
+
+        late = remote_engine.remote(transport)
+        actors.append(late)
+        catch_up = wsync.add_engine("e1", late)
+        assert catch_up is not None and not catch_up.failures
+        assert ray.get(late.weight_version.remote()) == 1
+        assert ray.get(late.fingerprint.remote()) == _expected(2)
+        assert registry.ready("alice", "e1") and registry.ready("alice", "e0")
+
+        # An engine whose model differs: it rejects, the others still move on to the new version.
+        odd = remote_engine.remote(transport, 9)
+        actors.append(odd)
+        wsync.add_engine("odd", odd)
+        ray.get(trainer.train_step.remote())
+        result = wsync.sync(2)
+        assert isinstance(result.failures["odd"], WeightMismatchError)
+        assert set(result.reports) == {"e0", "e1"}
+        assert ray.get(odd.weight_version.remote()) == -1
+        assert registry.lagging("alice") == ["odd"]
+        assert ray.get(late.fingerprint.remote()) == _expected(3)
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in actors:
+            ray.kill(a)

@@ -1,0 +1,66 @@
+"""Transport names match the RLJob enum; `auto` picks by placement; new transports plug in by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyrl_runtime.weights import TRANSPORTS, VersionRegistry, choose_transport, get_transport, registered
+from polyrl_runtime.weights.api import VersionError, WeightManifest
+from polyrl_runtime.weights.buckets import plan_buckets
+from polyrl_runtime.weights.registry import register_transport
+from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
+
+
+def test_builtin_names_are_the_api_enum() -> None:
+    assert TRANSPORTS == ("auto", "objectstore", "shm", "collective")
+    assert set(registered()) >= set(TRANSPORTS) - {"auto"}
+
+
+@pytest.mark.parametrize(
+    ("cuda", "same_host", "ray_available", "expected"),
+    [
+        (True, True, True, "collective"),
+        (True, False, True, "collective"),
+        (False, True, True, "shm"),
+        (False, False, True, "objectstore"),
+        (False, False, False, "collective"),
+    ],
+)
+def test_auto(cuda: bool, same_host: bool, ray_available: bool, expected: str) -> None:
+    assert choose_transport("auto", cuda=cuda, same_host=same_host, ray_available=ray_available) == expected
+
+
+def test_explicit_choice_is_kept_and_unknown_rejected() -> None:
+    assert choose_transport("objectstore", cuda=True, same_host=True) == "objectstore"
+    with pytest.raises(KeyError, match="nccl2"):
+        choose_transport("nccl2", cuda=True, same_host=True)
+    with pytest.raises(ValueError):
+        register_transport("auto", ShmSender, ShmReceiver)
+
+
+def test_register_extension() -> None:
+    register_transport("test-shm-alias", ShmSender, ShmReceiver)
+    assert get_transport("test-shm-alias").sender is ShmSender
+    assert "test-shm-alias" in registered()
+
+
+def _m(policy: str, version: int) -> WeightManifest:
+    return WeightManifest(policy, version, "shm", plan_buckets([], 1))
+
+
+def test_version_registry_monotone_and_readiness() -> None:
+    reg = VersionRegistry()
+    assert reg.latest("a") is None and reg.latest_version("a") == -1
+    reg.publish(_m("a", 0))
+    reg.record("a", "e0", 0)
+    reg.publish(_m("a", 1))
+    reg.publish(_m("b", 7))  # policies are independent
+    assert reg.lagging("a") == ["e0"] and not reg.ready("a", "e0")
+    reg.record("a", "e0", 1)
+    assert reg.ready("a", "e0") and not reg.ready("a", "e1")
+    with pytest.raises(VersionError):
+        reg.publish(_m("a", 0))
+    with pytest.raises(VersionError):
+        reg.record("a", "e0", 0)
+    reg.forget("a", "e0")
+    assert reg.engines("a") == {}

@@ -1,0 +1,241 @@
+"""Every transport: bit-exact round trips, all-or-nothing rejection, versions, late joiners."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from weights_harness import bit_equal, make_pair, random_tensors, sync, zeros_like_all
+
+from polyrl_runtime.weights import SyncReport, VersionError, WeightMismatchError, WeightSyncError
+
+ALL = ["objectstore", "shm", "collective"]
+
+# Odd shapes, every dtype class the engines use; small buckets so tensors span and share buckets.
+MIXED = {
+    "emb": ((37, 13), torch.float32),
+    "w.bf16": ((5, 7, 3), torch.bfloat16),
+    "w.fp16": ((129,), torch.float16),
+    "fp64": ((3, 3), torch.float64),
+    "ids.i64": ((17,), torch.int64),
+    "ids.i32": ((1, 9), torch.int32),
+    "i8": ((31,), torch.int8),
+    "u8": ((2, 2, 2), torch.uint8),
+    "mask": ((11,), torch.bool),
+    "scalar": ((), torch.float32),
+    "empty": ((0, 4), torch.float32),
+}
+
+
+@pytest.fixture(params=ALL)
+def transport(request: pytest.FixtureRequest) -> str:
+    if request.param == "objectstore":
+        request.getfixturevalue("ray_session")
+    return str(request.param)
+
+
+def _ok(results: list[Any]) -> list[SyncReport]:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+@pytest.mark.parametrize("bucket_bytes", [7, 64, 1000, 1 << 20])
+def test_round_trip_bit_exact(transport: str, bucket_bytes: int) -> None:
+    tensors = random_tensors(MIXED)
+    sender, receivers = make_pair(transport, 2, bucket_bytes)
+    targets = [zeros_like_all(tensors) for _ in receivers]
+    try:
+        reports = _ok(sync(sender, receivers, targets, 0, tensors))
+    finally:
+        sender.close()
+    expected_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    for target, report in zip(targets, reports, strict=True):
+        assert target.version == 0
+        for name, t in tensors.items():
+            assert bit_equal(target.named_tensors()[name], t), name
+        assert report.applied and report.nbytes == expected_bytes
+        assert report.control_messages == 1
+        assert report.num_buckets == -(-expected_bytes // bucket_bytes)
+
+
+def test_zero_bytes(transport: str) -> None:
+    tensors = {"empty": torch.empty(0, 3), "none": torch.empty(0, dtype=torch.bfloat16)}
+    sender, receivers = make_pair(transport, 1, 1024)
+    target = zeros_like_all(tensors)
+    try:
+        (report,) = _ok(sync(sender, receivers, [target], 3, tensors))
+    finally:
+        sender.close()
+    assert report.nbytes == 0 and report.num_buckets == 0 and target.version == 3
+
+
+def test_bf16_special_values_survive(transport: str) -> None:
+    # NaN payloads, infinities and negative zero must arrive bit for bit, not merely "close".
+    raw = torch.tensor([0x7FC1, 0xFF80, 0x7F80, 0x8000, 0x0001, 0x7FFF], dtype=torch.int32).to(torch.int16)
+    tensors = {"x": raw.view(torch.bfloat16).clone()}
+    sender, receivers = make_pair(transport, 1, 4)
+    target = zeros_like_all(tensors)
+    try:
+        _ok(sync(sender, receivers, [target], 0, tensors))
+    finally:
+        sender.close()
+    assert bit_equal(target.named_tensors()["x"], tensors["x"])
+
+
+def test_versions_advance_and_repeat_is_noop(transport: str) -> None:
+    sender, receivers = make_pair(transport, 1, 256)
+    target = zeros_like_all(random_tensors(MIXED))
+    try:
+        for v in range(3):
+            tensors = random_tensors(MIXED, seed=v)
+            (report,) = _ok(sync(sender, receivers, [target], v, tensors))
+            assert report.applied and target.version == v
+            assert all(bit_equal(target.named_tensors()[k], t) for k, t in tensors.items())
+        with pytest.raises(VersionError):
+            sender.publish(2, tensors)
+    finally:
+        sender.close()
+
+
+def _drop(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    del t["w.fp16"]  # the engine has a tensor the update lacks
+    return t
+
+
+def _extra(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {**t, "extra": torch.ones(2)}  # the update has one the engine lacks
+
+
+def _shape(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {**t, "ids.i32": torch.zeros(9, 1, dtype=torch.int32)}
+
+
+def _dtype(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {**t, "i8": torch.zeros(31, dtype=torch.int16)}
+
+
+@pytest.mark.parametrize(
+    ("change", "offender"),
+    [(_drop, "w.fp16"), (_extra, "extra"), (_shape, "ids.i32"), (_dtype, "i8")],
+    ids=["missing", "extra", "shape", "dtype"],
+)
+def test_mismatch_rejected_and_old_version_kept(transport: str, change: Any, offender: str) -> None:
+    v0 = random_tensors(MIXED, seed=1)
+    sender, receivers = make_pair(transport, 2, 100)
+    good, bad = zeros_like_all(v0), zeros_like_all(v0)
+    try:
+        _ok(sync(sender, receivers, [good, bad], 0, v0))
+        v1 = change(random_tensors(MIXED, seed=2))
+        # Only one engine is mismatched; build the sender's update for the other from its shape.
+        results = sync(sender, receivers, [zeros_like_all(v1), bad], 1, v1)
+    finally:
+        sender.close()
+    err = results[1]
+    assert isinstance(err, WeightMismatchError), err
+    assert err.name == offender and offender in str(err)
+    assert bad.version == 0
+    assert all(bit_equal(bad.named_tensors()[k], t) for k, t in v0.items())
+
+
+def test_older_manifest_rejected(transport: str) -> None:
+    tensors = random_tensors(MIXED)
+    sender, receivers = make_pair(transport, 1, 512)
+    target = zeros_like_all(tensors, version=5)
+    try:
+        (err,) = sync(sender, receivers, [target], 4, tensors)
+    finally:
+        sender.close()
+    assert isinstance(err, VersionError)
+    assert target.version == 5
+    assert all(not v.any() for v in target.named_tensors().values())
+
+
+def test_late_joiner_catches_up(transport: str) -> None:
+    sender, receivers = make_pair(transport, 1, 300)
+    first = zeros_like_all(random_tensors(MIXED))
+    try:
+        for v in range(3):
+            _ok(sync(sender, receivers, [first], v, random_tensors(MIXED, seed=v)))
+        latest = random_tensors(MIXED, seed=2)
+        late_receiver = make_pair(transport, 1, 300)[1][0] if transport != "collective" else None
+        late = zeros_like_all(latest)
+        if transport == "collective":
+            # Scale-out: a new group generation with both engines; the current one drains the resend.
+            from polyrl_runtime.weights.collective import CollectiveReceiver, CollectiveSender
+
+            assert isinstance(sender, CollectiveSender)
+            sender.set_receivers(2)
+            joiner = CollectiveReceiver(timeout_s=60.0)
+            manifest = sender.resend()
+            import threading
+
+            out: dict[str, Any] = {}
+            t = threading.Thread(target=lambda: out.update(old=receivers[0].receive(manifest, first)))
+            t.start()
+            report = joiner.receive(manifest, late)
+            t.join()
+            sender.wait()
+            assert out["old"].applied is False
+        else:
+            assert late_receiver is not None and sender.latest is not None
+            report = late_receiver.receive(sender.latest, late)
+    finally:
+        sender.close()
+    assert report.applied and late.version == 2
+    assert all(bit_equal(late.named_tensors()[k], t) for k, t in latest.items())
+
+
+def test_shm_stale_manifest_is_rejected() -> None:
+    tensors = random_tensors(MIXED)
+    sender, (receiver,) = make_pair("shm", 1, 512)
+    target = zeros_like_all(tensors)
+    try:
+        old = sender.publish(0, tensors)
+        sender.publish(1, random_tensors(MIXED, seed=9))
+        with pytest.raises(WeightSyncError, match="holds version 1"):
+            receiver.receive(old, target)
+    finally:
+        sender.close()
+    assert target.version == -1 and all(not v.any() for v in target.named_tensors().values())
+
+
+def test_collective_sender_failure_leaves_engine_intact() -> None:
+    tensors = random_tensors(MIXED)
+    sender, (receiver,) = make_pair("collective", 1, 512)
+    target = zeros_like_all(tensors)
+    try:
+        _ok(sync(sender, [receiver], [target], 0, tensors))
+        # A manifest for a group whose sender never shows up: the broadcast fails after the timeout.
+        from dataclasses import replace
+
+        from polyrl_runtime.weights.collective import CollectiveReceiver
+
+        assert sender.latest is not None
+        bogus = replace(sender.latest, version=1, handle=replace(sender.latest.handle, generation=99))
+        quick = CollectiveReceiver(timeout_s=1.0)
+        with pytest.raises(WeightSyncError):
+            quick.receive(bogus, target)
+    finally:
+        sender.close()
+    assert target.version == 0
+    assert all(bit_equal(target.named_tensors()[k], t) for k, t in tensors.items())
+
+
+@pytest.mark.slow
+def test_large_round_trip(transport: str) -> None:
+    # Hundreds of MB: a few big fp32/bf16 matrices plus many small tensors, default-sized buckets.
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"big{i}": torch.randn(4096, 8192, generator=g) for i in range(2)}  # 2 x 128 MiB
+    tensors["bf16"] = torch.randn(4096, 4099, generator=g).to(torch.bfloat16)
+    tensors.update({f"small{i}": torch.randn(i + 1, 3, generator=g) for i in range(200)})
+    sender, receivers = make_pair(transport, 1, 64 << 20)
+    target = zeros_like_all(tensors)
+    try:
+        (report,) = _ok(sync(sender, receivers, [target], 0, tensors))
+    finally:
+        sender.close()
+    assert report.nbytes > 280 << 20
+    assert all(bit_equal(target.named_tensors()[k], t) for k, t in tensors.items())
