@@ -21,6 +21,11 @@ test: install controlplane helmrender
 	$(BIN)/polyrl crds check
 	$(BIN)/pytest -p no:cacheprovider tests
 
+# Trains the CPU example locally (speaker/listener signalling game): live progress, then a summary,
+# reward curves, metrics and the final checkpoint in runs/signal-game.
+run: install
+	$(BIN)/polyrl run manifests/examples/signal-game-cpu.yaml --out runs/signal-game
+
 install: $(STAMP)
 
 # torch first, from the pinned CPU wheel; deepspeed's sdist imports torch in setup.py, so it

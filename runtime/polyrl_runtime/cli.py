@@ -1,0 +1,86 @@
+"""Command lines: `polyrl run FILE` (registered into the operator's `polyrl` through the
+`polyrl.commands` entry point) and `polyrl-runtime coordinator|worker` (what the pods run)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from polyrl_runtime.local.run import run_local
+
+    return run_local(
+        args.file,
+        args.out,
+        resume=args.resume,
+        port=args.port,
+        quiet=args.quiet,
+        live=False if args.plain else None,
+    )
+
+
+def register(subparsers: Any) -> None:
+    """Entry point (`polyrl.commands`): adds `polyrl run`."""
+    run = subparsers.add_parser(
+        "run", help="run an RLJob on this machine (local Ray, CPU), with live progress and plots"
+    )
+    run.add_argument("file", metavar="FILE", help="RLJob manifest (YAML or JSON)")
+    run.add_argument("--out", help="output folder (default: runs/<job name>)")
+    run.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in the output folder"
+    )
+    run.add_argument("--port", type=int, help="also serve /progress on 127.0.0.1:PORT")
+    run.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the summary")
+    run.set_defaults(func=_cmd_run)
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from polyrl_runtime.coordinator.pod import run_coordinator
+
+    return run_coordinator(args.config, out=args.out, ray_port=args.ray_port, http_port=args.http_port)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from polyrl_runtime.coordinator.pod import run_worker
+
+    return run_worker(
+        args.config, role=args.role, policy=args.policy, address=args.address, http_port=args.http_port
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="polyrl-runtime", description="polyrl runtime entry points for pods."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser("coordinator", help="start the Ray head and run the job's driver")
+    c.add_argument("--config", required=True, help="RLJob file (the pod's POLYRL_CONFIG)")
+    c.add_argument("--out", default=None, help="local state folder (default: /tmp/polyrl/<job>)")
+    c.add_argument("--ray-port", type=int, default=6379, help="Ray GCS port (default 6379)")
+    c.add_argument(
+        "--http-port", type=int, default=None, help="/progress port (default: POLYRL_HTTP_PORT or 8000)"
+    )
+    c.set_defaults(func=_cmd_coordinator)
+    w = sub.add_parser("worker", help="join the coordinator's Ray cluster as one role's node and wait")
+    w.add_argument("--config", required=True, help="RLJob file (the pod's POLYRL_CONFIG)")
+    w.add_argument("--role", required=True, choices=["rollout", "trainer", "workflow"])
+    w.add_argument("--policy", default=None, help="policy name (rollout and trainer roles)")
+    w.add_argument("--address", default=None, help="Ray head address (default: POLYRL_COORDINATOR_ADDRESS)")
+    w.add_argument(
+        "--http-port", type=int, default=None, help="/healthz port (default: POLYRL_HTTP_PORT or 8000)"
+    )
+    w.set_defaults(func=_cmd_worker)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

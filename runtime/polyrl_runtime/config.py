@@ -1,0 +1,138 @@
+"""Reading the RLJob: the same pydantic models the operator plans with, from YAML or JSON.
+
+`load_job(path)` accepts the file a user writes (`polyrl run job.yaml`, which may hold several YAML
+documents: the first RLJob is used) and the JSON the operator mounts in pods (`POLYRL_CONFIG`). Errors
+name the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import yaml
+from pydantic import ValidationError
+
+from polyrl_operator.api import RLJob
+
+ENV_DEFAULTS = {
+    "OMP_NUM_THREADS": "1",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+}
+
+
+class JobFileError(ValueError):
+    """The job file cannot be read or is not a valid RLJob; the message names the file and field."""
+
+
+def configure_logging(level: str | None = None) -> None:
+    """structlog at INFO (or POLYRL_LOG_LEVEL) for the runtime's processes."""
+    name = (level or os.environ.get("POLYRL_LOG_LEVEL", "INFO")).upper()
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, name, logging.INFO))
+    )
+
+
+def set_env_defaults() -> None:
+    """Environment every runtime process wants before torch/ray start (explicit settings win)."""
+    configure_logging()
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "polyrl" / "torch_extensions"))
+
+
+def _documents(path: Path) -> list[Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise JobFileError(f"{path}: cannot read: {e.strerror or e}") from e
+    try:
+        if path.suffix == ".json":
+            return [json.loads(text)]
+        return [d for d in yaml.safe_load_all(text) if d is not None]
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise JobFileError(f"{path}: not valid YAML/JSON: {e}") from e
+
+
+def _format_errors(path: Path, err: ValidationError) -> str:
+    lines = [f"{path}: invalid RLJob:"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        lines.append(f"  {loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_job(doc: Any, source: str = "<job>") -> RLJob:
+    try:
+        return RLJob.model_validate(doc)
+    except ValidationError as e:
+        raise JobFileError(_format_errors(Path(source), e)) from e
+
+
+def load_job(path: str | Path) -> RLJob:
+    path = Path(path)
+    docs = [d for d in _documents(path) if isinstance(d, dict) and d.get("kind") == "RLJob"]
+    if not docs:
+        raise JobFileError(f"{path}: no document with kind: RLJob")
+    return parse_job(docs[0], str(path))
+
+
+@dataclass(frozen=True)
+class PodEnv:
+    """What the operator tells a pod through its environment (docs/runtime-contract.md)."""
+
+    job: str
+    namespace: str
+    role: str
+    policy: str
+    index: int
+    attempt: int
+    pod_name: str
+    coordinator_address: str
+    config: str
+    podinfo_dir: str
+    http_port: int
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> PodEnv:
+        e = os.environ
+        values: dict[str, Any] = {
+            "job": e.get("POLYRL_JOB", ""),
+            "namespace": e.get("POLYRL_NAMESPACE", ""),
+            "role": e.get("POLYRL_ROLE", ""),
+            "policy": e.get("POLYRL_POLICY", ""),
+            "index": int(e.get("POLYRL_INDEX", "0") or 0),
+            "attempt": int(e.get("POLYRL_ATTEMPT", "0") or 0),
+            "pod_name": e.get("POLYRL_POD_NAME", ""),
+            "coordinator_address": e.get("POLYRL_COORDINATOR_ADDRESS", ""),
+            "config": e.get("POLYRL_CONFIG", "/etc/polyrl/config/rljob.json"),
+            "podinfo_dir": e.get("POLYRL_PODINFO_DIR", "/etc/polyrl/podinfo"),
+            "http_port": int(e.get("POLYRL_HTTP_PORT", "8000") or 8000),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def read_annotations(podinfo_dir: str) -> dict[str, str]:
+    """The downward-API `annotations` file (`key="value"` lines); {} when absent."""
+    path = Path(podinfo_dir) / "annotations"
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = json.loads(value) if value.startswith('"') else value
+    return out
+
+
+def resource_name(policy: str | None, role: str) -> str:
+    """The Ray custom resource that places a role's actors: `polyrl/<policy>/<role>` or `polyrl/<role>`."""
+    return f"polyrl/{policy}/{role}" if policy else f"polyrl/{role}"

@@ -1,0 +1,655 @@
+"""The driver: runs one RLJob to completion (in the coordinator pod, or locally under `polyrl run`).
+
+The loop, per policy p (all policies concurrently; the producer feeds them all):
+
+    producer:  ticket <- buffer.acquire(policies)            # staleness credit = back-pressure
+               group  <- worker.run_group(seed, tickets)     # episodes -> buffer (worker puts them)
+    trainer p: wait until the buffer holds one step of p's samples (episodesPerStep episodes)
+               ranks.train_step()  -> buffer.ack(leases)     # each rank pulls its share, one optimizer step
+               weights.sync(version + 1) -> buffer.advance(p) # engines first, then more credit
+               every checkpoint.everySteps: checkpoint(weights, optimizer, buffer, counters)
+
+sync mode is the same loop with maxStaleness 0: the buffer grants exactly one step of credit per
+version, so generation waits for the weights of the previous step (strictly on-policy). In async mode
+generation runs up to maxStaleness versions ahead; older samples are dropped (and counted) by the
+buffer, newer-but-stale ones are corrected by truncated importance weights in the loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import ray
+import structlog
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from polyrl_operator.api import RLJob
+from polyrl_operator.api.progress import (
+    CheckpointProgress,
+    PolicyProgress,
+    Progress,
+    StalenessStats,
+    Worker,
+    WorkflowProgress,
+)
+from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef, CheckpointStore
+from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
+from polyrl_runtime.experience.actor import create_experience_actor
+from polyrl_runtime.experience.buffer import PolicyConfig, PolicyStats, UnknownTicketError
+from polyrl_runtime.weights import VersionRegistry, choose_transport
+from polyrl_runtime.weights.endpoints import PolicyWeightSync
+from polyrl_runtime.workflows.api import load_workflow
+from polyrl_runtime.workflows.runner import GroupReport
+
+log = structlog.get_logger(__name__)
+
+State = Literal["starting", "running", "checkpointing", "done", "failed"]
+
+
+class JobFailedError(RuntimeError):
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass
+class DriverOptions:
+    out_dir: Path
+    checkpoint_root: Path
+    resume: bool = True
+    episode_timeout_s: float = 300.0
+    max_consecutive_failures: int = 64
+    max_in_flight_per_worker: int = 512
+    poll_s: float = 0.5
+    same_host: bool = True
+    place_by_resource: bool = True  # False: ignore polyrl/<policy>/<role> resources (tests on a plain Ray)
+    on_record: Callable[[StepRecord], None] | None = None
+    # Polled every poll_s: the id of a checkpoint request (the pod's checkpoint-request annotation).
+    checkpoint_requests: Callable[[], str | None] | None = None
+    on_event: Callable[[str, dict[str, Any]], None] | None = None
+
+
+@dataclass
+class RunSummary:
+    state: str
+    message: str
+    steps: dict[str, int]
+    first_reward: dict[str, float | None]
+    last_reward: dict[str, float | None]
+    wall_s: float
+    episodes: int
+    failed: dict[str, int]
+    dropped: dict[str, dict[str, int]]
+    checkpoint: str | None
+    records: list[StepRecord] = field(default_factory=list)
+
+
+@dataclass
+class _PolicyRun:
+    name: str
+    ranks: list[Any]
+    sync: PolicyWeightSync | None = None
+    step: int = 0
+    samples_per_episode: int | None = None
+    window: RewardWindow = field(default_factory=lambda: RewardWindow(64))
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    stats: PolicyStats | None = None
+    staleness: tuple[float, int] = (0.0, 0)
+    last_reward: float | None = None
+    last_ckpt_step: int | None = None
+
+
+class Driver:
+    def __init__(self, job: RLJob, opts: DriverOptions) -> None:
+        self.job, self.opts, self.spec = job, opts, job.spec
+        self.E = self.spec.training.episodes_per_step
+        self.total = self.spec.training.total_steps
+        grpo = [p.algorithm.group_size for p in self.spec.policies if p.algorithm.name == "grpo"]
+        self.group_size = max(grpo or [1])
+        self.store = CheckpointStore(opts.checkpoint_root, self.spec.checkpoint.keep)
+        self.state: State = "starting"
+        self.message, self.retryable = "", True
+        self.runs: dict[str, _PolicyRun] = {}
+        self.failures: Counter[str] = Counter()
+        self.episodes_ok = 0
+        self._consecutive_failures = 0
+        self._episodes_in_flight = 0
+        self._signals: deque[float] = deque(maxlen=8 * self.E)
+        self._rng = random.Random(self.spec.training.seed)
+        self._group_seq = 0
+        self._stop = asyncio.Event()
+        self._fatal: JobFailedError | None = None
+        self._ckpt_lock = asyncio.Lock()
+        self.ckpt_in_progress = False
+        self.last_ckpt: CheckpointRef | None = None
+        self.handled_requests: list[str] = []
+        self.records: list[StepRecord] = []
+        self.started = time.monotonic()
+        self._elapsed_before = 0.0
+        self.interrupted = False
+        self.buffer: Any = None
+        self.fleet: Fleet | None = None
+        self.registry = VersionRegistry()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self) -> RunSummary:
+        try:
+            await self._start()
+            self.state = "running"
+            trainers = [asyncio.create_task(self._train_loop(n)) for n in self.runs]
+            side = [asyncio.create_task(self._produce()), asyncio.create_task(self._housekeep())]
+            waiters: list[asyncio.Future[Any]] = [
+                asyncio.ensure_future(asyncio.gather(*trainers)),
+                asyncio.ensure_future(self._stop.wait()),
+            ]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            self._stop.set()
+            await asyncio.gather(*trainers, return_exceptions=True)
+            for t in side:
+                t.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            if self._fatal is not None:
+                raise self._fatal
+            request = self._pending_request()
+            if request is not None:
+                self.handled_requests.append(request)  # the final checkpoint below answers it
+            await self.checkpoint("final")
+            if self.fleet is not None:
+                await self.fleet.poll()  # the final /progress shows the engines' final versions
+            done = all(r.step >= self.total for r in self.runs.values())
+            self.state = "done" if done else "running"
+            self.message = "all policies finished" if done else "interrupted; checkpointed"
+        except JobFailedError as e:
+            self.state, self.message, self.retryable = "failed", str(e), e.retryable
+            log.error("job.failed", error=str(e))
+        return await self._summary()
+
+    def stop(self, reason: str = "interrupted") -> None:
+        """Stop after the steps in progress; `run` then checkpoints and returns (Ctrl-C, SIGTERM)."""
+        self.interrupted = True
+        self.message = reason
+        self._stop.set()
+
+    def _fail(self, message: str, *, retryable: bool = True) -> None:
+        if self._fatal is None:
+            self._fatal = JobFailedError(message, retryable=retryable)
+        self._stop.set()
+
+    def _emit(self, kind: str, **data: Any) -> None:
+        if self.opts.on_event is not None:
+            self.opts.on_event(kind, data)
+
+    async def _start(self) -> None:
+        spec = self.spec
+        try:
+            load_workflow(spec.workflow.entrypoint, spec.workflow.args)
+        except ImportError as e:
+            raise JobFailedError(f"spec.workflow.entrypoint: {e}", retryable=False) from e
+        ref = self.store.latest() if self.opts.resume else None
+        cuda = any(p.trainer.gpus > 0 for p in spec.policies)
+        transport = choose_transport(spec.weight_sync.transport, cuda=cuda, same_host=self.opts.same_host)
+        self.fleet = Fleet(self.job, transport, place_by_resource=self.opts.place_by_resource)
+        s = spec.effective_max_staleness
+        configs = [PolicyConfig(p.name, self.E, s) for p in spec.policies]
+        capacity = (s + 2) * self.E * len(configs) + 4 * self.group_size
+        node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        snapshot = ref.buffer() if ref is not None else None
+        if snapshot is not None:
+            for name, state in snapshot.policies.items():
+                # A policy that had finished may train again when the job now asks for more steps.
+                if int(ref.state["policies"].get(name, {}).get("step", 0)) < self.total:  # type: ignore[union-attr]
+                    state["finished"] = False
+        self.buffer = create_experience_actor(configs, capacity, snapshot=snapshot, scheduling_strategy=node)
+        for p in spec.policies:
+            for _ in range(p.rollout.replicas.min):
+                self.fleet.new_engine(p)
+            self.runs[p.name] = _PolicyRun(p.name, self.fleet.new_trainers(p, self.buffer))
+            self.runs[p.name].window = RewardWindow(self.E)
+        self._emit("starting", transport=transport, resume=str(ref.path) if ref else None)
+        await asyncio.gather(*(self._setup_policy(p.name, ref, transport) for p in spec.policies))
+        job_json = self.job.model_dump_json(by_alias=True)
+        for _ in range(spec.workflow.replicas.min):
+            self.fleet.new_worker(job_json, self.buffer, self.opts.episode_timeout_s)
+        await asyncio.gather(*(w.handle.stats.remote() for w in self.fleet.workers.values()))
+        if ref is not None:
+            self._restore_counters(ref)
+        self._emit("started", policies=list(self.runs))
+
+    async def _setup_policy(self, name: str, ref: CheckpointRef | None, transport: str) -> None:
+        assert self.fleet is not None
+        run = self.runs[name]
+        addr, port = await run.ranks[0].address.remote()
+        await asyncio.gather(*(r.setup.remote(addr, port) for r in run.ranks))
+        if ref is not None:
+            d = str(ref.trainer_dir(name))
+            await asyncio.gather(*(r.load.remote(d, TRAINER_TAG) for r in run.ranks))
+            run.step = int(ref.state["policies"][name]["step"])
+        engines = {n: s.handle for n, s in self.fleet.engines[name].items()}
+        kwargs = {"num_receivers": len(engines)} if transport == "collective" else {}
+        await run.ranks[0].init_sender.remote(transport, self._bucket(), kwargs)
+        run.sync = await asyncio.to_thread(
+            PolicyWeightSync, name, run.ranks[0], engines, self.registry, transport=transport
+        )
+        await self._sync_weights(name, run.step)
+
+    def _bucket(self) -> int:
+        return self.spec.weight_sync.bucket_mb << 20
+
+    def _restore_counters(self, ref: CheckpointRef) -> None:
+        st = ref.state
+        self._group_seq = int(st.get("group_seq", 0))
+        self.episodes_ok = int(st.get("episodes_ok", 0))
+        self.failures.update(st.get("failures", {}))
+        self._elapsed_before = float(st.get("elapsed_s", 0.0))
+        self.handled_requests = list(st.get("request_ids", []))
+        self._rng.seed(self.spec.training.seed + self._group_seq)
+        self.last_ckpt = ref
+        for name, run in self.runs.items():
+            run.last_ckpt_step = run.step
+            run.samples_per_episode = st["policies"][name].get("samples_per_episode")
+        log.info("job.resumed", checkpoint=str(ref.path), steps={n: r.step for n, r in self.runs.items()})
+
+    # -- producing episodes ----------------------------------------------------------------------
+
+    def _pick_worker(self) -> Slot | None:
+        assert self.fleet is not None
+        ok = [w for w in self.fleet.workers.values() if not w.dead and not w.draining]
+        ok = [w for w in ok if w.in_flight < self.opts.max_in_flight_per_worker]
+        return min(ok, key=lambda w: w.in_flight) if ok else None
+
+    async def _produce(self) -> None:
+        names = list(self.runs)
+        pending: set[asyncio.Task[None]] = set()
+        while not self._stop.is_set():
+            worker = self._pick_worker()
+            if worker is None:
+                await asyncio.sleep(0.05)
+                continue
+            room = self.opts.max_in_flight_per_worker - worker.in_flight
+            tickets = await self.buffer.acquire.remote(names, min(self.group_size, room), 0.2)
+            if not tickets:
+                continue
+            gid, seed = f"g{self._group_seq}", self._rng.randrange(2**31)
+            self._group_seq += 1
+            worker.in_flight += len(tickets)
+            self._episodes_in_flight += len(tickets)
+            task = asyncio.create_task(self._run_group(worker, gid, seed, tickets))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        for t in pending:
+            t.cancel()
+
+    async def _run_group(self, worker: Slot, gid: str, seed: int, tickets: list[Any]) -> None:
+        try:
+            report: GroupReport = await worker.handle.run_group.remote(gid, seed, tickets)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            worker.dead = isinstance(e, ray.exceptions.RayActorError)
+            for t in tickets:  # those the worker had not put yet
+                with contextlib.suppress(UnknownTicketError, ray.exceptions.RayTaskError):
+                    await self.buffer.release.remote([t])
+            self.failures["worker_error"] += len(tickets)
+            log.warning("group.failed", group=gid, worker=worker.name, error=str(e).splitlines()[0])
+            return
+        finally:
+            worker.in_flight = max(0, worker.in_flight - len(tickets))
+            self._episodes_in_flight -= len(tickets)
+        self._handle_report(report)
+
+    def _handle_report(self, report: GroupReport) -> None:
+        for ep in report.episodes:
+            if not ep.ok:
+                self.failures[ep.reason] += 1
+                self._consecutive_failures += 1
+                log.warning("episode.failed", episode=ep.episode_id, reason=ep.reason, error=ep.error)
+                self._emit("episode_failed", episode=ep.episode_id, reason=ep.reason, error=ep.error)
+                if self._consecutive_failures >= self.opts.max_consecutive_failures:
+                    self._fail(
+                        f"{self._consecutive_failures} episodes in a row failed; last: episode "
+                        f"{ep.episode_id} ({ep.reason}): {ep.error}",
+                        retryable=ep.reason != "workflow_error",
+                    )
+                continue
+            self._consecutive_failures = 0
+            self.episodes_ok += 1
+            success = ep.metadata.get("success")
+            for policy, reward in ep.policy_rewards.items():
+                run = self.runs[policy]
+                run.window.add(reward, float(success) if isinstance(success, int | float) else None)
+                run.samples_per_episode = ep.samples[policy]
+            self._signals.extend(ep.rewards.values())
+        if report.dead_engines and self.fleet is not None:
+            for slot in self.fleet.mark_dead(report.dead_engines):
+                self._emit("engine_lost", engine=slot.name, policy=slot.policy)
+
+    # -- training --------------------------------------------------------------------------------
+
+    async def _wait_for_step(self, run: _PolicyRun) -> int:
+        """Samples for one step of `run` (0 when stopping): a full step, or whatever is buffered when
+        no more can come (credit exhausted, nothing in flight: episodes with fewer turns than usual)."""
+        while not self._stop.is_set():
+            if run.samples_per_episode is None:  # not known until the first episode is reported
+                await asyncio.sleep(0.01)
+                continue
+            need = self.E * run.samples_per_episode
+            stats: dict[str, PolicyStats] = await self.buffer.stats.remote()
+            st = run.stats = stats[run.name]
+            if st.buffered >= need:
+                return need
+            if st.buffered and st.credit <= 0 and self._episodes_in_flight == 0:
+                return int(st.buffered)
+            await asyncio.sleep(0.01)
+        return 0
+
+    async def _train_loop(self, name: str) -> None:
+        run = self.runs[name]
+        while run.step < self.total and not self._stop.is_set():
+            n = await self._wait_for_step(run)
+            if not n:
+                break
+            async with run.lock:
+                try:
+                    await self._train_once(run, n)
+                except Exception as e:
+                    self._fail(f"policy {name}: trainer failed at step {run.step + 1}: {e}")
+                    return
+            if run.step >= self.total:
+                await self.buffer.finish.remote(name)
+            await self._maybe_checkpoint()
+
+    async def _train_once(self, run: _PolicyRun, n: int) -> None:
+        p = next(p for p in self.spec.policies if p.name == run.name)
+        world = len(run.ranks)
+        shares = [n // world + (1 if i < n % world else 0) for i in range(world)]
+        n_micro = max(1, math.ceil(max(shares) / p.trainer.micro_batch_size))
+        gstd = None
+        if p.algorithm.advantage_norm == "global" and len(self._signals) > 1:
+            m = sum(self._signals) / len(self._signals)
+            gstd = math.sqrt(sum((x - m) ** 2 for x in self._signals) / (len(self._signals) - 1))
+        t0 = time.perf_counter()
+        version = run.step + 1
+        try:
+            results = await asyncio.gather(
+                *(
+                    r.train_step.remote(version, s, n_micro, gstd)
+                    for r, s in zip(run.ranks, shares, strict=True)
+                )
+            )
+        except Exception:
+            for i in range(world):  # whatever the ranks leased goes back to the buffer
+                await self.buffer.consumer_failed.remote(f"{run.name}-trainer-{i}")
+            raise
+        await self.buffer.ack.remote([r.lease_id for r in results if r.lease_id is not None])
+        t1 = time.perf_counter()
+        await self._sync_weights(run.name, version)
+        await self.buffer.advance.remote(run.name, version)
+        run.step = version
+        sync_s = time.perf_counter() - t1
+        reward, success, episodes = run.window.take()
+        run.last_reward = reward
+        stats: dict[str, PolicyStats] = await self.buffer.stats.remote()
+        run.stats = stats[run.name]
+        samples = sum(r.samples for r in results)
+        run.staleness = (run.stats.staleness_mean, run.stats.staleness_max)
+        rec = StepRecord(
+            policy=run.name,
+            step=version,
+            version=version,
+            reward_mean=reward,
+            success_mean=success,
+            episodes=episodes,
+            samples=samples,
+            tokens=sum(r.tokens for r in results),
+            loss=sum(r.loss for r in results),
+            staleness_mean=sum(r.staleness_mean * r.samples for r in results) / max(samples, 1),
+            staleness_max=max(r.staleness_max for r in results),
+            is_weight_mean=sum(r.is_weight_mean for r in results) / world,
+            is_truncated_frac=sum(r.is_truncated_frac for r in results) / world,
+            clip_frac=sum(r.clip_frac for r in results) / world,
+            kl=sum(r.kl for r in results) / world,
+            grad_norm=results[0].grad_norm,
+            train_s=t1 - t0,
+            sync_s=sync_s,
+            elapsed_s=self.elapsed(),
+            samples_per_s=samples / max(time.perf_counter() - t0, 1e-9),
+            dropped=dict(run.stats.dropped),
+            failed_episodes=sum(self.failures.values()),
+        )
+        self.records.append(rec)
+        if self.opts.on_record is not None:
+            self.opts.on_record(rec)
+
+    async def _sync_weights(self, name: str, version: int) -> None:
+        run = self.runs[name]
+        assert run.sync is not None and self.fleet is not None
+        p = next(p for p in self.spec.policies if p.name == name)
+        peers = []
+        if p.trainer.zero_stage == 3 and len(run.ranks) > 1:
+            peers = [r.gather_for_peers.remote() for r in run.ranks[1:]]
+        result = await asyncio.to_thread(run.sync.sync, version)
+        if peers:
+            await asyncio.gather(*peers)
+        for engine, err in result.failures.items():
+            log.warning("weights.engine_failed", policy=name, engine=engine, error=str(err))
+            if isinstance(err, ray.exceptions.RayActorError):
+                self.fleet.mark_dead({engine})
+
+    def elapsed(self) -> float:
+        return self._elapsed_before + time.monotonic() - self.started
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    async def _maybe_checkpoint(self) -> None:
+        every = self.spec.checkpoint.every_steps
+        low = min(r.step for r in self.runs.values())
+        last = self.last_ckpt.step if self.last_ckpt is not None else 0
+        if low >= last + every and low < self.total:
+            await self.checkpoint("periodic")
+
+    async def checkpoint(self, reason: str, request_id: str | None = None) -> CheckpointRef | None:
+        async with self._ckpt_lock:
+            if request_id is not None and request_id in self.handled_requests:
+                return self.last_ckpt
+            steps = {n: r.step for n, r in self.runs.items()}
+            if self.last_ckpt is not None and steps == {
+                n: int(v["step"]) for n, v in self.last_ckpt.state["policies"].items()
+            }:
+                if request_id is not None:
+                    self.handled_requests.append(request_id)
+                return self.last_ckpt  # nothing new since the last one
+            self.ckpt_in_progress = True
+            prev, self.state = self.state, "checkpointing"
+            locks = [self.runs[n].lock for n in sorted(self.runs)]
+            for lock in locks:
+                await lock.acquire()
+            try:
+                steps = {n: r.step for n, r in self.runs.items()}
+                tmp = self.store.begin(min(steps.values()))
+                for n, run in self.runs.items():
+                    d = str(tmp / "trainers" / n)
+                    await asyncio.gather(*(r.save.remote(d, TRAINER_TAG) for r in run.ranks))
+                snap = await self.buffer.snapshot.remote()
+                if request_id is not None:
+                    self.handled_requests.append(request_id)
+                state = {
+                    "step": min(steps.values()),
+                    "reason": reason,
+                    "policies": {
+                        n: {"step": r.step, "version": r.step, "samples_per_episode": r.samples_per_episode}
+                        for n, r in self.runs.items()
+                    },
+                    "group_seq": self._group_seq,
+                    "episodes_ok": self.episodes_ok,
+                    "failures": dict(self.failures),
+                    "elapsed_s": self.elapsed(),
+                    "request_ids": self.handled_requests[-100:],
+                    "job": self.job.metadata.name,
+                }
+                self.last_ckpt = await asyncio.to_thread(self.store.commit, tmp, state, snap)
+                for r in self.runs.values():
+                    r.last_ckpt_step = r.step
+                self._emit("checkpoint", path=str(self.last_ckpt.path), reason=reason, steps=steps)
+                return self.last_ckpt
+            finally:
+                for lock in locks:
+                    lock.release()
+                self.state = prev if prev != "checkpointing" else "running"
+                self.ckpt_in_progress = False
+
+    # -- housekeeping: health, drain, elasticity, requests ----------------------------------------
+
+    async def _housekeep(self) -> None:
+        assert self.fleet is not None
+        while not self._stop.is_set():
+            try:
+                await self.housekeep_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("housekeeping.failed")
+            await asyncio.sleep(self.opts.poll_s)
+
+    def _pending_request(self) -> str | None:
+        if self.opts.checkpoint_requests is None:
+            return None
+        request = self.opts.checkpoint_requests()
+        return request if request and request not in self.handled_requests else None
+
+    async def housekeep_once(self) -> None:
+        assert self.fleet is not None
+        request = self._pending_request()
+        if request is not None:
+            await self.checkpoint("request", request)
+        changed = bool(await self.fleet.poll())
+        for run in self.runs.values():
+            assert run.sync is not None
+            for name in list(run.sync.engines):
+                slot = self.fleet.engines[run.name].get(name)
+                if slot is None or slot.dead:
+                    await asyncio.to_thread(run.sync.remove_engine, name)
+                    changed = True
+                    self._emit("engine_lost", engine=name, policy=run.name)
+        for p in self.spec.policies:
+            # A free unit of the role's resource is a pod (or a dead engine's slot) with no engine.
+            room = p.rollout.replicas.max - len(self.fleet.live_engines(p.name))
+            for _ in range(max(0, min(room, self.fleet.free_units(p.name, "rollout")))):
+                slot = self.fleet.new_engine(p)
+                run = self.runs[p.name]
+                assert run.sync is not None
+                await asyncio.to_thread(run.sync.add_engine, slot.name, slot.handle)
+                changed = True
+                self._emit("engine_added", engine=slot.name, policy=p.name)
+        live_workers = [w for w in self.fleet.workers.values() if not w.dead]
+        free_w = self.fleet.free_units(None, "workflow")
+        if free_w and len(live_workers) < self.spec.workflow.replicas.max:
+            self.fleet.new_worker(
+                self.job.model_dump_json(by_alias=True), self.buffer, self.opts.episode_timeout_s
+            )
+            changed = True
+        if changed:
+            await self.fleet.push_routes()
+
+    async def set_draining(self, target: str, draining: bool = True) -> bool:
+        assert self.fleet is not None
+        found = self.fleet.set_draining(target, draining)
+        if found:
+            await self.fleet.push_routes()
+            self._emit("drain", target=target, draining=draining)
+        return found
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def progress(self) -> Progress:
+        policies = []
+        for name, run in self.runs.items():
+            engines = []
+            backlog = 0
+            if self.fleet is not None:
+                for s in self.fleet.engines[name].values():
+                    if s.dead:
+                        continue
+                    backlog += s.queued
+                    engines.append(
+                        Worker(
+                            pod=s.pod or s.name,
+                            utilisation=s.utilisation,
+                            in_flight=s.in_flight,
+                            draining=s.draining,
+                            drained=s.drained,
+                            version=max(s.version, 0),
+                        )
+                    )
+            policies.append(
+                PolicyProgress(
+                    name=name,
+                    version=run.step,
+                    step=run.step,
+                    reward_mean=run.last_reward,
+                    staleness=StalenessStats(mean=run.staleness[0], max=run.staleness[1]),
+                    backlog=backlog,
+                    engines=engines,
+                    last_checkpoint_step=run.last_ckpt_step,
+                )
+            )
+        workers = []
+        if self.fleet is not None:
+            workers = [
+                Worker(
+                    pod=w.pod or w.name,
+                    utilisation=w.utilisation,
+                    in_flight=w.in_flight,
+                    draining=w.draining,
+                    drained=w.drained,
+                )
+                for w in self.fleet.workers.values()
+                if not w.dead
+            ]
+        return Progress(
+            state=self.state,
+            message=self.message or None,
+            retryable=self.retryable,
+            policies=policies,
+            workflow=WorkflowProgress(backlog=0, workers=workers),
+            checkpoint=CheckpointProgress(
+                last_step=self.last_ckpt.step if self.last_ckpt else None,
+                last_request_id=self.handled_requests[-1] if self.handled_requests else None,
+                in_progress=self.ckpt_in_progress,
+            ),
+        )
+
+    async def _summary(self) -> RunSummary:
+        dropped: dict[str, dict[str, int]] = {}
+        if self.buffer is not None:
+            try:
+                stats: dict[str, PolicyStats] = await self.buffer.stats.remote()
+                dropped = {n: dict(s.dropped) for n, s in stats.items()}
+            except Exception:
+                pass
+        first: dict[str, float | None] = {}
+        for r in self.records:
+            first.setdefault(r.policy, r.reward_mean)
+        return RunSummary(
+            state=self.state,
+            message=self.message,
+            steps={n: r.step for n, r in self.runs.items()},
+            first_reward=first,
+            last_reward={n: r.last_reward for n, r in self.runs.items()},
+            wall_s=self.elapsed(),
+            episodes=self.episodes_ok,
+            failed=dict(self.failures),
+            dropped=dropped,
+            checkpoint=str(self.last_ckpt.path) if self.last_ckpt else None,
+            records=list(self.records),
+        )

@@ -1,0 +1,222 @@
+"""The job's actors, placed by custom resources: engines, trainer ranks and workflow workers.
+
+Every actor asks for one unit of `polyrl/<policy>/<role>` (or `polyrl/workflow`), which is what a pod
+of that role (or `ray.init(resources=...)` under `polyrl run`) provides, so the same code places actors
+on the operator's pods and on one laptop. Engines and workers are elastic: new units (a pod joined)
+get a new actor; an actor that died is replaced when its unit is free again; a draining one leaves the
+routing tables, finishes its work and is reported drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import structlog
+
+from polyrl_operator.api import Policy, RLJob
+from polyrl_runtime.config import resource_name
+from polyrl_runtime.engines.api import EngineStats
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Slot:
+    """One engine or workflow worker as the coordinator tracks it."""
+
+    name: str
+    handle: Any
+    policy: str = ""
+    pod: str = ""
+    draining: bool = False
+    dead: bool = False
+    in_flight: int = 0
+    queued: int = 0
+    version: int = -1
+    utilisation: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    _busy: float = 0.0
+    _at: float = field(default_factory=time.monotonic)
+
+    @property
+    def drained(self) -> bool:
+        return self.draining and self.in_flight == 0
+
+    def observe(self, busy_s: float, in_flight: int) -> None:
+        now = time.monotonic()
+        if now > self._at:
+            self.utilisation = min(1.0, max(0.0, (busy_s - self._busy) / (now - self._at)))
+        self._busy, self._at, self.in_flight = busy_s, now, in_flight
+
+
+def engine_class(policy: Policy) -> Any:
+    if policy.rollout.engine == "vllm":
+        from polyrl_runtime.engines.vllm_engine import VllmEngine
+
+        return VllmEngine
+    from polyrl_runtime.engines.torch_engine import TorchEngine
+
+    return TorchEngine
+
+
+class Fleet:
+    def __init__(
+        self,
+        job: RLJob,
+        transport: str,
+        transport_kwargs: dict[str, Any] | None = None,
+        *,
+        place_by_resource: bool = True,
+    ) -> None:
+        self.job = job
+        self.place_by_resource = place_by_resource
+        self.spec = job.spec
+        self.transport = transport
+        self.transport_kwargs = transport_kwargs or {}
+        self.engines: dict[str, dict[str, Slot]] = {p.name: {} for p in self.spec.policies}
+        self.workers: dict[str, Slot] = {}
+        self._ids = itertools.count()
+
+    # -- creation ------------------------------------------------------------------------------
+
+    def _res(self, policy: str | None, role: str) -> dict[str, float]:
+        return {resource_name(policy, role): 1} if self.place_by_resource else {}
+
+    def _env(self) -> dict[str, Any]:
+        keep = ("OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PYTHONPATH")
+        return {"env_vars": {k: os.environ[k] for k in keep if k in os.environ}}
+
+    def new_engine(self, policy: Policy) -> Slot:
+        name = f"{policy.name}-rollout-{next(self._ids)}"
+        cls = ray.remote(engine_class(policy))
+        handle = cls.options(
+            resources=self._res(policy.name, "rollout"),
+            num_cpus=0,
+            num_gpus=policy.rollout.gpus,
+            max_concurrency=4096,
+            runtime_env=self._env(),
+        ).remote(
+            name,
+            policy.name,
+            policy.model.uri,
+            transport=self.transport,
+            transport_kwargs=self.transport_kwargs,
+            seed=self.spec.training.seed + next(self._ids),
+            dtype=policy.model.dtype,
+        )
+        slot = Slot(name, handle, policy=policy.name)
+        self.engines[policy.name][name] = slot
+        return slot
+
+    def new_worker(self, job_json: str, buffer: Any, episode_timeout_s: float) -> Slot:
+        from polyrl_runtime.workflows.runner import WorkflowWorker
+
+        name = f"workflow-{next(self._ids)}"
+        handle = (
+            ray.remote(WorkflowWorker)
+            .options(
+                resources=self._res(None, "workflow"),
+                num_cpus=0,
+                max_concurrency=4096,
+                runtime_env=self._env(),
+            )
+            .remote(name, job_json, buffer, self.routes(), episode_timeout_s)
+        )
+        slot = Slot(name, handle)
+        self.workers[name] = slot
+        return slot
+
+    def new_trainers(self, policy: Policy, buffer: Any) -> list[Any]:
+        from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
+
+        world = policy.trainer.replicas
+        cls = ray.remote(DeepSpeedTrainer)
+        return [
+            cls.options(
+                resources=self._res(policy.name, "trainer"),
+                num_cpus=0,
+                num_gpus=policy.trainer.gpus,
+                max_concurrency=2,
+                runtime_env=self._env(),
+            ).remote(
+                f"{policy.name}-trainer-{rank}",
+                policy.model_dump_json(by_alias=True),
+                self.spec.training.seed,
+                rank=rank,
+                world=world,
+                buffer=buffer,
+                temperature=policy.rollout.sampling.temperature,
+            )
+            for rank in range(world)
+        ]
+
+    # -- routing, health, drain ----------------------------------------------------------------
+
+    def live_engines(self, policy: str) -> dict[str, Slot]:
+        return {n: s for n, s in self.engines[policy].items() if not s.dead}
+
+    def routes(self) -> dict[str, dict[str, Any]]:
+        return {
+            p: {n: s.handle for n, s in slots.items() if not s.dead and not s.draining}
+            for p, slots in self.engines.items()
+        }
+
+    async def push_routes(self) -> None:
+        routes = self.routes()
+        live = [w for w in self.workers.values() if not w.dead]
+        await asyncio.gather(*(w.handle.set_routes.remote(routes) for w in live), return_exceptions=True)
+
+    async def poll(self) -> list[Slot]:
+        """Refresh stats of every engine and worker; returns the slots found dead since the last poll."""
+        newly_dead: list[Slot] = []
+        slots = [s for p in self.engines.values() for s in p.values() if not s.dead]
+        results = await asyncio.gather(*(s.handle.stats.remote() for s in slots), return_exceptions=True)
+        for s, r in zip(slots, results, strict=True):
+            if isinstance(r, BaseException):
+                s.dead = True
+                newly_dead.append(s)
+                continue
+            assert isinstance(r, EngineStats)
+            s.observe(r.busy_s, r.in_flight)
+            s.queued, s.version = r.queued, r.version
+            s.pod = s.pod or str(r.extra.get("pod", "")) or s.name
+        workers = [w for w in self.workers.values() if not w.dead]
+        wres = await asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True)
+        for w, r in zip(workers, wres, strict=True):
+            if isinstance(r, BaseException):
+                w.dead = True
+                newly_dead.append(w)
+                continue
+            w.observe(float(r["busy_s"]) / max(1.0, float(r.get("capacity", 1.0))), int(r["in_flight"]))
+            w.pod = w.pod or str(r.get("pod", "")) or w.name
+        return newly_dead
+
+    def mark_dead(self, names: set[str]) -> list[Slot]:
+        out = []
+        for p in self.engines.values():
+            for n in names & set(p):
+                if not p[n].dead:
+                    p[n].dead = True
+                    out.append(p[n])
+        return out
+
+    def set_draining(self, target: str, draining: bool) -> bool:
+        """Drain (or undrain) the engine or worker named `target` (actor name or pod name)."""
+        found = False
+        for s in [*(s for p in self.engines.values() for s in p.values()), *self.workers.values()]:
+            if target in (s.name, s.pod):
+                s.draining = draining
+                found = True
+        return found
+
+    def free_units(self, policy: str | None, role: str) -> int:
+        if not self.place_by_resource:
+            return 0
+        api: Any = ray
+        return int(api.available_resources().get(resource_name(policy, role), 0))

@@ -1,0 +1,75 @@
+"""The rollout-engine interface: token ids in, token ids with behaviour logprobs and versions out.
+
+Every engine (the built-in torch engine, the vLLM adapter) is a Ray actor with these methods; the
+workflow side reaches them through `EnginePool`, the driver for weights, pause/resume and stats.
+Logprob convention (shared with the trainers): the log-probability of the sampled token under the
+model's logits divided by the temperature, restricted to `allowed_ids` when given. `top_p` narrows
+sampling but not the recorded logprob (as vLLM's processed logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_ids: tuple[int, ...] = ()
+    allowed_ids: tuple[int, ...] = ()  # constrained decoding: sample only these ids (empty: any)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature >= 0 and 0 < top_p <= 1 required")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One completion: response token ids, behaviour logprobs and the weight version of each token."""
+
+    token_ids: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[np.float32]
+    versions: npt.NDArray[np.int32]
+    finish_reason: str  # "stop" | "length"
+    engine: str = ""
+
+
+@dataclass
+class EngineStats:
+    engine: str
+    policy: str
+    version: int
+    in_flight: int  # requests accepted and not finished (queued + running)
+    queued: int  # waiting for a batch slot
+    busy_s: float  # cumulative time spent in forward passes
+    requests: int
+    tokens: int
+    paused: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineUnavailableError(RuntimeError):
+    """No live engine of the policy could serve the request (all dead or draining)."""
+
+
+class Engine(Protocol):
+    """What the pool and the driver call on an engine actor (each method through `.remote`)."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    def weight_version(self) -> int: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,243 @@
+"""The built-in torch engine: continuous batching over a small causal LM, on CPU (or one GPU).
+
+Requests queue in `generate`; one loop admits them into the running batch between forward passes, so
+a long generation never holds up short ones (the benchmark's long-tail lengths depend on this). Each
+step is one forward over the whole batch (left-padded, no KV cache: the built-in models and sequences
+are small), under the weight target's serving lock: a weight update waits for the current step and
+applies between two steps, so an unfinished generation continues with the new weights and each token
+records the version that produced it (partial rollouts, as in APRIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
+from polyrl_runtime.models import load_model
+from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
+from polyrl_runtime.weights.endpoints import EngineWeights
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future[Generation]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+def model_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits of a built-in model or a Hugging Face causal LM."""
+    out = model(ids, attention_mask=mask)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    assert isinstance(logits, torch.Tensor)
+    return logits
+
+
+def constrained_logprobs(
+    logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None
+) -> torch.Tensor:
+    """Log-softmax of logits/temperature over `allowed` ids only (the behaviour-logprob convention)."""
+    scaled = logits / max(temperature, 1e-5)
+    if allowed is not None and allowed.numel():
+        bias = torch.full_like(scaled, float("-inf"))
+        bias[..., allowed] = 0.0
+        scaled = scaled + bias
+    return torch.log_softmax(scaled.float(), dim=-1)
+
+
+class TorchEngine(EngineWeights):
+    """A rollout engine actor for `engine: torch` (methods are called through Ray)."""
+
+    def __init__(
+        self,
+        name: str,
+        policy: str,
+        model_uri: str,
+        *,
+        transport: str = "objectstore",
+        transport_kwargs: dict[str, Any] | None = None,
+        seed: int = 0,
+        max_batch: int = 256,
+        device: str = "cpu",
+        dtype: str = "auto",
+    ) -> None:
+        torch.set_num_threads(1)
+        self.name = name
+        self.policy = policy
+        self.device = torch.device(device)
+        self.model = load_model(model_uri, seed=seed, dtype=dtype).to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.target = TensorTarget.from_module(self.model)
+        self.init_weight_receiver(transport, self.target, **(transport_kwargs or {}))
+        self.max_batch = max_batch
+        self.max_len = int(getattr(getattr(self.model, "cfg", None), "max_len", 1 << 30))
+        self._rng = torch.Generator().manual_seed(seed)
+        self._pending: list[_Request] = []
+        self._active: list[_Request] = []
+        self._wakeup: asyncio.Event | None = None
+        self._paused = False
+        self._loop_task: asyncio.Task[None] | None = None
+        self._busy_s = 0.0
+        self._requests = 0
+        self._tokens = 0
+        self._forwards = 0
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> asyncio.Event:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._serve())
+        return self._wakeup
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        wake = self._ensure_loop()
+        fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._pending.append(_Request(list(prompt_ids), params, fut, generator=gen))
+        self._requests += 1
+        wake.set()
+        return await fut
+
+    async def _serve(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if self._paused or not (self._pending or self._active):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            room = self.max_batch - len(self._active)
+            if room > 0 and self._pending:
+                self._active.extend(self._pending[:room])
+                del self._pending[:room]
+            batch = list(self._active)
+            try:
+                finished = await asyncio.to_thread(self._step, batch)
+            except Exception as e:  # a bad request must not kill the loop: fail the batch, go on
+                log.exception("engine.step_failed", engine=self.name)
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                self._active = [r for r in self._active if r not in batch]
+                continue
+            for r, reason in finished:
+                self._active.remove(r)
+                if not r.future.done():
+                    r.future.set_result(
+                        Generation(
+                            np.asarray(r.tokens, dtype=np.int32),
+                            np.asarray(r.logprobs, dtype=np.float32),
+                            np.asarray(r.versions, dtype=np.int32),
+                            reason,
+                            self.name,
+                        )
+                    )
+
+    @staticmethod
+    def _buckets(batch: list[_Request]) -> list[list[_Request]]:
+        """Split by sequence length (no KV cache: a row costs as much as the longest row of its
+        forward pass), so long tails do not make every short sequence pay for their length."""
+        rows = sorted(batch, key=lambda r: len(r.prompt) + len(r.tokens))
+        out: list[list[_Request]] = []
+        for r in rows:
+            n = len(r.prompt) + len(r.tokens)
+            if out and n <= 1.5 * (len(out[-1][0].prompt) + len(out[-1][0].tokens)) + 4:
+                out[-1].append(r)
+            else:
+                out.append([r])
+        return out
+
+    def _forward(self, rows: list[_Request]) -> torch.Tensor:
+        seqs = [r.prompt + r.tokens for r in rows]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(s)
+            mask[i, width - len(s) :] = 1
+        return model_logits(self.model, ids.to(self.device), mask.to(self.device))[:, -1].float().cpu()
+
+    def _step(self, batch: list[_Request]) -> list[tuple[_Request, str]]:
+        start = time.perf_counter()
+        with torch.no_grad(), self.target.serving() as version:
+            buckets = self._buckets(batch)
+            batch = [r for b in buckets for r in b]
+            logits = torch.cat([self._forward(b) for b in buckets])
+        self._busy_s += time.perf_counter() - start
+        self._forwards += len(buckets)
+        finished = []
+        for i, r in enumerate(batch):
+            p = r.params
+            allowed = torch.tensor(p.allowed_ids, dtype=torch.long) if p.allowed_ids else None
+            lp = constrained_logprobs(logits[i], p.temperature, allowed)
+            tok = self._sample(lp, p, r.generator)
+            r.tokens.append(tok)
+            r.logprobs.append(float(lp[tok]))
+            r.versions.append(version)
+            self._tokens += 1
+            if tok in p.stop_ids:
+                finished.append((r, "stop"))
+            elif len(r.tokens) >= p.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
+                finished.append((r, "length"))
+        return finished
+
+    def _sample(self, lp: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+        if p.temperature == 0:
+            return int(lp.argmax())
+        probs = lp.exp()
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=gen or self._rng))
+
+    # -- control -------------------------------------------------------------------------------
+
+    async def receive_weights(self, manifest: WeightManifest) -> SyncReport:  # type: ignore[override]
+        # Off the event loop: fetching may block, and applying waits for the current forward pass.
+        return await asyncio.to_thread(EngineWeights.receive_weights, self, manifest)
+
+    async def pause(self) -> None:
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._ensure_loop().set()
+
+    def weight_version(self) -> int:
+        return self.target.version
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            engine=self.name,
+            policy=self.policy,
+            version=self.target.version,
+            in_flight=len(self._pending) + len(self._active),
+            queued=len(self._pending),
+            busy_s=self._busy_s,
+            requests=self._requests,
+            tokens=self._tokens,
+            paused=self._paused,
+            extra={"pod": os.environ.get("POLYRL_POD_NAME", ""), "forward_passes": self._forwards},
+        )
+
+    def ping(self) -> str:
+        return self.name

@@ -1,0 +1,74 @@
+"""Reward-curve PNGs (one per policy) and the metrics files of a local run."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    keys: list[str] = []
+    for r in rows:
+        keys.extend(k for k in r if k not in keys)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _smooth(values: list[float], k: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= k:
+            acc -= values[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def reward_curves(out_dir: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
+    """One PNG per policy: reward (and success, when the workflow reports it) per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for policy in sorted({r["policy"] for r in rows}):
+        mine = [r for r in rows if r["policy"] == policy and r.get("reward_mean") is not None]
+        if not mine:
+            continue
+        steps = [int(r["step"]) for r in mine]
+        rewards = [float(r["reward_mean"]) for r in mine]
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        ax.plot(steps, rewards, alpha=0.35, label="reward (per step)")
+        ax.plot(steps, _smooth(rewards, max(1, len(rewards) // 12)), label="reward (smoothed)")
+        success = [r.get("success_mean") for r in mine]
+        if all(s is not None for s in success):
+            ax.plot(
+                steps,
+                _smooth([float(s) for s in success if s is not None], max(1, len(success) // 12)),
+                linestyle="--",
+                label="success (smoothed)",
+            )
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("mean episode reward")
+        ax.set_title(f"policy {policy}")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        path = out_dir / f"reward_{policy}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written

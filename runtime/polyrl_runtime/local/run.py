@@ -1,0 +1,191 @@
+"""`polyrl run FILE`: run an RLJob on this machine with a local Ray, live progress and result files.
+
+Output folder (default `runs/<job name>`): `metrics.jsonl` (one row per policy step, appended live),
+`metrics.csv`, `reward_<policy>.png`, `summary.json`, `checkpoints/` (periodic and final).
+`--resume` continues from the latest checkpoint there; Ctrl-C stops after the steps in progress,
+writes a checkpoint and the result files, and exits 130.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from polyrl_operator.api import RLJob
+from polyrl_runtime.config import JobFileError, load_job, resource_name, set_env_defaults
+from polyrl_runtime.coordinator.checkpoint import CheckpointStore, checkpoint_root
+from polyrl_runtime.coordinator.driver import Driver, DriverOptions, RunSummary
+from polyrl_runtime.coordinator.metrics import StepRecord
+from polyrl_runtime.local.display import ProgressDisplay
+from polyrl_runtime.local.plots import read_jsonl, reward_curves, write_csv
+
+log = structlog.get_logger(__name__)
+
+
+def local_resources(job: RLJob) -> dict[str, float]:
+    """The custom resources a one-machine cluster offers: as many units as the spec's replicas."""
+    res: dict[str, float] = {resource_name(None, "workflow"): float(job.spec.workflow.replicas.min)}
+    for p in job.spec.policies:
+        res[resource_name(p.name, "rollout")] = float(p.rollout.replicas.min)
+        res[resource_name(p.name, "trainer")] = float(p.trainer.replicas)
+    return res
+
+
+def init_local_ray(job: RLJob) -> None:
+    import ray
+
+    cwd = os.getcwd()
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
+    ray.init(
+        address="local",  # always a private cluster, never one `ray start` left on this machine
+        num_cpus=os.cpu_count() or 2,
+        resources=local_resources(job),
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        configure_logging=True,
+    )
+
+
+def _prepare_out(out: Path, resume: bool, job: RLJob) -> tuple[Path, list[dict[str, Any]]]:
+    root = checkpoint_root(job.spec.checkpoint.uri, out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    if resume:
+        latest = CheckpointStore(root, job.spec.checkpoint.keep).latest()
+        if latest is None:
+            raise JobFileError(f"--resume: no checkpoint in {root}")
+        steps = {p: int(v["step"]) for p, v in latest.state["policies"].items()}
+        rows = [r for r in read_jsonl(out / "metrics.jsonl") if int(r["step"]) <= steps.get(r["policy"], 0)]
+    else:
+        for name in ("metrics.jsonl", "metrics.csv", "summary.json"):
+            (out / name).unlink(missing_ok=True)
+        for png in out.glob("reward_*.png"):
+            png.unlink()
+        if root == out / "checkpoints" and root.exists():
+            shutil.rmtree(root)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, rows
+
+
+def _print_summary(display: ProgressDisplay, s: RunSummary, out: Path, pngs: list[Path]) -> None:
+    w = display.message
+    w("")
+    w(f"== {s.state}: {s.message} ({s.wall_s:.0f}s, {s.episodes} episodes)")
+    for p, step in s.steps.items():
+        first, last = display.first.get(p), display.latest.get(p)
+        f = "-" if first is None or first.reward_mean is None else f"{first.reward_mean:.3f}"
+        lst = "-" if last is None or last.reward_mean is None else f"{last.reward_mean:.3f}"
+        succ = ""
+        if first and last and first.success_mean is not None and last.success_mean is not None:
+            succ = f", success {first.success_mean:.2f} -> {last.success_mean:.2f}"
+        dropped = ", ".join(f"{k} {v}" for k, v in s.dropped.get(p, {}).items() if v) or "none"
+        w(f"   {p}: {step} steps, reward {f} -> {lst}{succ}; dropped samples: {dropped}")
+    if s.failed:
+        w("   failed episodes: " + ", ".join(f"{k} {v}" for k, v in s.failed.items()))
+    w(f"   metrics: {out / 'metrics.csv'}, {out / 'metrics.jsonl'}")
+    for png in pngs:
+        w(f"   plot:    {png}")
+    if s.checkpoint:
+        w(f"   checkpoint: {s.checkpoint}")
+
+
+async def _drive(driver: Driver, port: int | None) -> RunSummary:
+    loop = asyncio.get_running_loop()
+    presses = 0
+
+    def on_sigint() -> None:
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            os._exit(130)
+        driver.stop("interrupted (Ctrl-C): checkpointing; press Ctrl-C again to quit at once")
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    loop.add_signal_handler(signal.SIGTERM, on_sigint)
+    server = None
+    if port is not None:
+        from polyrl_runtime.coordinator.progress_server import ProgressServer
+
+        server = ProgressServer(driver, "127.0.0.1", port)
+        await server.start()
+    try:
+        return await driver.run()
+    finally:
+        if server is not None:
+            await server.stop()
+
+
+def run_local(
+    job_file: str,
+    out: str | None = None,
+    *,
+    resume: bool = False,
+    port: int | None = None,
+    quiet: bool = False,
+    live: bool | None = None,
+) -> int:
+    set_env_defaults()
+    try:
+        job = load_job(job_file)
+        out_dir = Path(out or Path("runs") / job.metadata.name)
+        root, rows = _prepare_out(out_dir, resume, job)
+    except (JobFileError, ValueError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    import ray
+
+    init_local_ray(job)
+    display = ProgressDisplay(
+        [p.name for p in job.spec.policies], job.spec.training.total_steps, live=live, quiet=quiet
+    )
+    metrics = (out_dir / "metrics.jsonl").open("a")
+
+    def on_record(rec: StepRecord) -> None:
+        row = rec.row()
+        rows.append(row)
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+        display.record(rec)
+
+    def on_event(kind: str, data: dict[str, Any]) -> None:
+        if kind == "started":
+            display.message(
+                f"running {job.metadata.name}: policies {', '.join(data['policies'])} "
+                f"({job.spec.mode}, maxStaleness {job.spec.effective_max_staleness}) -> {out_dir}"
+            )
+        elif kind == "checkpoint" and data["reason"] != "periodic":
+            display.message(f"checkpoint ({data['reason']}): {data['path']}")
+        elif kind in ("engine_lost", "engine_added", "drain"):
+            display.message(f"{kind}: {data}")
+
+    opts = DriverOptions(
+        out_dir=out_dir, checkpoint_root=root, resume=resume, on_record=on_record, on_event=on_event
+    )
+    driver = Driver(job, opts)
+    try:
+        with display:
+            summary = asyncio.run(_drive(driver, port))
+    finally:
+        metrics.close()
+        ray.shutdown()
+    write_csv(out_dir / "metrics.csv", rows)
+    pngs = reward_curves(out_dir, rows)
+    doc = asdict(summary)
+    doc.pop("records")
+    (out_dir / "summary.json").write_text(json.dumps(doc, indent=1, default=str))
+    _print_summary(display, summary, out_dir, pngs)
+    if summary.state == "failed":
+        sys.stderr.write(f"error: {summary.message}\n")
+        return 1
+    return 130 if driver.interrupted else 0

@@ -1,0 +1,1 @@
+"""Trainer backends (DeepSpeed) behind `trainers.api`."""

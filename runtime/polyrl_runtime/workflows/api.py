@@ -1,0 +1,175 @@
+"""The workflow API: a multi-agent episode program, named in the job by an import path `module:attr`.
+
+    class MyGame(Workflow):
+        def __init__(self, rounds: int = 1, **args): ...
+        async def run_episode(self, ctx: EpisodeContext) -> dict[str, float]:
+            alice, bob = ctx.agent("alice"), ctx.agent("bob")
+            a = await alice.generate("question: ...")
+            b = await bob.generate(f"answer to {a.text}:")
+            return {"alice": 1.0, "bob": 0.0}          # one reward per agent that acted
+
+Agents are called by name; an agent acts with the policy of the same name unless the job's
+`workflow.args.policies` maps it to another (several agents may share one policy). Every call is
+recorded as a turn (prompt ids, response ids, behaviour logprobs, versions), any number of turns per
+agent and any number of agents. Episodes of one GRPO group share `ctx.seed`, so use `ctx.rng` to
+draw the task: every member of the group then plays the same task.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from polyrl_runtime.engines.api import SamplingParams
+from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.experience.types import Turn
+from polyrl_runtime.models import Tokenizer
+
+
+class WorkflowImportError(ImportError):
+    """The entrypoint cannot be imported or is not a workflow class."""
+
+
+class Workflow:
+    """Base class (optional: any class with an async `run_episode(ctx)` works)."""
+
+    def __init__(self, **args: Any) -> None:
+        if args:
+            raise TypeError(f"{type(self).__name__} got unexpected workflow args: {sorted(args)}")
+
+    async def run_episode(self, ctx: EpisodeContext) -> Mapping[str, float] | Outcome:
+        raise NotImplementedError
+
+
+class _WorkflowLike(Protocol):
+    async def run_episode(self, ctx: EpisodeContext) -> Mapping[str, float] | Outcome: ...
+
+
+@dataclass
+class Outcome:
+    """A richer return value: per-agent rewards plus free-form metadata (kept with the episode)."""
+
+    rewards: Mapping[str, float]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def load_workflow(entrypoint: str, args: Mapping[str, Any] | None) -> tuple[Any, dict[str, str]]:
+    """Import `module:attr`, instantiate it with `args` (minus `policies`); return it and the
+    agent -> policy mapping. Errors say which part failed."""
+    module_name, _, attr = entrypoint.partition(":")
+    if not module_name or not attr:
+        raise WorkflowImportError(f"workflow entrypoint {entrypoint!r} is not of the form 'module:attr'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise WorkflowImportError(
+            f"workflow entrypoint {entrypoint!r}: cannot import module {module_name!r}: {e}"
+        ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise WorkflowImportError(f"workflow entrypoint {entrypoint!r}: {module_name} has no {attr!r}")
+        obj = getattr(obj, part)
+    kwargs = dict(args or {})
+    mapping = {str(k): str(v) for k, v in (kwargs.pop("policies", None) or {}).items()}
+    try:
+        instance = obj(**kwargs)
+    except Exception as e:
+        raise WorkflowImportError(
+            f"workflow entrypoint {entrypoint!r}: cannot create it with args {kwargs}: {e}"
+        ) from e
+    if not callable(getattr(instance, "run_episode", None)):
+        raise WorkflowImportError(f"workflow entrypoint {entrypoint!r}: has no run_episode method")
+    return instance, mapping
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str
+
+
+class Agent:
+    """An agent of one episode: generates with its policy's engines and records each turn."""
+
+    def __init__(self, ctx: EpisodeContext, name: str, policy: str) -> None:
+        self.ctx = ctx
+        self.name = name
+        self.policy = policy
+        self.tokenizer: Tokenizer = ctx.tokenizers[policy]
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int | None = None,
+        allowed: Sequence[str] | Sequence[int] | None = None,
+        stop: Sequence[str] | None = None,
+        temperature: float | None = None,
+    ) -> Reply:
+        """One turn. `prompt` text is encoded with a leading BOS; `allowed` restricts the tokens
+        (text pieces or ids) the reply may use; generation stops at EOS, a `stop` piece or
+        `max_new_tokens` (the policy's `sampling.maxNewTokens` by default)."""
+        tok = self.tokenizer
+        ids = tok.encode(prompt, bos=True) if isinstance(prompt, str) else [int(i) for i in prompt]
+        base = self.ctx.sampling[self.policy]
+        allowed_ids = tuple(tok.token_id(a) if isinstance(a, str) else int(a) for a in allowed or ())
+        eos = getattr(tok, "eos_id", None)
+        stop_ids = tuple(tok.token_id(s) for s in stop or ()) + ((eos,) if isinstance(eos, int) else ())
+        params = SamplingParams(
+            temperature=base.temperature if temperature is None else temperature,
+            top_p=base.top_p,
+            max_new_tokens=max_new_tokens or base.max_new_tokens,
+            stop_ids=stop_ids,
+            allowed_ids=allowed_ids,
+        )
+        gen = await self.ctx.pool.generate(self.policy, ids, params)
+        self.ctx.turns.append(
+            Turn(
+                agent=self.name,
+                policy=self.policy,
+                prompt_ids=np.asarray(ids, dtype=np.int32),
+                response_ids=gen.token_ids,
+                logprobs=gen.logprobs,
+                versions=gen.versions,
+                allowed_ids=np.asarray(allowed_ids, dtype=np.int32),
+            )
+        )
+        return Reply(tok.decode(gen.token_ids.tolist()), gen.token_ids.tolist(), ids, gen.finish_reason)
+
+
+@dataclass
+class EpisodeContext:
+    """What `run_episode` gets: agents by name, the group's seed and rng, and the tokenizers."""
+
+    episode_id: str
+    group_id: str
+    index: int
+    seed: int
+    pool: EnginePool
+    tokenizers: Mapping[str, Tokenizer]
+    sampling: Mapping[str, SamplingParams]
+    agent_policies: Mapping[str, str] = field(default_factory=dict)
+    turns: list[Turn] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)  # same in every episode of the group: same task
+
+    def agent(self, name: str) -> Agent:
+        policy = self.agent_policies.get(name, name)
+        if policy not in self.tokenizers:
+            raise KeyError(
+                f"agent {name!r} acts with policy {policy!r}, which the job does not define "
+                f"(policies: {sorted(self.tokenizers)}; map agents with workflow.args.policies)"
+            )
+        return Agent(self, name, policy)
+
+    def tokenizer(self, agent: str) -> Tokenizer:
+        return self.agent(agent).tokenizer

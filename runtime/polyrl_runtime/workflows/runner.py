@@ -1,0 +1,179 @@
+"""The workflow worker: runs groups of episodes and streams them into the experience buffer.
+
+A group is `groupSize` episodes of the same task (same seed), played concurrently. When all are done,
+each agent's reward becomes its learning signal: for a policy trained with GRPO, the reward minus the
+mean reward of the same agent over the group's finished episodes (group-relative); for PPO the raw
+reward. That signal is what the episode's samples carry (`Sample.reward`); the raw rewards stay in
+`episode.metadata["rewards"]`. Finished episodes go to the buffer in one call; an episode that raised
+(workflow bug, engine loss, timeout) releases its ticket and is reported with its id and reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from polyrl_operator.api import RLJob
+from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
+from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.experience.buffer import Ticket
+from polyrl_runtime.experience.types import Episode
+from polyrl_runtime.models import Tokenizer, load_tokenizer
+from polyrl_runtime.workflows.api import EpisodeContext, Outcome, load_workflow
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class EpisodeReport:
+    episode_id: str
+    ok: bool
+    rewards: dict[str, float] = field(default_factory=dict)  # raw, per agent
+    policy_rewards: dict[str, float] = field(default_factory=dict)  # mean raw reward per policy
+    samples: dict[str, int] = field(default_factory=dict)  # per policy
+    tokens: int = 0
+    reason: str = ""  # failure: workflow_error | engine_error | timeout | bad_result
+    error: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GroupReport:
+    group_id: str
+    episodes: list[EpisodeReport]
+    dead_engines: set[str]
+    wall_s: float
+
+
+def group_relative(rewards: Sequence[Mapping[str, float]], grpo_agents: set[str]) -> list[dict[str, float]]:
+    """Per agent: reward minus the group's mean reward of that agent (GRPO), for agents in `grpo_agents`."""
+    out = [dict(r) for r in rewards]
+    for agent in {a for r in rewards for a in r} & grpo_agents:
+        values = [r[agent] for r in rewards if agent in r]
+        mean = sum(values) / len(values)
+        for r in out:
+            if agent in r:
+                r[agent] -= mean
+    return out
+
+
+class WorkflowWorker:
+    """Ray actor (async). One per workflow pod or, locally, per `workflow.replicas.min`."""
+
+    def __init__(
+        self,
+        name: str,
+        job_json: str,
+        buffer: Any,
+        routes: Mapping[str, Mapping[str, Any]],
+        episode_timeout_s: float = 300.0,
+    ) -> None:
+        self.name = name
+        self.job = RLJob.model_validate_json(job_json)
+        spec = self.job.spec
+        self.workflow, self.agent_policies = load_workflow(spec.workflow.entrypoint, spec.workflow.args)
+        self.buffer = buffer
+        self.pool = EnginePool(routes)
+        self.timeout = episode_timeout_s
+        self.tokenizers: dict[str, Tokenizer] = {p.name: load_tokenizer(p.model.uri) for p in spec.policies}
+        self.sampling = {
+            p.name: SamplingParams(
+                temperature=p.rollout.sampling.temperature,
+                top_p=p.rollout.sampling.top_p,
+                max_new_tokens=p.rollout.sampling.max_new_tokens,
+            )
+            for p in spec.policies
+        }
+        self.grpo_policies = {p.name for p in spec.policies if p.algorithm.name == "grpo"}
+        self.in_flight = 0
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
+
+    def set_routes(self, routes: Mapping[str, Mapping[str, Any]]) -> None:
+        self.pool.set_routes(routes)
+
+    def stats(self) -> dict[str, Any]:
+        """Episodes in flight and seconds with at least one episode running (utilisation)."""
+        busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
+        return {"in_flight": self.in_flight, "busy_s": busy, "pod": os.environ.get("POLYRL_POD_NAME", "")}
+
+    def _track(self, delta: int) -> None:
+        now = time.monotonic()
+        if self.in_flight and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+        self.in_flight += delta
+        self._busy_since = now if self.in_flight else None
+
+    async def _one(self, ctx: EpisodeContext) -> tuple[EpisodeReport, Episode | None]:
+        report = EpisodeReport(ctx.episode_id, ok=False)
+        try:
+            result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
+            outcome = result if isinstance(result, Outcome) else Outcome(dict(result))
+            rewards = {str(k): float(v) for k, v in outcome.rewards.items()}
+            if not ctx.turns:
+                raise ValueError("the episode made no agent turn")
+            missing = {t.agent for t in ctx.turns} - set(rewards)
+            if missing:
+                raise ValueError(f"no reward for agents {sorted(missing)}")
+        except TimeoutError:
+            report.reason, report.error = "timeout", f"episode exceeded {self.timeout:.0f} s"
+        except EngineUnavailableError as e:
+            report.reason, report.error = "engine_error", str(e)
+        except Exception as e:
+            report.reason = "workflow_error"
+            report.error = "".join(traceback.format_exception_only(e)).strip()
+            log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
+        else:
+            report.ok = True
+            report.rewards = rewards
+            report.metadata = dict(outcome.metadata)
+            per_policy: dict[str, list[float]] = {}
+            for t in ctx.turns:
+                report.samples[t.policy] = report.samples.get(t.policy, 0) + 1
+                report.tokens += len(t.response_ids)
+                per_policy.setdefault(t.policy, []).append(rewards[t.agent])
+            report.policy_rewards = {p: sum(v) / len(v) for p, v in per_policy.items()}
+            meta = {"rewards": rewards, "group": ctx.group_id, **outcome.metadata}
+            return report, Episode(ctx.episode_id, tuple(ctx.turns), rewards, meta)
+        return report, None
+
+    async def run_group(self, group_id: str, seed: int, tickets: Sequence[Ticket]) -> GroupReport:
+        start = time.monotonic()
+        self._track(len(tickets))
+        try:
+            ctxs = [
+                EpisodeContext(
+                    episode_id=f"{group_id}-{i}",
+                    group_id=group_id,
+                    index=i,
+                    seed=seed,
+                    pool=self.pool,
+                    tokenizers=self.tokenizers,
+                    sampling=self.sampling,
+                    agent_policies=self.agent_policies,
+                )
+                for i in range(len(tickets))
+            ]
+            results = await asyncio.gather(*(self._one(c) for c in ctxs))
+        finally:
+            self._track(-len(tickets))
+        done = [(t, r, e) for t, (r, e) in zip(tickets, results, strict=True) if e is not None]
+        failed = [t for t, (_, e) in zip(tickets, results, strict=True) if e is None]
+        grpo_agents = {t.agent for _, _, e in done for t in e.turns if t.policy in self.grpo_policies}
+        signals = group_relative([e.rewards for _, _, e in done], grpo_agents)
+        items = [
+            (t, Episode(e.episode_id, e.turns, s, e.metadata))
+            for (t, _, e), s in zip(done, signals, strict=True)
+        ]
+        if items:
+            await self.buffer.put.remote(items)
+        if failed:
+            await self.buffer.release.remote(failed)
+        return GroupReport(group_id, [r for r, _ in results], self.pool.take_dead(), time.monotonic() - start)

@@ -1,0 +1,49 @@
+"""Helpers for the driver tests: jobs derived from tests/runtime/data/selfplay-tiny.yaml."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from polyrl_operator.api import RLJob
+from polyrl_runtime.coordinator.driver import Driver, DriverOptions, RunSummary
+
+DATA = Path(__file__).parent.parent / "data"
+BASE = yaml.safe_load((DATA / "selfplay-tiny.yaml").read_text())
+
+
+def make_job(**spec: Any) -> RLJob:
+    doc = copy.deepcopy(BASE)
+    for key, value in spec.items():
+        if isinstance(value, dict) and isinstance(doc["spec"].get(key), dict):
+            doc["spec"][key].update(value)
+        else:
+            doc["spec"][key] = value
+    return RLJob.model_validate(doc)
+
+
+def policy(name: str = "agent", **fields: Any) -> dict[str, Any]:
+    p = copy.deepcopy(BASE["spec"]["policies"][0])
+    p["name"] = name
+    for key, value in fields.items():
+        if isinstance(value, dict) and isinstance(p.get(key), dict):
+            p[key].update(value)
+        else:
+            p[key] = value
+    return p
+
+
+def new_driver(job: RLJob, tmp: Path, **opts: Any) -> Driver:
+    options = DriverOptions(
+        out_dir=tmp, checkpoint_root=tmp / "ckpt", place_by_resource=False, poll_s=0.2, **opts
+    )
+    return Driver(job, options)
+
+
+def run(job: RLJob, tmp: Path, **opts: Any) -> tuple[Driver, RunSummary]:
+    d = new_driver(job, tmp, **opts)
+    return d, asyncio.run(d.run())

@@ -1,0 +1,185 @@
+"""The driver end to end on a local Ray: sync/async staleness, checkpoint/resume, drain and
+/progress over HTTP, failing workflows, a dying engine, ZeRO-3 with two ranks and PPO with KL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from driver_harness import make_job, new_driver, policy, run
+
+from polyrl_operator.api.progress import Progress
+from polyrl_runtime.coordinator.checkpoint import CheckpointStore
+from polyrl_runtime.coordinator.progress_server import ProgressServer
+
+pytestmark = pytest.mark.slow
+
+
+def test_sync_mode_trains_strictly_on_policy(ray_local: Any, tmp_path: Path) -> None:
+    _, summary = run(make_job(mode="sync", maxStaleness=0), tmp_path)
+    assert summary.state == "done", summary.message
+    assert summary.steps == {"agent": 3} and len(summary.records) == 3
+    for rec in summary.records:
+        assert rec.staleness_max == 0
+        # behaviour logprobs (engine) == proximal logprobs (trainer): importance weight exactly 1
+        assert rec.is_weight_mean == pytest.approx(1.0, abs=1e-3)
+        assert rec.samples == 16 * 2  # 16 episodes per step, speaker + listener turn each
+    assert summary.dropped["agent"]["stale"] == 0
+    assert summary.first_reward["agent"] is not None
+
+
+def test_async_mode_overlaps_and_bounds_staleness(ray_local: Any, tmp_path: Path) -> None:
+    _, summary = run(make_job(training={"totalSteps": 4}), tmp_path)
+    assert summary.state == "done", summary.message
+    lags = [r.staleness_max for r in summary.records]
+    assert max(lags) <= 1  # maxStaleness
+    assert max(lags) == 1  # generation really ran ahead of training
+    ckpts = CheckpointStore(tmp_path / "ckpt", keep=2).all()
+    assert [c.step for c in ckpts] == [2, 4]  # everySteps 2, keep 2, final at 4
+
+
+def test_checkpoint_then_resume_continues_counters_and_experience(ray_local: Any, tmp_path: Path) -> None:
+    _, first = run(make_job(training={"totalSteps": 2}, checkpoint={"everySteps": 1, "keep": 3}), tmp_path)
+    assert first.state == "done"
+    latest = CheckpointStore(tmp_path / "ckpt", 3).latest()
+    assert latest is not None and latest.step == 2
+    leftover = sum(len(v) for v in latest.buffer().samples.values())
+    produced = latest.buffer().policies["agent"]["produced"]
+    driver, second = run(
+        make_job(training={"totalSteps": 4}, checkpoint={"everySteps": 1, "keep": 3}), tmp_path
+    )
+    assert second.state == "done", second.message
+    assert [r.step for r in second.records] == [3, 4]
+    assert second.episodes > first.episodes  # counters continue from the checkpoint
+    stats = asyncio.run(_stats(driver))
+    assert stats.produced > produced
+    # unconsumed experience of the first run was restored, not lost: trained or dropped with a reason
+    assert stats.consumed + sum(stats.dropped.values()) + stats.buffered >= leftover
+
+
+async def _stats(driver: Any) -> Any:
+    return (await driver.buffer.stats.remote())["agent"]
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_drain_progress_and_checkpoint_request_over_http(ray_local: Any, tmp_path: Path) -> None:
+    job = make_job(training={"totalSteps": 8}, policies=[policy(rollout={"replicas": {"min": 2, "max": 2}})])
+    driver = new_driver(job, tmp_path)
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> Any:
+        server = ProgressServer(driver, "127.0.0.1", 0)
+        port = await server.start()
+        base = f"http://127.0.0.1:{port}"
+        task = asyncio.create_task(driver.run())
+        while driver.state != "running" or driver.runs["agent"].step < 2:
+            await asyncio.sleep(0.05)
+        doc = await asyncio.to_thread(_get, base + "/progress")
+        Progress.model_validate(doc)
+        seen["running"] = doc
+        target = doc["policies"][0]["engines"][0]["pod"]
+        assert (await asyncio.to_thread(_post, base + "/drain", {"target": target}))["found"]
+        while True:  # the operator's view: the engine is reported drained once its work is done
+            doc = await asyncio.to_thread(_get, base + "/progress")
+            eng = next(e for e in doc["policies"][0]["engines"] if e["pod"] == target)
+            if eng["drained"]:
+                break
+            await asyncio.sleep(0.1)
+        handle = driver.fleet.engines["agent"][target].handle  # type: ignore[union-attr]
+        seen["requests_at_drain"] = (await handle.stats.remote()).requests
+        await asyncio.to_thread(_post, base + "/checkpoint", {"requestId": "suspend-1"})
+        while "suspend-1" not in driver.handled_requests:
+            await asyncio.sleep(0.05)
+        seen["after_request"] = await asyncio.to_thread(_get, base + "/progress")
+        summary = await task
+        seen["requests_at_end"] = (await handle.stats.remote()).requests
+        seen["final"] = await asyncio.to_thread(_get, base + "/progress")
+        await server.stop()
+        return summary
+
+    summary = asyncio.run(scenario())
+    assert summary.state == "done", summary.message
+    assert seen["running"]["state"] == "running" and seen["running"]["schemaVersion"] == 1
+    assert seen["requests_at_end"] == seen["requests_at_drain"]  # no work after the drain
+    assert seen["after_request"]["checkpoint"]["lastRequestId"] == "suspend-1"
+    assert seen["after_request"]["checkpoint"]["lastStep"] >= 2
+    assert seen["final"]["state"] == "done"
+    assert seen["final"]["policies"][0]["step"] == 8
+
+
+def test_a_workflow_that_always_raises_fails_the_job_clearly(ray_local: Any, tmp_path: Path) -> None:
+    job = make_job(workflow={"entrypoint": "faulty_workflows:AlwaysFails"})
+    _, summary = run(job, tmp_path, max_consecutive_failures=8)
+    assert summary.state == "failed"
+    assert (
+        "episodes in a row failed" in summary.message and "reward function divided by zero" in summary.message
+    )
+    assert "episode g" in summary.message  # names the episode
+    assert summary.failed["workflow_error"] >= 8
+
+
+def test_occasional_episode_failures_are_counted_and_the_run_continues(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    job = make_job(workflow={"entrypoint": "faulty_workflows:SometimesFails"}, training={"totalSteps": 2})
+    _, summary = run(job, tmp_path)
+    assert summary.state == "done", summary.message
+    assert summary.failed["workflow_error"] > 0 and summary.steps == {"agent": 2}
+
+
+def test_an_entrypoint_that_cannot_be_imported_is_not_retryable(ray_local: Any, tmp_path: Path) -> None:
+    driver, summary = run(make_job(workflow={"entrypoint": "no_such_package.games:Game"}), tmp_path)
+    assert summary.state == "failed" and not driver.retryable
+    assert "spec.workflow.entrypoint" in summary.message and "no_such_package" in summary.message
+    assert driver.progress().retryable is False
+
+
+def test_an_engine_that_dies_mid_run_does_not_stop_the_job(ray_local: Any, tmp_path: Path) -> None:
+    job = make_job(training={"totalSteps": 6}, policies=[policy(rollout={"replicas": {"min": 2, "max": 2}})])
+    events: list[str] = []
+    driver = new_driver(job, tmp_path, on_event=lambda kind, data: events.append(kind))
+
+    async def scenario() -> Any:
+        task = asyncio.create_task(driver.run())
+        while driver.runs.get("agent") is None or driver.runs["agent"].step < 2:
+            await asyncio.sleep(0.05)
+        victim = next(iter(driver.fleet.engines["agent"].values()))  # type: ignore[union-attr]
+        ray.kill(victim.handle)
+        return await task
+
+    summary = asyncio.run(scenario())
+    assert summary.state == "done", summary.message
+    assert summary.steps == {"agent": 6} and "engine_lost" in events
+
+
+def test_zero3_two_ranks_ppo_with_kl(ray_local: Any, tmp_path: Path) -> None:
+    p = policy(
+        algorithm={"name": "ppo", "groupSize": 1, "lr": 1e-3, "klCoef": 0.1},
+        trainer={"zeroStage": 3, "replicas": 2, "microBatchSize": 4},
+    )
+    job = make_job(
+        mode="sync", maxStaleness=0, training={"totalSteps": 2, "episodesPerStep": 8}, policies=[p]
+    )
+    driver, summary = run(job, tmp_path)
+    assert summary.state == "done", summary.message
+    assert all(r.samples == 16 for r in summary.records)  # 8 episodes x 2 turns, over two ranks
+    assert any(r.kl > 0 for r in summary.records)  # later minibatches moved away from the reference
+    # the engines serve the version the (gathered) ZeRO-3 weights were published as
+    assert [e.version for e in driver.progress().policies[0].engines] == [2]
+    engine = next(iter(driver.fleet.engines["agent"].values()))  # type: ignore[union-attr]
+    assert ray.get(engine.handle.weight_version.remote()) == 2

@@ -1,0 +1,21 @@
+"""Workflows that misbehave on purpose (imported by Ray workers through PYTHONPATH in the tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyrl_runtime.workflows.api import EpisodeContext
+from polyrl_runtime.workflows.signal import SignalGame
+
+
+class AlwaysFails(SignalGame):
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        await ctx.agent("speaker").generate("target:1", max_new_tokens=1, allowed=["a"])
+        raise ZeroDivisionError("reward function divided by zero")
+
+
+class SometimesFails(SignalGame):
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        if ctx.index == 0:
+            raise RuntimeError("flaky environment")
+        return await super().run_episode(ctx)

@@ -1,0 +1,106 @@
+"""`polyrl run` as a user runs it (a subprocess with its own local Ray): result files, --resume,
+Ctrl-C, and clear messages for bad job files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+DATA = Path(__file__).parent.parent / "data"
+POLYRL = str(Path(sys.executable).parent / "polyrl")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "polyrl" / "torch_extensions"))
+    return env
+
+
+def _job(tmp: Path, name: str = "job.yaml", **training: int) -> Path:
+    doc = yaml.safe_load((DATA / "selfplay-tiny.yaml").read_text())
+    doc["spec"]["training"].update(training)
+    path = tmp / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [POLYRL, "run", *args], capture_output=True, text=True, timeout=timeout, env=_env(), check=False
+    )
+
+
+def test_bad_job_files_give_a_clear_message(tmp_path: Path) -> None:
+    bad_yaml = tmp_path / "broken.yaml"
+    bad_yaml.write_text("spec: [unclosed\n")
+    r = _run(str(bad_yaml))
+    assert r.returncode == 2 and "broken.yaml" in r.stderr and "not valid YAML" in r.stderr
+    doc = yaml.safe_load((DATA / "selfplay-tiny.yaml").read_text())
+    doc["spec"]["training"]["totalSteps"] = 0
+    invalid = tmp_path / "invalid.yaml"
+    invalid.write_text(yaml.safe_dump(doc))
+    r = _run(str(invalid))
+    assert r.returncode == 2 and "spec.training.totalSteps" in r.stderr
+    r = _run(str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+@pytest.mark.slow
+def test_run_writes_results_and_resume_continues(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = _run(str(_job(tmp_path, totalSteps=3)), "--out", str(out), "--plain")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== done" in r.stdout and "agent: 3 steps" in r.stdout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert (out / "metrics.csv").read_text().count("\n") == 4
+    assert (out / "reward_agent.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "summary.json").read_text())["state"] == "done"
+    assert (out / "checkpoints" / "step-000003" / "state.json").is_file()
+
+    r = _run(str(_job(tmp_path, "longer.yaml", totalSteps=5)), "--out", str(out), "--plain", "--resume")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
+    assert (out / "checkpoints" / "step-000005").is_dir()
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [POLYRL, "run", str(_job(tmp_path, totalSteps=500)), "--out", str(out), "--plain"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stdout + stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert "interrupted" in summary["message"]
+    steps = summary["steps"]["agent"]
+    assert 2 <= steps < 500
+    assert (out / "checkpoints" / f"step-{steps:06d}" / "state.json").is_file()

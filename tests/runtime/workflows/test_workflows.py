@@ -1,0 +1,214 @@
+"""Workflows against fake engines: imports and their errors, the shipped games' rewards, the worker's
+group handling (GRPO signals, failures counted with episode ids, engine loss retried)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import ray
+from fakes import FakeBuffer, FakeEngine
+
+from polyrl_operator.api import RLJob
+from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
+from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.experience.buffer import Ticket
+from polyrl_runtime.models import CharTokenizer
+from polyrl_runtime.workflows.api import EpisodeContext, WorkflowImportError, load_workflow
+from polyrl_runtime.workflows.proposer_solver import ProposerSolver
+from polyrl_runtime.workflows.runner import WorkflowWorker
+from polyrl_runtime.workflows.signal import SignalGame
+
+TOK = CharTokenizer()
+
+
+def _last_char(prompt: list[int]) -> str:
+    return TOK.decode(prompt[-1:])
+
+
+def speaker_code(prompt: list[int], params: SamplingParams) -> list[int]:  # digit d -> letter a+d
+    return [TOK.token_id("abcdefgh"["0123456789".index(_last_char(prompt))])]
+
+
+def listener_decode(prompt: list[int], params: SamplingParams) -> list[int]:
+    return [TOK.token_id(str("abcdefgh".index(_last_char(prompt))))]
+
+
+def _ctx(
+    routes: dict[str, dict[str, Any]], policies: dict[str, str] | None = None, seed: int = 1
+) -> EpisodeContext:
+    names = set(routes)
+    return EpisodeContext(
+        "ep-1",
+        "g-1",
+        0,
+        seed,
+        EnginePool(routes),
+        {p: TOK for p in names},
+        {p: SamplingParams(max_new_tokens=4) for p in names},
+        policies or {},
+    )
+
+
+def test_load_workflow_reports_what_is_wrong() -> None:
+    wf, mapping = load_workflow(
+        "polyrl_runtime.workflows.signal:SignalGame",
+        {"vocab": 4, "policies": {"speaker": "a", "listener": "a"}},
+    )
+    assert isinstance(wf, SignalGame) and mapping == {"speaker": "a", "listener": "a"}
+    with pytest.raises(WorkflowImportError, match="cannot import module 'no_such_mod'"):
+        load_workflow("no_such_mod:X", None)
+    with pytest.raises(WorkflowImportError, match="has no 'Nope'"):
+        load_workflow("polyrl_runtime.workflows.signal:Nope", None)
+    with pytest.raises(WorkflowImportError, match="unexpected workflow args"):
+        load_workflow("polyrl_runtime.workflows.signal:SignalGame", {"colour": 1})
+    with pytest.raises(WorkflowImportError, match="no run_episode"):
+        load_workflow(
+            "polyrl_runtime.workflows.api:Reply",
+            {"text": "", "token_ids": [], "prompt_ids": [], "finish_reason": ""},
+        )
+
+
+def test_signal_game_rewards_agreement_and_records_constrained_turns() -> None:
+    game = SignalGame(vocab=8, symbols=4)
+    routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
+    ctx = _ctx(routes)
+    out = asyncio.run(game.run_episode(ctx))
+    assert out.rewards == {"speaker": 1.0, "listener": 1.0}
+    assert [t.agent for t in ctx.turns] == ["speaker", "listener"]
+    assert TOK.decode(ctx.turns[0].allowed_ids.tolist()) == "abcdefgh"
+    assert TOK.decode(ctx.turns[1].allowed_ids.tolist()) == "0123"
+    wrong = {"speaker": routes["speaker"], "listener": {"l": FakeEngine(lambda p, s: [TOK.token_id("9")])}}
+    assert asyncio.run(game.run_episode(_ctx(wrong))).rewards == {"speaker": 0.0, "listener": 0.0}
+
+
+def test_agents_can_share_one_policy() -> None:
+    both = FakeEngine(
+        lambda p, s: speaker_code(p, s) if TOK.decode(p).startswith("target") else listener_decode(p, s)
+    )
+    ctx = _ctx({"agent": {"e": both}}, {"speaker": "agent", "listener": "agent"})
+    assert asyncio.run(SignalGame().run_episode(ctx)).rewards["listener"] == 1.0
+    assert {t.policy for t in ctx.turns} == {"agent"} and both.calls == 2
+    with pytest.raises(KeyError, match="does not define"):
+        _ctx({"agent": {"e": both}}).agent("speaker")
+
+
+@pytest.mark.parametrize(
+    ("mode", "answer", "expected"),
+    [
+        ("mixed", "3", {"proposer": 1.0, "solver": 1.0}),
+        ("mixed", "0", {"proposer": 0.0, "solver": 0.0}),
+        ("competitive", "3", {"proposer": 0.0, "solver": 1.0}),
+        ("competitive", "4", {"proposer": 1.0, "solver": 0.0}),
+    ],
+)
+def test_proposer_solver_rewards_depend_on_each_other(
+    mode: str, answer: str, expected: dict[str, float]
+) -> None:
+    game = ProposerSolver(base=5, mode=mode)  # type: ignore[arg-type]
+    routes = {
+        "proposer": {"p": FakeEngine(lambda p, s: TOK.encode("12"))},
+        "solver": {"s": FakeEngine(lambda p, s: TOK.encode(answer))},
+    }
+    assert asyncio.run(game.run_episode(_ctx(routes))).rewards == expected
+
+
+def test_pool_retries_on_another_engine_when_one_dies() -> None:
+    dead = FakeEngine(lambda p, s: [])
+
+    def boom(*_: Any) -> Any:
+        raise ray.exceptions.RayActorError()
+
+    dead.generate.fn = boom
+    good = FakeEngine(lambda p, s: [5])
+    pool = EnginePool({"p": {"dead": dead, "good": good}})
+
+    async def go() -> None:
+        for _ in range(3):
+            assert (await pool.generate("p", [1], SamplingParams())).token_ids.tolist() == [5]
+
+    asyncio.run(go())
+    assert pool.take_dead() == {"dead"} and good.calls == 3
+    lonely = EnginePool({"p": {"dead": dead}}, retries=3)
+    with pytest.raises(EngineUnavailableError, match="no live engine for policy 'p'"):
+        asyncio.run(lonely.generate("p", [1], SamplingParams()))
+
+
+class FlakyGame(SignalGame):
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        if ctx.index == 1:
+            raise RuntimeError("the workflow broke")
+        return await super().run_episode(ctx)
+
+
+def _job(entrypoint: str) -> str:
+    doc = {
+        "apiVersion": "polyrl.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "t"},
+        "spec": {
+            "training": {"totalSteps": 1},
+            "workflow": {"entrypoint": entrypoint},
+            "policies": [
+                {
+                    "name": n,
+                    "model": {"uri": "builtin://tiny"},
+                    "algorithm": {"groupSize": 4},
+                    "rollout": {"engine": "torch", "gpus": 0},
+                }
+                for n in ("speaker", "listener")
+            ],
+        },
+    }
+    return RLJob.model_validate(doc).model_dump_json(by_alias=True)
+
+
+def test_worker_puts_group_relative_episodes_and_counts_failures() -> None:
+    routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
+    buffer = FakeBuffer()
+    worker = WorkflowWorker("w", _job(f"{__name__}:FlakyGame"), buffer, routes)
+    tickets = [Ticket(i, frozenset({"speaker", "listener"})) for i in range(4)]
+    report = asyncio.run(worker.run_group("g7", 11, tickets))
+    failed = [e for e in report.episodes if not e.ok]
+    assert [(e.episode_id, e.reason) for e in failed] == [("g7-1", "workflow_error")]
+    assert "the workflow broke" in failed[0].error
+    assert buffer.released == [tickets[1]] and len(buffer.episodes) == 3
+    # every member succeeded: the group-relative signal is 0, the raw reward stays in metadata
+    assert all(
+        e.rewards["speaker"] == 0.0 and e.metadata["rewards"]["speaker"] == 1.0 for e in buffer.episodes
+    )
+    # same seed, same task: all members of the group share the target
+    assert len({e.metadata["target"] for e in buffer.episodes}) == 1
+    assert worker.stats()["in_flight"] == 0
+
+
+def test_debate_runs_three_agents_over_several_rounds(tmp_path: Any) -> None:
+    from polyrl_runtime.workflows.debate import Debate
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "2+3", "answer": "5"}\n')
+    game = Debate(rounds=3, dataset=f"file://{data}")
+    answers = iter(["4", "5", "5"])  # wrong first, fixed after the critique
+    routes = {
+        "proposer": {"p": FakeEngine(lambda p, s: TOK.encode(next(answers)))},
+        "critic": {"c": FakeEngine(lambda p, s: TOK.encode("recheck"))},
+        "judge": {"j": FakeEngine(lambda p, s: [TOK.token_id("y")])},
+    }
+    ctx = _ctx(routes)
+    out = asyncio.run(game.run_episode(ctx))
+    assert out.rewards == {"proposer": 1.0, "critic": 1.0, "judge": 1.0}
+    assert out.metadata["first_right"] is False
+    assert [t.agent for t in ctx.turns] == ["proposer", "critic", "proposer", "critic", "proposer", "judge"]
+    with pytest.raises(ValueError, match="needs 'question' and 'answer'"):
+        (tmp_path / "bad.jsonl").write_text('{"q": 1}\n')
+        Debate(dataset=f"file://{tmp_path / 'bad.jsonl'}")
+
+
+def test_guessing_gives_each_agent_its_own_reward() -> None:
+    from polyrl_runtime.workflows.guessing import Guessing
+
+    right = FakeEngine(lambda p, s: TOK.encode(str((int(TOK.decode(p)[-1]) + 1) % 4)))
+    wrong = FakeEngine(lambda p, s: TOK.encode(TOK.decode(p)[-1]))
+    out = asyncio.run(Guessing(agents=["a", "b"]).run_episode(_ctx({"a": {"e": right}, "b": {"e": wrong}})))
+    assert out.rewards == {"a": 1.0, "b": 0.0} and out.metadata["success"] == 0.5
