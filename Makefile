@@ -11,12 +11,12 @@ export TORCH_EXTENSIONS_DIR ?= $(CACHE)/torch_extensions
 export RAY_AUTH_MODE ?= disabled
 export RAY_ENABLE_ZERO_COPY_TORCH_TENSORS ?= 1
 
-.PHONY: test install controlplane helmrender crds clean
+.PHONY: test run laptop install controlplane helmrender crds clean
 
 test: install controlplane helmrender
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy operator/polyrl_operator runtime/polyrl_runtime tests/support
+	$(BIN)/mypy operator/polyrl_operator runtime/polyrl_runtime tests/support tests/e2e
 	$(BIN)/lint-imports
 	$(BIN)/polyrl crds check
 	$(BIN)/pytest -p no:cacheprovider tests
@@ -25,6 +25,10 @@ test: install controlplane helmrender
 # reward curves, metrics and the final checkpoint in runs/signal-game.
 run: install
 	$(BIN)/polyrl run manifests/examples/signal-game-cpu.yaml --out runs/signal-game
+
+# A cluster on this machine (control plane, operator, pods as local processes) for kubectl; see README.
+laptop: install controlplane
+	PYTHONPATH=tests/support $(BIN)/python -m polyrl_testenv.laptop
 
 install: $(STAMP)
 

@@ -35,6 +35,8 @@ class ApplyResult:
     quota_required: bool = False
     """The refused pod was one the job cannot run without (all-or-nothing rollback needed)."""
     errors: list[str] = field(default_factory=list)
+    rejected: str | None = None
+    """Why the API server refused (422) a child rendered from the spec: the spec cannot run as written."""
 
     @property
     def writes(self) -> int:
@@ -91,7 +93,14 @@ class Applier:
             if exc.quota_exceeded:
                 self.result.quota_error = exc.message
                 return
+            if exc.status == 422:
+                self._rejected(kind, name, exc)
+                return
             raise
+
+    def _rejected(self, kind: str, name: str, exc: ApiError) -> None:
+        if self.result.rejected is None:
+            self.result.rejected = f"the API server refused {kind} {name}: {exc.message}"
 
     async def delete(self, kind: str, name: str) -> None:
         try:
@@ -106,7 +115,9 @@ class Applier:
             await self.client.patch(_path(kind, self.namespace, name), body)
             self.result.patched.append(f"{kind}/{name}")
         except ApiError as exc:
-            if exc.status != 404:
+            if exc.status == 422:
+                self._rejected(kind, name, exc)
+            elif exc.status != 404:
                 raise
 
 
@@ -177,6 +188,8 @@ async def apply_plan(
     await applier._gather([_call(applier.patch, kind, name, body) for kind, name, body in patches])
     infra = [m for m in creates if m["kind"] != "Pod"]
     await applier._gather([_call(applier.create, m) for m in infra])
+    if applier.result.rejected is not None:
+        return applier.result  # no pods for a job that is invalid: the next plan removes the rest
     required = [m for m in creates if m["kind"] == "Pod" and m["metadata"]["name"] in plan.required_pods]
     optional = [m for m in creates if m["kind"] == "Pod" and m["metadata"]["name"] not in plan.required_pods]
     await applier._gather([_call(applier.create, m) for m in required])

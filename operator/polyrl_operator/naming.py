@@ -57,6 +57,8 @@ PORT_RENDEZVOUS: Final = 29500
 
 CONFIG_KEY: Final = "rljob.json"
 CONFIG_DIR: Final = "/etc/polyrl/config"
+PVC_ROOT: Final = "/mnt/polyrl/pvc"
+"""Claims named by pvc:// URIs are mounted at ``PVC_ROOT/<claim>``."""
 PODINFO_DIR: Final = "/etc/polyrl/podinfo"
 TOKEN_KEY: Final = "ray-token"
 

@@ -36,7 +36,7 @@ from polyrl_operator.checks import format_problems, operator_checks, parse_job
 from polyrl_operator.observed import Child, Observed
 from polyrl_operator.plan_pods import PodPlan, plan_pods
 from polyrl_operator.settings import OperatorSettings
-from polyrl_operator.status import get_condition, parse_time, rfc3339, set_condition
+from polyrl_operator.status import clip, get_condition, parse_time, rfc3339, set_condition
 
 Key = tuple[str, str]
 
@@ -58,6 +58,10 @@ class JobMemory:
     quota_message: str | None = None
     checkpoint: tuple[str, str] | None = None
     """(request id, since) of the checkpoint asked for, until the coordinator pod shows it."""
+    rejected: tuple[int | None, str] | None = None
+    """(generation, why) when the API server refused a child rendered from that generation's spec
+    (422: e.g. a podTemplate field of the wrong type): InvalidSpec until the spec changes. Lost on
+    restart, which costs one more refused attempt."""
 
 
 @dataclass
@@ -208,6 +212,11 @@ def plan(
         message = format_problems(problems)
         _invalid(out, old, message, gen, now)
         return out
+    if out.memory.rejected is not None:
+        if out.memory.rejected[0] == gen:
+            _invalid(out, old, out.memory.rejected[1], gen, now)
+            return out
+        out.memory.rejected = None  # a new spec: try it
 
     failed_cond = get_condition(old, "Failed") or {}
     terminal = old.get("phase") == "Succeeded" or (
@@ -229,7 +238,7 @@ def plan(
                 terminal = True
                 status["phase"] = kind
                 status["completionTime"] = rfc3339(now)
-                status["message"] = message
+                status["message"] = clip(message)
                 out.events.append(Event("Normal" if kind == "Succeeded" else "Warning", reason, message))
                 _conditions(
                     status,
@@ -353,9 +362,10 @@ def _terminal_verdict(
 
 
 def _invalid(out: Plan, old: dict[str, Any], message: str, gen: int | None, now: datetime) -> None:
+    message = clip(message)  # as the conditions keep it, so an unchanged spec repeats no event
     status = out.status
     status["phase"] = "Failed"
-    status["message"] = f"invalid spec: {message}"
+    status["message"] = clip(f"invalid spec: {message}")
     _conditions(
         status,
         gen,
@@ -478,7 +488,7 @@ def _active_status(
     if stop_reason is None and "startTime" not in status:
         status["startTime"] = rfc3339(now)
     status["phase"] = phase
-    status["message"] = msg
+    status["message"] = clip(msg)
     prior = get_condition(old, "Admitted") or {}
     if admitted and adm_reason == "Admitted" and prior.get("status") != "True":
         out.events.append(Event("Normal", "Admitted", adm_message))

@@ -226,6 +226,13 @@ class Reconciler:
             applied = await apply_plan(
                 self.client, result, children, concurrency=self.settings.max_concurrent_writes
             )
+            if applied.rejected is not None:
+                # The spec renders an object the API server refuses: no retry can fix that. The next
+                # plan reports InvalidSpec (naming what was refused) and removes what was created.
+                log.warning("invalid spec: a child was refused", error=applied.rejected)
+                self.memory[key].rejected = ((body.get("metadata") or {}).get("generation"), applied.rejected)
+                self.kick(key)
+                return result
             if applied.quota_error is not None:
                 await self._quota_refused(
                     key,

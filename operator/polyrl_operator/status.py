@@ -11,6 +11,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 CONDITION_TYPES = ("Admitted", "Ready", "Progressing", "Suspended", "Succeeded", "Failed", "QuotaExceeded")
+MAX_MESSAGE = 32768
+"""The CRD's maxLength (in characters) of status.message and of a condition's message."""
+
+
+def clip(message: str, limit: int = MAX_MESSAGE) -> str:
+    """``message`` cut to ``limit`` characters, saying so: the API server refuses a whole status
+    with a longer one, and messages quote user input (an InvalidSpec names the bad value)."""
+    if len(message) <= limit:
+        return message
+    marker = f"... ({len(message)} characters, truncated)"
+    return message[: limit - len(marker)] + marker
 
 
 def rfc3339(moment: datetime) -> str:
@@ -58,7 +69,7 @@ def set_condition(
         "status": status,
         "lastTransitionTime": since,
         "reason": reason,
-        "message": message[:32768],
+        "message": clip(message),
     }
     if generation is not None:
         cond["observedGeneration"] = generation

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("coordinator", help="start the Ray head and run the job's driver")
     c.add_argument("--config", required=True, help="RLJob file (the pod's POLYRL_CONFIG)")
     c.add_argument("--out", default=None, help="local state folder (default: /tmp/polyrl/<job>)")
-    c.add_argument("--ray-port", type=int, default=6379, help="Ray GCS port (default 6379)")
+    c.add_argument("--ray-port", type=int, default=None, help="Ray GCS port (default 6379)")
     c.add_argument(
         "--http-port", type=int, default=None, help="/progress port (default: POLYRL_HTTP_PORT or 8000)"
     )

@@ -19,6 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from polyrl_operator.api import RLJob
+from polyrl_runtime import netmap
 
 ENV_DEFAULTS = {
     "OMP_NUM_THREADS": "1",
@@ -112,7 +113,7 @@ class PodEnv:
             "coordinator_address": e.get("POLYRL_COORDINATOR_ADDRESS", ""),
             "config": e.get("POLYRL_CONFIG", "/etc/polyrl/config/rljob.json"),
             "podinfo_dir": e.get("POLYRL_PODINFO_DIR", "/etc/polyrl/podinfo"),
-            "http_port": int(e.get("POLYRL_HTTP_PORT", "8000") or 8000),
+            "http_port": netmap.listen_port(int(e.get("POLYRL_HTTP_PORT", "8000") or 8000)),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -361,3 +362,34 @@ def test_kueue_off_rejects_jobs_that_name_a_queue(capsys: pytest.CaptureFixture[
     off = OperatorSettings.model_validate({"kueue": {"enabled": False}})
     assert "Workload" not in off.child_kinds()
     assert main(["render", str(EXAMPLES / "signal-game-cpu.yaml"), "--settings", str(settings)]) == 0
+
+
+def test_pvc_uris_mount_their_claims_where_the_runtime_looks() -> None:
+    doc = stored_job()
+    doc["spec"]["checkpoint"]["uri"] = "pvc://ckpt/runs/signal"
+    doc["spec"]["policies"][0]["model"]["uri"] = "pvc://models/speaker"
+    job = RLJob.model_validate(doc)
+
+    def mounts(role: Any, policy: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+        pod = build_pod(job, REF, PodRequest(role, 0, policy), OperatorSettings())
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]
+            for v in pod["spec"]["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        main_c = pod["spec"]["containers"][0]
+        by_claim = {claims[m["name"]]["claimName"]: m for m in main_c["volumeMounts"] if m["name"] in claims}
+        env = {e["name"]: e.get("value") for e in main_c["env"]}
+        return by_claim, json.loads(env.get("POLYRL_PVC_MOUNTS") or "{}")
+
+    # the checkpoint claim on the coordinator and every trainer (each rank writes its shard)
+    coord, coord_env = mounts("coordinator", None)
+    assert {c: m["mountPath"] for c, m in coord.items()} == {"ckpt": "/mnt/polyrl/pvc/ckpt"} == coord_env
+    trainer, trainer_env = mounts("trainer", "speaker")
+    assert set(trainer) == {"ckpt", "models"} and not any(m["readOnly"] for m in trainer.values())
+    assert trainer_env == {"ckpt": "/mnt/polyrl/pvc/ckpt", "models": "/mnt/polyrl/pvc/models"}
+    # the model claim read-only on the policy's engines; nothing on pods that need no claim
+    rollout, _ = mounts("rollout", "speaker")
+    assert list(rollout) == ["models"] and rollout["models"]["readOnly"] is True
+    assert mounts("rollout", "listener") == ({}, {}) and mounts("workflow", None) == ({}, {})
+    assert mounts("trainer", "listener")[1] == {"ckpt": "/mnt/polyrl/pvc/ckpt"}

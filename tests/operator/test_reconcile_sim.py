@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from polyrl_operator import naming
+from polyrl_operator.api import RLJobStatus
+from polyrl_operator.kube import ApiError
 from polyrl_testenv.operator_fixtures import Sim, gpu_job, pod_status, progress, stored_job
 
 CPU_PODS = {
@@ -281,6 +283,58 @@ async def test_invalid_spec_fails_naming_the_field_and_stays_quiet(mutate: Any, 
     assert sim.api.writes == writes
     # Fixing the spec (a new generation) brings the job back.
     sim.replace_spec(stored_job()["spec"])
+    await sim.step()
+    assert sim.status["phase"] == "Pending" and sim.pods() == CPU_PODS
+
+
+async def test_invalid_spec_quoting_a_huge_value_still_fits_the_status() -> None:
+    # The CRD passes podTemplate.spec through, so a 40 KB restartPolicy reaches the operator, whose
+    # message quotes it. The CRD caps status.message and condition messages at 32768 characters:
+    # a longer one made every status write fail (422) and the job never showed why (found while
+    # fuzzing, tests/e2e/test_fuzzed_rljobs.py).
+    job = stored_job()
+    job["spec"]["workflow"]["podTemplate"] = {"spec": {"restartPolicy": "x" * 40_000}}
+    sim = Sim(job)
+    await sim.step()
+    RLJobStatus.model_validate(sim.status)  # the status schema the CRD is generated from
+    assert sim.status["phase"] == "Failed"
+    assert sim.status["message"].startswith("invalid spec: spec.workflow.podTemplate.spec.restartPolicy: ")
+    failed = sim.condition("Failed")
+    assert failed["reason"] == "InvalidSpec" and failed["message"].endswith("characters, truncated)")
+    writes = sim.api.writes  # the same (cut) message next time: no new status, no new event
+    await sim.converge(3)
+    assert sim.api.writes == writes
+
+
+async def test_a_child_the_api_server_refuses_makes_the_spec_invalid_instead_of_a_retry_loop() -> None:
+    # podTemplate.spec passes the CRD as free-form, so a nodeSelector value of the wrong type reaches
+    # the operator and the API server refuses the pod (422). No retry can fix that: the job goes
+    # InvalidSpec naming what was refused, its children go, and nothing is retried until the spec
+    # changes (found by tests/e2e/test_fuzzed_rljobs.py: a refused Workload was retried forever).
+    job = stored_job()
+    job["spec"]["workflow"]["podTemplate"] = {"spec": {"nodeSelector": {"zone": 7}}}
+    sim = Sim(job)
+    create = sim.api._create
+
+    def validating_create(plural: str, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        if plural == "pods" and 7 in (body["spec"].get("nodeSelector") or {}).values():
+            name = body["metadata"]["name"]
+            raise ApiError(
+                422, "Invalid", f'Pod "{name}" is invalid: spec.nodeSelector.zone: must be a string'
+            )
+        return create(plural, namespace, body)
+
+    sim.api._create = validating_create  # type: ignore[method-assign]
+    await sim.converge(3)
+    failed = sim.condition("Failed")
+    assert sim.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
+    assert "refused Pod signal-game-workflow-0" in failed["message"]
+    assert "spec.nodeSelector.zone" in failed["message"]
+    assert sim.pods() == set()  # what the refused pass created is gone
+    writes = sim.api.writes
+    await sim.converge(3)
+    assert sim.api.writes == writes
+    sim.replace_spec(stored_job()["spec"])  # a new spec is tried
     await sim.step()
     assert sim.status["phase"] == "Pending" and sim.pods() == CPU_PODS
 

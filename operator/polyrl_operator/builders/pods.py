@@ -9,6 +9,7 @@ file and the downward-API volume, as written down in docs/runtime-contract.md.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,40 @@ def _env(ref: JobRef, req: PodRequest, name: str, overrides: RoleOverrides) -> l
     return env
 
 
+def _claim(uri: str | None) -> str | None:
+    return uri.removeprefix("pvc://").partition("/")[0] if uri and uri.startswith("pvc://") else None
+
+
+def claims(job: RLJob, role: Role, policy: str | None) -> dict[str, bool]:
+    """PersistentVolumeClaims the pod mounts (claim -> read-only): the checkpoint claim on the
+    coordinator and every trainer (each rank writes its own shard), the policy's model claim on its
+    rollout engines (read-only) and trainers."""
+    out: dict[str, bool] = {}
+    model = _claim(_policy(job, policy).model.uri) if policy else None
+    if model and role in ("rollout", "trainer"):
+        out[model] = role == "rollout"
+    ckpt = _claim(job.spec.checkpoint.uri)
+    if ckpt and role in ("coordinator", "trainer"):
+        out[ckpt] = False
+    return out
+
+
+def _mount_claims(
+    pod_claims: dict[str, bool], container: dict[str, Any], volumes: list[dict[str, Any]]
+) -> None:
+    mounts = {}
+    for i, (claim, read_only) in enumerate(sorted(pod_claims.items())):
+        path = f"{naming.PVC_ROOT}/{claim}"
+        volumes.append(
+            {"name": f"pvc-{i}", "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}}
+        )
+        container["volumeMounts"].append({"name": f"pvc-{i}", "mountPath": path, "readOnly": read_only})
+        mounts[claim] = path
+    if mounts and not any(e["name"] == "POLYRL_PVC_MOUNTS" for e in container["env"]):
+        # the runtime finds each claim's mount point here (polyrl_runtime.models.local_path)
+        container["env"].append({"name": "POLYRL_PVC_MOUNTS", "value": json.dumps(mounts, sort_keys=True)})
+
+
 def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettings) -> Manifest:
     overrides, gpus, gpu_type = role_spec(job, req.role, req.policy)
     name = pod_name(ref.name, req)
@@ -196,6 +231,7 @@ def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettin
         # vLLM and NCCL need a large /dev/shm; the container runtime's default is 64 MiB.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+    _mount_claims(claims(job, req.role, req.policy), container, volumes)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl_runtime.experience.buffer import BufferSnapshot
+from polyrl_runtime.models import local_path
 
 STATE = "state.json"
 BUFFER = "buffer.pkl"
@@ -84,14 +85,12 @@ class CheckpointStore:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def checkpoint_root(uri: str | None, out_dir: Path, pvc_root: str = "/mnt/polyrl/pvc") -> Path:
+def checkpoint_root(uri: str | None, out_dir: Path) -> Path:
     """Where checkpoints go: the job's `checkpoint.uri` (file:// or a mounted pvc://) or `<out>/checkpoints`."""
     if uri is None:
         return out_dir / "checkpoints"
-    if uri.startswith("file://"):
-        return Path(uri.removeprefix("file://"))
-    if uri.startswith("pvc://"):
-        return Path(pvc_root) / uri.removeprefix("pvc://")
+    if uri.startswith(("file://", "pvc://")):
+        return local_path(uri)
     raise ValueError(
         f"checkpoint.uri {uri}: object stores are not supported by this runtime yet; use pvc:// or file://"
     )

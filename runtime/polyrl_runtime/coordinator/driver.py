@@ -92,6 +92,8 @@ class RunSummary:
     dropped: dict[str, dict[str, int]]
     checkpoint: str | None
     records: list[StepRecord] = field(default_factory=list)
+    buffers: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per policy: samples produced, consumed (acknowledged), redelivered, buffered, leased."""
 
 
 @dataclass
@@ -631,10 +633,18 @@ class Driver:
 
     async def _summary(self) -> RunSummary:
         dropped: dict[str, dict[str, int]] = {}
+        buffers: dict[str, dict[str, int]] = {}
         if self.buffer is not None:
             try:
                 stats: dict[str, PolicyStats] = await self.buffer.stats.remote()
                 dropped = {n: dict(s.dropped) for n, s in stats.items()}
+                buffers = {
+                    n: {
+                        k: getattr(s, k)
+                        for k in ("produced", "consumed", "redelivered", "buffered", "leased")
+                    }
+                    for n, s in stats.items()
+                }
             except Exception:
                 pass
         first: dict[str, float | None] = {}
@@ -652,4 +662,5 @@ class Driver:
             dropped=dropped,
             checkpoint=str(self.last_ckpt.path) if self.last_ckpt else None,
             records=list(self.records),
+            buffers=buffers,
         )

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from polyrl_runtime import netmap
 from polyrl_runtime.config import (
     JobFileError,
     PodEnv,
@@ -40,6 +42,8 @@ log = structlog.get_logger(__name__)
 
 DRAIN_ANNOTATION = "polyrl.dev/drain"
 CHECKPOINT_ANNOTATION = "polyrl.dev/checkpoint-request"
+RAY_GCS_PORT = 6379
+RAY_CLIENT_PORT = 10001
 
 
 def _free_port() -> int:
@@ -49,7 +53,7 @@ def _free_port() -> int:
 
 
 def _temp_dir(ray_port: int) -> str:
-    return f"/tmp/polyrl-ray-{ray_port}"
+    return f"{tempfile.gettempdir()}/polyrl-ray-{ray_port}"
 
 
 def _ray_bin() -> str:
@@ -101,7 +105,7 @@ def stop_ray(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
 
 
 def run_coordinator(
-    config: str, *, out: str | None = None, ray_port: int = 6379, http_port: int | None = None
+    config: str, *, out: str | None = None, ray_port: int | None = None, http_port: int | None = None
 ) -> int:
     set_env_defaults()
     env = PodEnv.from_env()
@@ -110,15 +114,18 @@ def run_coordinator(
     except JobFileError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
-    out_dir = Path(out or Path("/tmp/polyrl") / job.metadata.name)
+    # The pod's scratch (TMPDIR, the /tmp emptyDir): per pod, so never another job's checkpoints.
+    out_dir = Path(out or Path(tempfile.gettempdir()) / "polyrl" / job.metadata.name)
+    ray_port = netmap.listen_port(RAY_GCS_PORT) if ray_port is None else ray_port
     head = start_ray(
         # A private temp dir: `ray start` records its address there, not in /tmp/ray, so other Ray
         # users on the machine (plain `ray.init()`) never find and join this cluster by accident.
         [
             "--head",
             f"--port={ray_port}",
-            f"--temp-dir=/tmp/polyrl-ray-{ray_port}",
+            f"--temp-dir={_temp_dir(ray_port)}",
             "--include-dashboard=false",
+            f"--ray-client-server-port={netmap.listen_port(RAY_CLIENT_PORT)}",
             "--num-cpus=0",
             '--resources={"polyrl/coordinator": 1}',
             *_node_ports()[1:],
@@ -173,15 +180,26 @@ async def _coordinate(job: object, env: PodEnv, out_dir: Path, ray_port: int, ht
         await _connect(f"127.0.0.1:{ray_port}", _temp_dir(ray_port))
         summary = await driver.run()
     finally:
-        linger = float(os.environ.get("POLYRL_LINGER_S", "0" if driver.state == "done" else "30"))
-        if linger > 0:  # let the operator read the final /progress (failed, not retryable)
-            await asyncio.sleep(linger)
+        # The operator reads the final /progress (final versions and rewards; done, or failed and not
+        # retryable) before this pod ends: keep serving until it did, at most POLYRL_LINGER_S seconds.
+        # A SIGTERM (the pod is being deleted) ends the wait.
+        served, deadline = server.served, time.monotonic() + float(os.environ.get("POLYRL_LINGER_S", "30"))
+        while server.served == served and not driver.interrupted and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         await server.stop()
         ray.shutdown()
     log.info("coordinator.finished", state=summary.state, message=summary.message, steps=summary.steps)
-    sys.stdout.write(
-        json.dumps({"state": summary.state, "message": summary.message, "steps": summary.steps}) + "\n"
-    )
+    # The last line of the log: the run's counters, for people and tests (every sample accounted for).
+    counters = {
+        "state": summary.state,
+        "message": summary.message,
+        "steps": summary.steps,
+        "episodes": summary.episodes,
+        "failed": summary.failed,
+        "dropped": summary.dropped,
+        "buffers": summary.buffers,
+    }
+    sys.stdout.write(json.dumps(counters) + "\n")
     return 0 if summary.state == "done" else (3 if driver.interrupted else 1)
 
 
@@ -202,7 +220,7 @@ def run_worker(
     if role in ("rollout", "trainer") and policy not in names:
         sys.stderr.write(f"error: --policy must name one of the job's policies {names} for role {role}\n")
         return 2
-    addr = address or env.coordinator_address
+    addr = address or netmap.resolve(env.coordinator_address)
     if not addr:
         sys.stderr.write("error: no coordinator address (--address or POLYRL_COORDINATOR_ADDRESS)\n")
         return 2
@@ -223,14 +241,19 @@ async def _work(
 ) -> int:
     resources = json.dumps({resource_name(policy, role): 1})
     join_deadline = float(os.environ.get("POLYRL_JOIN_TIMEOUT_S", "600"))
-    log_path = Path("/tmp/polyrl") / job_name / f"ray-{role}-{policy or 'job'}-{env.index}-{os.getpid()}.log"
+    log_path = (
+        Path(tempfile.gettempdir())
+        / "polyrl"
+        / job_name
+        / f"ray-{role}-{policy or 'job'}-{env.index}-{os.getpid()}.log"
+    )
     ready = asyncio.Event()
     runner = await _serve_health(ready, http_port)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)
     loop.add_signal_handler(signal.SIGINT, stopping.set)
-    relay = asyncio.create_task(_relay_drain(env, address))
+    relay = asyncio.create_task(_relay_drain(env))
     last_join = time.monotonic()
     code = 1
     try:
@@ -279,12 +302,13 @@ async def _serve_health(ready: asyncio.Event, port: int) -> web.AppRunner:
     return runner
 
 
-async def _relay_drain(env: PodEnv, address: str, period_s: float = 2.0) -> None:
+async def _relay_drain(env: PodEnv, period_s: float = 2.0) -> None:
     """Forward this pod's `polyrl.dev/drain` annotation to the coordinator's POST /drain."""
-    host = address.rsplit(":", 1)[0]
-    url = f"http://{host}:{os.environ.get('POLYRL_COORDINATOR_HTTP_PORT', '8000')}/drain"
+    host = env.coordinator_address.rsplit(":", 1)[0]
+    port = os.environ.get("POLYRL_COORDINATOR_HTTP_PORT", "8000")
     sent = False
     while True:
+        url = f"http://{netmap.resolve(f'{host}:{port}')}/drain"
         draining = read_annotations(env.podinfo_dir).get(DRAIN_ANNOTATION, "").lower() == "true"
         if draining != sent and env.pod_name:  # only changes are sent
             body = json.dumps({"target": env.pod_name, "draining": draining}).encode()

@@ -22,6 +22,7 @@ class ProgressServer:
         self.host, self.port = host, port
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.served = 0  # /progress answers so far
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -51,7 +52,9 @@ class ProgressServer:
         return web.Response(text="ok")
 
     async def _progress(self, _: web.Request) -> web.Response:
-        return web.json_response(self.driver.progress().to_wire())
+        response = web.json_response(self.driver.progress().to_wire())
+        self.served += 1
+        return response
 
     async def _checkpoint(self, request: web.Request) -> web.Response:
         try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,12 +36,17 @@ class Tokenizer(Protocol):
     def token_id(self, piece: str) -> int: ...
 
 
-def local_path(uri: str, pvc_root: str = "/mnt/polyrl/pvc") -> Path:
-    """file:///P -> /P; pvc://CLAIM/P -> <pvc_root>/CLAIM/P (where pods mount claims)."""
+def local_path(uri: str) -> Path:
+    """file:///P -> /P; pvc://CLAIM/P -> <where this pod mounts CLAIM>/P.
+
+    The operator mounts each claim a pod needs and names the mount points in `POLYRL_PVC_MOUNTS`
+    (JSON, claim -> path; /mnt/polyrl/pvc/CLAIM when unset, as in docs/runtime-contract.md)."""
     if uri.startswith("file://"):
         return Path(uri.removeprefix("file://"))
     if uri.startswith("pvc://"):
-        return Path(pvc_root) / uri.removeprefix("pvc://")
+        claim, _, rest = uri.removeprefix("pvc://").partition("/")
+        mounts = json.loads(os.environ.get("POLYRL_PVC_MOUNTS") or "{}")
+        return Path(mounts.get(claim, f"/mnt/polyrl/pvc/{claim}")) / rest
     raise ValueError(f"{uri}: only builtin://, file:// and pvc:// models can be loaded by this runtime")
 
 

@@ -121,7 +121,16 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
             time.sleep(0.3)
         assert coord.wait(timeout=30) == 0, (logs / "coordinator.log").read_text()[-3000:]
         result = json.loads((logs / "coordinator.log").read_text().strip().splitlines()[-1])
-        assert result == {"state": "done", "message": "all policies finished", "steps": {"agent": 3}}
+        assert (result["state"], result["message"], result["steps"]) == (
+            "done",
+            "all policies finished",
+            {"agent": 3},
+        )
+        agent = result["buffers"]["agent"]  # every sample produced was trained on, dropped or is left
+        assert (
+            agent["produced"]
+            == agent["consumed"] + sum(result["dropped"]["agent"].values()) + agent["buffered"]
+        )
         assert {"running", "done"} <= seen
         assert last["checkpoint"]["lastRequestId"] == "evict-7" and last["policies"][0]["step"] == 3
         # the worker pods were ready (their /healthz) while they were part of the cluster: they ran the
@@ -162,9 +171,16 @@ def test_drain_annotation_is_relayed_to_the_coordinator(tmp_path: Path) -> None:
         await runner.setup()
         port = _port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        os.environ["POLYRL_COORDINATOR_HTTP_PORT"] = str(port)
-        env = PodEnv.from_env(pod_name="job-agent-rollout-1", podinfo_dir=str(tmp_path))
-        task = asyncio.create_task(_relay_drain(env, "127.0.0.1:6379", period_s=0.05))
+        # the coordinator's DNS name reaches it through the test kubelet's address map
+        netmap = tmp_path / "netmap.json"
+        netmap.write_text(json.dumps({"endpoints": {"job-coordinator.ns.svc:8000": f"127.0.0.1:{port}"}}))
+        os.environ["POLYRL_NETMAP"] = str(netmap)
+        env = PodEnv.from_env(
+            pod_name="job-agent-rollout-1",
+            podinfo_dir=str(tmp_path),
+            coordinator_address="job-coordinator.ns.svc:6379",
+        )
+        task = asyncio.create_task(_relay_drain(env, period_s=0.05))
         await asyncio.sleep(0.3)
         assert got == []  # nothing to say while not draining
         (tmp_path / "annotations").write_text('app="x"\npolyrl.dev/drain="true"\n')
@@ -180,7 +196,7 @@ def test_drain_annotation_is_relayed_to_the_coordinator(tmp_path: Path) -> None:
     try:
         asyncio.run(asyncio.wait_for(scenario(), 30))
     finally:
-        os.environ.pop("POLYRL_COORDINATOR_HTTP_PORT", None)
+        os.environ.pop("POLYRL_NETMAP", None)
     assert got == [
         {"target": "job-agent-rollout-1", "draining": True},
         {"target": "job-agent-rollout-1", "draining": False},

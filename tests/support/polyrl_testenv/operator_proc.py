@@ -17,14 +17,16 @@ import yaml
 
 
 def start_operator(
-    kubeconfig: Path, namespace: str, settings: dict[str, Any], workdir: Path, tag: str
+    kubeconfig: Path, namespace: str | list[str], settings: dict[str, Any], workdir: Path, tag: str
 ) -> subprocess.Popen[bytes]:
     settings_file = workdir / "operator-settings.yaml"
     settings_file.write_text(yaml.safe_dump(settings))
     log = (workdir / f"operator-{tag}.log").open("wb")
+    watched = [namespace] if isinstance(namespace, str) else namespace
     argv = [
         sys.executable, "-m", "polyrl_operator.cli", "operator",
-        "--namespace", namespace, "--kubeconfig", str(kubeconfig), "--settings", str(settings_file),
+        *(a for ns in watched for a in ("--namespace", ns)),
+        "--kubeconfig", str(kubeconfig), "--settings", str(settings_file),
         "--metrics-port", "0", "--liveness", "",
     ]  # fmt: skip
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})

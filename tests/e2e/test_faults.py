@@ -1,0 +1,148 @@
+"""Scenarios 2-6: scaling, a trainer crash, an operator restart, suspend/resume and a coordinator
+that keeps crashing, each on a running 4-pod job (tests/e2e/data/selfplay-e2e.yaml) whose pods run
+the real runtime. The coordinator's final counters prove that no sample was lost or trained twice."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+import pytest
+
+from .conftest import E2E, accounted, selfplay
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+JOB = "selfplay"
+STEPS, EPISODES, SAMPLES_PER_EPISODE = 16, 8, 2  # the agent plays both sides: two samples each
+LONG = 40  # steps of the jobs that must still run while the test acts on them
+
+
+def trained_exactly_once(counters: dict[str, Any], steps: int = STEPS) -> None:
+    """Each step trains one full batch: the acknowledged samples of the surviving timeline are exactly
+    steps x batch, so nothing acknowledged was trained twice (a replay would add) or lost."""
+    accounted(counters)
+    assert counters["steps"] == {"agent": steps}
+    assert counters["buffers"]["agent"]["consumed"] == steps * EPISODES * SAMPLES_PER_EPISODE, counters
+
+
+def test_scaling_rollouts_adds_a_synced_engine_and_drains_one_without_loss(e2e: E2E, namespace: str) -> None:
+    # only the spec's bounds move replicas here: no autoscaling on backlog or utilisation
+    e2e.start_operator(autoscale={"backlogHigh": 1e9, "utilisationLow": 0})
+    e2e.apply(selfplay(training={"totalSteps": LONG, "episodesPerStep": EPISODES, "seed": 3}), namespace)
+    e2e.eventually(lambda: e2e.step(JOB, namespace) >= 3, timeout=240, what="step 3")
+    assert set(e2e.pods(namespace)) == {
+        f"{JOB}-{r}" for r in ("coordinator", "workflow-0", "agent-rollout-0", "agent-trainer-0")
+    }
+
+    new = f"{JOB}-agent-rollout-1"
+    replicas = "/spec/policies/0/rollout/replicas"
+    e2e.kubectl("patch", "rljob", JOB, "-n", namespace, "--type=json", "-p",
+                json.dumps([{"op": "replace", "path": replicas, "value": {"min": 2, "max": 2}}]))  # fmt: skip
+
+    seen: list[Any] = []
+
+    def serving() -> dict[str, Any] | None:
+        doc = e2e.progress(JOB, namespace)
+        if not doc:
+            return None
+        seen[:] = [doc["policies"][0]]
+        policy = doc["policies"][0]
+        engine = next((e for e in policy["engines"] if e["pod"] == new), None)
+        # it joined and received work, at the policy's current weights (within the staleness bound)
+        busy = engine and (engine["inFlight"] > 0 or engine["utilisation"] > 0)
+        if engine and busy and engine["version"] >= policy["version"] - 1:
+            return dict(engine)
+        return None
+
+    e2e.eventually(serving, timeout=180, what=lambda: f"{new} joining and receiving work (last seen: {seen})")
+    assert e2e.pods(namespace)[new]["status"]["phase"] == "Running"
+
+    e2e.kubectl("patch", "rljob", JOB, "-n", namespace, "--type=json", "-p",
+                json.dumps([{"op": "replace", "path": replicas, "value": {"min": 1, "max": 1}}]))  # fmt: skip
+    drained: list[bool] = []
+
+    def deleted() -> bool:
+        doc = e2e.progress(JOB, namespace) or {"policies": [{"engines": []}]}
+        drained.extend(e["drained"] for e in doc["policies"][0]["engines"] if e["pod"] == new)
+        return new not in e2e.pods(namespace)
+
+    e2e.eventually(deleted, timeout=180, what=f"{new} drained and deleted")
+    assert True in drained  # it was reported drained before the operator deleted it
+    e2e.wait(JOB, namespace, "Succeeded", timeout=400)
+    trained_exactly_once(e2e.counters(JOB, namespace), LONG)
+
+
+def test_a_trainer_crash_restarts_training_from_the_last_checkpoint(e2e: E2E, namespace: str) -> None:
+    e2e.start_operator()
+    e2e.apply(selfplay(), namespace)
+    e2e.eventually(lambda: e2e.step(JOB, namespace) >= 7, timeout=300, what="step 7 (checkpoint at 6)")
+    e2e.kubelet.kill(namespace, f"{JOB}-agent-trainer-0")
+    e2e.wait(JOB, namespace, "Succeeded", timeout=400)
+    status = e2e.job(JOB, namespace)["status"]
+    assert status["restarts"] == 1, status
+    started = [r.name for r in e2e.kubelet.started(namespace)]
+    # the training roles restarted (attempt 1); rollout and workflow pods kept running
+    assert sorted(started) == sorted([f"{JOB}-coordinator"] * 2 + [f"{JOB}-agent-trainer-0"] * 2
+                                     + [f"{JOB}-agent-rollout-0", f"{JOB}-workflow-0"])  # fmt: skip
+    log = (e2e.kubelet.current(namespace, f"{JOB}-coordinator").directory / "main.log").read_text()  # type: ignore[union-attr]
+    assert "resumed" in log, log[-2000:]
+    trained_exactly_once(e2e.counters(JOB, namespace))
+
+
+def test_an_operator_restart_mid_run_changes_nothing(e2e: E2E, namespace: str) -> None:
+    e2e.start_operator()
+    e2e.apply(selfplay(), namespace)
+    e2e.eventually(lambda: e2e.step(JOB, namespace) >= 3, timeout=240, what="step 3")
+    e2e.kill_operator()
+    e2e.eventually(lambda: e2e.step(JOB, namespace) >= 6, timeout=120, what="training on without an operator")
+    e2e.start_operator()
+    e2e.wait(JOB, namespace, "Succeeded", timeout=400)
+    names = [r.name for r in e2e.kubelet.started(namespace)]
+    assert len(names) == len(set(names)) == 4, names  # no pod was created twice
+    assert e2e.job(JOB, namespace)["status"]["restarts"] == 0
+    trained_exactly_once(e2e.counters(JOB, namespace))
+
+
+def test_suspend_and_resume_continue_from_the_checkpoint(e2e: E2E, namespace: str) -> None:
+    e2e.start_operator()
+    e2e.apply(selfplay(training={"totalSteps": LONG, "episodesPerStep": EPISODES, "seed": 3}), namespace)
+    e2e.eventually(lambda: e2e.step(JOB, namespace) >= 4, timeout=240, what="step 4")
+    e2e.kubectl("patch", "rljob", JOB, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    e2e.wait(JOB, namespace, "Suspended", timeout=180)
+    e2e.eventually(lambda: not e2e.pods(namespace), timeout=120, what="every pod gone while suspended")
+    # the coordinator checkpointed on the operator's request before its pods went
+    checkpointed = e2e.job(JOB, namespace)["status"]["policies"][0]["lastCheckpointStep"]
+    assert checkpointed >= 4
+    e2e.kubectl("patch", "rljob", JOB, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    e2e.wait(JOB, namespace, "Succeeded", timeout=400)
+    log = (e2e.kubelet.current(namespace, f"{JOB}-coordinator").directory / "main.log").read_text()  # type: ignore[union-attr]
+    resumed = [line for line in log.splitlines() if "job.resumed" in line]
+    assert resumed, log[-2000:]  # from the checkpoint it wrote on request (status may lag behind it)
+    assert int(resumed[-1].split("'agent': ")[1].split("}")[0]) >= checkpointed, resumed
+    trained_exactly_once(e2e.counters(JOB, namespace), LONG)
+
+
+def test_a_coordinator_failing_past_max_restarts_fails_the_job(e2e: E2E, namespace: str) -> None:
+    e2e.start_operator()
+    e2e.apply(selfplay(failurePolicy={"maxRestarts": 1}), namespace)
+    coordinator = f"{JOB}-coordinator"
+
+    def attempts() -> int:
+        return len([r for r in e2e.kubelet.started(namespace) if r.name == coordinator])
+
+    for attempt in (1, 2):  # crash it each time it is (re)started: attempt 2 is past maxRestarts 1
+        e2e.eventually(
+            partial(lambda n: attempts() == n, attempt), timeout=180, what=f"coordinator start {attempt}"
+        )
+        e2e.kubelet.kill(namespace, coordinator)
+    e2e.wait(JOB, namespace, "Failed", timeout=180)
+    failed = e2e.condition(JOB, namespace, "Failed")
+    assert failed["reason"] == "RestartLimitExceeded", failed
+    assert coordinator in failed["message"] and "137" in failed["message"], failed
+    status = e2e.job(JOB, namespace)["status"]
+    assert status["phase"] == "Failed" and status["restarts"] == 1, json.dumps(status)
+    e2e.eventually(lambda: not e2e.pods(namespace) or all(
+        p["status"]["phase"] in ("Succeeded", "Failed") for p in e2e.pods(namespace).values()),
+        timeout=120, what="the failed job's pods stopped")  # fmt: skip
