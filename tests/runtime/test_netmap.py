@@ -38,3 +38,10 @@ def test_a_map_gives_each_pod_its_ports_and_resolves_service_names(
     assert PodEnv.from_env().http_port == 41000
     monkeypatch.setenv("POLYRL_POD_NAME", "job-workflow-0")  # a pod the map does not know
     assert netmap.listen_port(8000) == 8000
+
+
+def test_free_ports_stay_out_of_the_ephemeral_range() -> None:
+    low = netmap._ephemeral_low()
+    ports = {netmap.free_port() for _ in range(50)}
+    assert all(20000 <= p <= min(26999, low - 1) for p in ports) and len(ports) > 40
+    assert all(27000 <= netmap.free_port(27000, 32767) < low for _ in range(10))

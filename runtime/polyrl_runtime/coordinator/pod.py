@@ -46,12 +46,6 @@ RAY_GCS_PORT = 6379
 RAY_CLIENT_PORT = 10001
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def _temp_dir(ray_port: int) -> str:
     return f"{tempfile.gettempdir()}/polyrl-ray-{ray_port}"
 
@@ -71,7 +65,7 @@ def _node_ports() -> list[str]:
         "dashboard-agent-grpc-port",
         "dashboard-agent-listen-port",
     )
-    return [f"--{n}={_free_port()}" for n in names]
+    return [f"--{n}={netmap.free_port()}" for n in names]
 
 
 def start_ray(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:

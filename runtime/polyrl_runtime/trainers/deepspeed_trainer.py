@@ -16,7 +16,6 @@ import copy
 import logging
 import math
 import os
-import socket
 import time
 import zlib
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages
 from polyrl_runtime.algorithms.losses import LossConfig, TokenBatch, policy_loss, sequence_logprobs
 from polyrl_runtime.experience.types import SampleBatch
 from polyrl_runtime.models import load_model
+from polyrl_runtime.netmap import free_port
 from polyrl_runtime.trainers.api import StepResult
 from polyrl_runtime.weights.endpoints import TrainerWeights
 
@@ -40,12 +40,6 @@ log = structlog.get_logger(__name__)
 
 def policy_seed(job_seed: int, policy: str) -> int:
     return (job_seed * 1_000_003 + zlib.crc32(policy.encode())) % (2**31)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class DeepSpeedTrainer(TrainerWeights):
@@ -83,7 +77,7 @@ class DeepSpeedTrainer(TrainerWeights):
 
     def address(self) -> tuple[str, int]:
         util: Any = ray.util
-        return str(util.get_node_ip_address()), _free_port()
+        return str(util.get_node_ip_address()), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the policy's process group and build the DeepSpeed engine (all ranks at once)."""

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from polyrl_runtime.netmap import free_port
 from polyrl_testenv.operator_proc import SyncApi
 
 Obj = dict[str, Any]
@@ -49,12 +49,6 @@ Obj = dict[str, Any]
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _descendants(root: int) -> list[int]:
@@ -204,7 +198,12 @@ class TestKubelet:
         ports = self.ports.setdefault(f"{ns}/{name}", {})
         for c in spec["containers"]:
             for p in c.get("ports") or []:
-                ports.setdefault(int(p["containerPort"]), _free_port())
+                if int(p["containerPort"]) not in ports:  # our own range: see polyrl_runtime.netmap
+                    taken = {h for pod_ports in self.ports.values() for h in pod_ports.values()}
+                    port = free_port(27000, 32767)
+                    while port in taken:
+                        port = free_port(27000, 32767)
+                    ports[int(p["containerPort"])] = port
         mounts = run.mounts = self._volumes(pod, directory)
         run.annotations = dict(meta.get("annotations") or {})
         hostname = spec.get("hostname") or name
