@@ -235,6 +235,7 @@ async def _work(
 ) -> int:
     resources = json.dumps({resource_name(policy, role): 1})
     join_deadline = float(os.environ.get("POLYRL_JOIN_TIMEOUT_S", "600"))
+    start_timeout = float(os.environ.get("POLYRL_RAY_START_TIMEOUT_S", "90"))
     log_path = (
         Path(tempfile.gettempdir())
         / "polyrl"
@@ -259,6 +260,7 @@ async def _work(
                     break
                 await asyncio.sleep(2.0)
                 continue
+            offset = log_path.stat().st_size if log_path.exists() else 0
             proc = start_ray([f"--address={address}", f"--resources={resources}", *_node_ports()], log_path)
             started = time.monotonic()
             unreachable = 0
@@ -268,9 +270,15 @@ async def _work(
                 if unreachable >= 10:
                     log.warning("worker.head_unreachable", address=address)
                     break
-                if not ready.is_set() and not unreachable and time.monotonic() - started > 5.0:
-                    ready.set()
-                    log.info("worker.joined", role=role, policy=policy, address=address)
+                if not ready.is_set():
+                    if _ray_started(log_path, offset):  # ready = this node really joined
+                        ready.set()
+                        log.info("worker.joined", role=role, policy=policy, address=address)
+                    elif time.monotonic() - started > start_timeout:
+                        # A `ray start` can wait forever on a GCS that is slow to answer (an
+                        # overloaded head): start over rather than stay a pod that never joins.
+                        log.warning("worker.start_timeout", address=address, after_s=start_timeout)
+                        break
                 await asyncio.sleep(1.0)
             last_join = time.monotonic()  # the rejoin window starts when we lose the head
             ready.clear()
@@ -282,6 +290,16 @@ async def _work(
         relay.cancel()
         await runner.cleanup()
     return code
+
+
+def _ray_started(log_path: Path, offset: int) -> bool:
+    """Whether the `ray start` writing to ``log_path`` from ``offset`` on reported its node up."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(offset)
+            return b"Ray runtime started" in f.read()
+    except OSError:
+        return False
 
 
 async def _serve_health(ready: asyncio.Event, port: int) -> web.AppRunner:
