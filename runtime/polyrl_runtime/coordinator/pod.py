@@ -72,8 +72,10 @@ def start_ray(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [_ray_bin(), "start", "--block", "--disable-usage-stats", *args]
     log.info("ray.start", cmd=" ".join(cmd))
+    # unbuffered: the worker reads "Ray runtime started" from this log to know it joined
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log_path.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def _reachable(address: str, timeout: float = 2.0) -> bool:
