@@ -111,6 +111,7 @@ class TestKubelet:
         self.ports: dict[str, dict[int, int]] = {}  # "<ns>/<pod>" -> containerPort -> host port
         self.endpoints: dict[str, str] = {}
         self.errors: list[str] = []
+        self._dying: dict[tuple[str, str], list[subprocess.Popen[bytes]]] = {}  # deleted, still exiting
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="test-kubelet", daemon=True)
@@ -147,6 +148,10 @@ class TestKubelet:
         """Crash the pod's processes (all of them, Ray's included), as a node failure would."""
         run = self.current(namespace, name)
         assert run is not None, f"no pod {namespace}/{name} was started"
+        deadline = time.monotonic() + 30  # the run is listed just before its processes start
+        while not run.procs and run.phase == "Running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run.procs, f"pod {namespace}/{name} has no running processes"
         for proc in run.procs.values():
             _signal_tree(proc.pid, sig)
 
@@ -175,11 +180,15 @@ class TestKubelet:
             if run.uid not in pods or pods[run.uid]["metadata"].get("deletionTimestamp"):
                 grace = float(pods.get(run.uid, {}).get("spec", {}).get("terminationGracePeriodSeconds", 30))
                 procs, run.procs, run.phase = list(run.procs.values()), {}, "Deleted"
+                self._dying[(ns, run.name)] = procs
                 threading.Thread(target=self._terminate, args=(procs, grace), daemon=True).start()
         for uid, pod in pods.items():
             phase = (pod.get("status") or {}).get("phase")
             fresh = uid not in self.runs and not pod["metadata"].get("deletionTimestamp")
-            if fresh and phase not in ("Succeeded", "Failed"):
+            # A name is reused only once the old pod's processes are gone, as on a node, where the
+            # old pod object stays Terminating until then (this API server deletes at once).
+            dying = self._dying.get((ns, pod["metadata"]["name"]), [])
+            if fresh and phase not in ("Succeeded", "Failed") and all(p.poll() is not None for p in dying):
                 self._start(pod)
         self._write_netmap(ns, list(pods.values()))
         for uid, pod in pods.items():
