@@ -28,6 +28,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from polyrl_operator.api import RLJob
 from polyrl_runtime import netmap
 from polyrl_runtime.config import (
     JobFileError,
@@ -97,21 +98,32 @@ def stop_ray(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
             proc.wait()
 
 
+def _load(config: str) -> tuple[PodEnv, RLJob] | None:
+    """The pod's environment and job file (None after printing why the file is unusable)."""
+    set_env_defaults()
+    try:
+        return PodEnv.from_env(), load_job(config)
+    except JobFileError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return None
+
+
+def _scratch(job_name: str) -> Path:
+    """The pod's scratch (TMPDIR, the /tmp emptyDir): per pod, so never another job's files."""
+    return Path(tempfile.gettempdir()) / "polyrl" / job_name
+
+
 # -- coordinator ---------------------------------------------------------------------------------
 
 
 def run_coordinator(
     config: str, *, out: str | None = None, ray_port: int | None = None, http_port: int | None = None
 ) -> int:
-    set_env_defaults()
-    env = PodEnv.from_env()
-    try:
-        job = load_job(config)
-    except JobFileError as e:
-        sys.stderr.write(f"error: {e}\n")
+    loaded = _load(config)
+    if loaded is None:
         return 2
-    # The pod's scratch (TMPDIR, the /tmp emptyDir): per pod, so never another job's checkpoints.
-    out_dir = Path(out or Path(tempfile.gettempdir()) / "polyrl" / job.metadata.name)
+    env, job = loaded
+    out_dir = Path(out) if out else _scratch(job.metadata.name)
     ray_port = netmap.listen_port(RAY_GCS_PORT) if ray_port is None else ray_port
     head = start_ray(
         # A private temp dir: `ray start` records its address there, not in /tmp/ray, so other Ray
@@ -150,15 +162,13 @@ async def _connect(address: str, temp_dir: str, deadline_s: float = 120.0) -> No
             await asyncio.sleep(1.0)
 
 
-async def _coordinate(job: object, env: PodEnv, out_dir: Path, ray_port: int, http_port: int) -> int:
+async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int, http_port: int) -> int:
     import ray
 
-    from polyrl_operator.api import RLJob
     from polyrl_runtime.coordinator.checkpoint import checkpoint_root
     from polyrl_runtime.coordinator.driver import Driver, DriverOptions
     from polyrl_runtime.coordinator.progress_server import ProgressServer
 
-    assert isinstance(job, RLJob)
     opts = DriverOptions(
         out_dir=out_dir,
         checkpoint_root=checkpoint_root(job.spec.checkpoint.uri, out_dir),
@@ -205,13 +215,10 @@ async def _coordinate(job: object, env: PodEnv, out_dir: Path, ray_port: int, ht
 def run_worker(
     config: str, *, role: str, policy: str | None, address: str | None = None, http_port: int | None = None
 ) -> int:
-    set_env_defaults()
-    env = PodEnv.from_env()
-    try:
-        job = load_job(config)
-    except JobFileError as e:
-        sys.stderr.write(f"error: {e}\n")
+    loaded = _load(config)
+    if loaded is None:
         return 2
+    env, job = loaded
     names = [p.name for p in job.spec.policies]
     if role in ("rollout", "trainer") and policy not in names:
         sys.stderr.write(f"error: --policy must name one of the job's policies {names} for role {role}\n")
@@ -238,12 +245,7 @@ async def _work(
     resources = json.dumps({resource_name(policy, role): 1})
     join_deadline = float(os.environ.get("POLYRL_JOIN_TIMEOUT_S", "600"))
     start_timeout = float(os.environ.get("POLYRL_RAY_START_TIMEOUT_S", "90"))
-    log_path = (
-        Path(tempfile.gettempdir())
-        / "polyrl"
-        / job_name
-        / f"ray-{role}-{policy or 'job'}-{env.index}-{os.getpid()}.log"
-    )
+    log_path = _scratch(job_name) / f"ray-{role}-{policy or 'job'}-{env.index}-{os.getpid()}.log"
     ready = asyncio.Event()
     runner = await _serve_health(ready, http_port)
     stopping = asyncio.Event()
