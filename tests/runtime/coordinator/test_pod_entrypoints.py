@@ -131,7 +131,9 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
             agent["produced"]
             == agent["consumed"] + sum(result["dropped"]["agent"].values()) + agent["buffered"]
         )
-        assert {"running", "done"} <= seen
+        # "checkpointing" is only entered from "running": either proves the actors were placed (a
+        # 3-step job may spend all of its running time between two polls, so "running" alone is luck)
+        assert "done" in seen and seen & {"running", "checkpointing"}, seen
         assert last["checkpoint"]["lastRequestId"] == "evict-7" and last["policies"][0]["step"] == 3
         # the worker pods were ready (their /healthz) while they were part of the cluster: they ran the
         # engine, the trainer and the workflow; the driver placed each actor on its role's node
