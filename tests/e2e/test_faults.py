@@ -1,4 +1,4 @@
-"""Scenarios 2-6: scaling, a trainer crash, an operator restart, suspend/resume and a coordinator
+"""Scenarios 2-6: scaling out and in, a trainer crash, an operator restart, suspend/resume and a coordinator
 that keeps crashing, each on a running 4-pod job (tests/e2e/data/selfplay-e2e.yaml) whose pods run
 the real runtime. The coordinator's final counters prove that no sample was lost or trained twice."""
 
@@ -25,6 +25,41 @@ def trained_exactly_once(counters: dict[str, Any], steps: int = STEPS) -> None:
     accounted(counters)
     assert counters["steps"] == {"agent": steps}
     assert counters["buffers"]["agent"]["consumed"] == steps * EPISODES * SAMPLES_PER_EPISODE, counters
+
+
+def test_raising_min_adds_a_rollout_that_joins_at_the_current_version(e2e: E2E, namespace: str) -> None:
+    e2e.start_operator(autoscale={"backlogHigh": 1e9, "utilisationLow": 0})
+    # far longer than the test: training must still be going when the new node has joined
+    job = selfplay(training={"totalSteps": 50 * LONG, "episodesPerStep": EPISODES, "seed": 3})
+    e2e.apply(job, namespace)  # rollout replicas min 1, max 2: one engine to begin with
+    e2e.eventually(lambda: e2e.step(JOB, namespace) >= 3, timeout=240, what="step 3 on one engine")
+    joined_at = e2e.step(JOB, namespace)
+    replicas = "/spec/policies/0/rollout/replicas"
+    e2e.kubectl("patch", "rljob", JOB, "-n", namespace, "--type=json", "-p",
+                json.dumps([{"op": "replace", "path": replicas, "value": {"min": 2, "max": 2}}]))  # fmt: skip
+    new = f"{JOB}-agent-rollout-1"
+    seen: list[dict[str, Any]] = []
+
+    def serving() -> bool:
+        doc = e2e.progress(JOB, namespace)
+        if doc is None:
+            return False
+        engine = next((e for e in doc["policies"][0]["engines"] if e["pod"] == new), None)
+        if engine is not None:
+            seen.append({**engine, "policyVersion": doc["policies"][0]["version"]})
+        # it caught up before it got work: a version at least the one training was at when it was asked
+        # for, and it has spent time generating since
+        return engine is not None and engine["version"] >= joined_at and engine["utilisation"] > 0
+
+    e2e.eventually(
+        serving, timeout=300, what=lambda: f"{new} serving; seen {seen[-3:]}\n{e2e.kubelet.logs()[-4000:]}"
+    )
+    # whenever it was generating, it held weights at least as new as when it was asked for
+    assert all(e["version"] >= joined_at for e in seen if e["utilisation"] > 0 or e["inFlight"]), seen
+    # and training goes on with both engines: the policy moves on from the version it joined at
+    version = seen[-1]["policyVersion"]
+    e2e.eventually(lambda: e2e.step(JOB, namespace) >= version + 3, timeout=120, what="training on")
+    assert not e2e.kubelet.errors
 
 
 def test_lowering_max_drains_a_rollout_and_deletes_it_without_loss(e2e: E2E, namespace: str) -> None:

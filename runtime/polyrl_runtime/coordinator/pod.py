@@ -47,8 +47,16 @@ RAY_GCS_PORT = 6379
 RAY_CLIENT_PORT = 10001
 
 
-def _temp_dir(ray_port: int) -> str:
-    return f"{tempfile.gettempdir()}/polyrl-ray-{ray_port}"
+def _temp_dir(ray_port: int | None = None) -> str:
+    """This node's own Ray temp dir (sockets, logs), in the pod's /tmp; the head's is also named by
+    its port, which is where `ray start` records the cluster address.
+
+    A joining node without one takes the head's, and nodes that share a host (the test kubelet)
+    then race for the same socket names: two raylets starting together pick the same
+    `plasma_store.N`, one dies on "bind: Address already in use" and its `ray start` times out 30 s
+    later. Short on purpose: Ray puts the Unix sockets ~60 characters below it and a socket path
+    must stay under 108."""
+    return f"{tempfile.gettempdir()}/ray" + (f"-{ray_port}" if ray_port else "")
 
 
 def _ray_bin() -> str:
@@ -265,7 +273,15 @@ async def _work(
                 await asyncio.sleep(2.0)
                 continue
             offset = log_path.stat().st_size if log_path.exists() else 0
-            proc = start_ray([f"--address={address}", f"--resources={resources}", *_node_ports()], log_path)
+            proc = start_ray(
+                [
+                    f"--address={address}",
+                    f"--temp-dir={_temp_dir()}",
+                    f"--resources={resources}",
+                    *_node_ports(),
+                ],
+                log_path,
+            )
             started = time.monotonic()
             unreachable = 0
             while proc.poll() is None and not stopping.is_set():

@@ -7,6 +7,8 @@ whatever the parameter count) and records versions. Trainer and engine actors su
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +82,12 @@ class SyncResult:
 
 
 class PolicyWeightSync:
-    """Driver-side: one policy's trainer endpoint -> its engines, one version at a time."""
+    """Driver-side: one policy's trainer endpoint -> its engines, one version at a time.
+
+    The driver calls `sync` and `add_engine`/`remove_engine` from different threads (a step's sync
+    and housekeeping run concurrently); one lock keeps deliveries in version order, so a late
+    joiner's catch-up can never land (or be recorded) after a newer sync.
+    """
 
     def __init__(
         self,
@@ -97,6 +104,7 @@ class PolicyWeightSync:
         self.registry = registry
         self.transport = transport
         self._collective = transport == "collective"
+        self._lock = threading.Lock()
         for name in self.engines:
             registry.join(policy, name)
         if self._collective:
@@ -119,12 +127,21 @@ class PolicyWeightSync:
         return result
 
     def sync(self, version: int) -> SyncResult:
-        manifest: WeightManifest = ray.get(self.trainer.publish_weights.remote(version))
-        self.registry.publish(manifest)
-        return self._deliver(manifest, self.engines)
+        with self._lock:
+            manifest: WeightManifest = ray.get(self.trainer.publish_weights.remote(version))
+            self.registry.publish(manifest)
+            return self._deliver(manifest, self.engines)
 
     def add_engine(self, name: str, handle: Any) -> SyncResult | None:
         """Admit a new engine and bring it to the latest version before it gets any work."""
+        # A new actor may take seconds to start: wait for it outside the lock, not in a sync's way.
+        # One that died starting fails in _deliver below, which reports it like any failed engine.
+        with contextlib.suppress(Exception):
+            ray.get(handle.weight_version.remote())
+        with self._lock:
+            return self._admit(name, handle)
+
+    def _admit(self, name: str, handle: Any) -> SyncResult | None:
         self.engines[name] = handle
         self.registry.join(self.policy, name)
         if self.registry.latest(self.policy) is None:
@@ -143,7 +160,8 @@ class PolicyWeightSync:
         return self._deliver(latest, {name: handle})
 
     def remove_engine(self, name: str) -> None:
-        self.engines.pop(name, None)
-        self.registry.forget(self.policy, name)
-        if self._collective:
-            ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))
+        with self._lock:
+            self.engines.pop(name, None)
+            self.registry.forget(self.policy, name)
+            if self._collective:
+                ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -66,8 +68,13 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     procs: list[subprocess.Popen[bytes]] = []
+    short_tmp = tempfile.mkdtemp(prefix="pe")
 
     def spawn(name: str, args: list[str], **env: str) -> subprocess.Popen[bytes]:
+        # each pod has its own /tmp, and Ray's Unix sockets live there: keep it short (< 108 chars)
+        scratch = Path(short_tmp) / name
+        scratch.mkdir()
+        env.setdefault("TMPDIR", str(scratch))
         with (logs / f"{name}.log").open("wb") as out:
             p = subprocess.Popen(
                 [BIN, *args], stdout=out, stderr=subprocess.STDOUT, env=_env(tmp_path, **env), cwd=tmp_path
@@ -156,6 +163,7 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(short_tmp, ignore_errors=True)
 
 
 def test_drain_annotation_is_relayed_to_the_coordinator(tmp_path: Path) -> None:

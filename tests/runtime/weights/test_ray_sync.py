@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
 
 from polyrl_runtime.weights import VersionRegistry, WeightMismatchError
+from polyrl_runtime.weights.api import SyncReport, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
 
 
@@ -91,4 +95,45 @@ def test_sync_and_scale_out_across_actors(ray_session: Any, transport: str) -> N
     finally:
         ray.get(trainer.close_weights.remote())
         for a in actors:
+            ray.kill(a)
+
+
+class SlowJoiner(Engine):
+    """An async engine actor (like TorchEngine) whose first update takes a second to apply."""
+
+    async def receive_weights(self, manifest: WeightManifest) -> SyncReport:  # type: ignore[override]
+        if not getattr(self, "_warm", False):
+            self._warm = True
+            await asyncio.sleep(1.0)
+        return EngineWeights.receive_weights(self, manifest)
+
+
+def test_a_catch_up_never_lands_after_a_newer_sync(ray_session: Any) -> None:
+    """The driver syncs in one thread while housekeeping admits engines in another. A slow catch-up
+    must not overtake, or be overtaken by, the next sync: that once downgraded a new engine to the
+    older version and raised VersionError mid-training."""
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = ray.remote(num_cpus=0)(Trainer).remote("objectstore", {})
+    e0 = ray.remote(num_cpus=0)(Engine).remote("objectstore")
+    late = ray.remote(num_cpus=0)(SlowJoiner).remote("objectstore")
+    try:
+        registry = VersionRegistry()
+        wsync = PolicyWeightSync("alice", trainer, {"e0": e0}, registry, transport="objectstore")
+        for version in range(3):
+            ray.get(trainer.train_step.remote())
+            wsync.sync(version)
+        ray.get(late.weight_version.remote())  # started
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(wsync.add_engine, "late", late)  # catches up to 2, slowly
+            time.sleep(0.3)
+            ray.get(trainer.train_step.remote())
+            result = wsync.sync(3)  # meanwhile, in the training thread
+            assert not result.failures and not joining.result().failures
+        assert ray.get(late.weight_version.remote()) == 3
+        assert ray.get(late.fingerprint.remote()) == _expected(4)
+        assert registry.ready("alice", "late") and registry.ready("alice", "e0")
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in (trainer, e0, late):
             ray.kill(a)
