@@ -129,7 +129,8 @@ def test_a_catch_up_never_lands_after_a_newer_sync(ray_session: Any) -> None:
             time.sleep(0.3)
             ray.get(trainer.train_step.remote())
             result = wsync.sync(3)  # meanwhile, in the training thread
-            assert not result.failures and not joining.result().failures
+            caught_up = joining.result()
+            assert caught_up is not None and not caught_up.failures and not result.failures
         assert ray.get(late.weight_version.remote()) == 3
         assert ray.get(late.fingerprint.remote()) == _expected(4)
         assert registry.ready("alice", "late") and registry.ready("alice", "e0")
