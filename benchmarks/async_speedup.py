@@ -11,49 +11,31 @@ async/sync, and each run's final success rate, so speed is not bought with learn
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-import ray
+from _jobs import run_job, start_ray, stop_ray, tiny_job
 
 from polyrl_operator.api import RLJob
-from polyrl_runtime.config import set_env_defaults
-from polyrl_runtime.coordinator.driver import Driver, DriverOptions, RunSummary
+from polyrl_runtime.coordinator.driver import RunSummary
 
 
 def job(mode: str, staleness: int, steps: int, tail: int, episodes: int, *, alpha: float = 0.8) -> RLJob:
-    policy = {
-        "model": {"uri": "builtin://tiny"},
-        "algorithm": {"name": "grpo", "groupSize": 4, "lr": 3e-3},
-        "rollout": {"engine": "torch", "gpus": 0},
-        "trainer": {"zeroStage": 1, "gpus": 0, "microBatchSize": 64},
+    workflow = {
+        "entrypoint": "polyrl_runtime.workflows.signal:SignalGame",
+        "args": {"vocab": 8, "symbols": 4, "tail_tokens": tail, "tail_alpha": alpha},
     }
-    return RLJob.model_validate(
-        {
-            "apiVersion": "polyrl.dev/v1alpha1",
-            "kind": "RLJob",
-            "metadata": {"name": f"bench-{mode}-{staleness}"},
-            "spec": {
-                "mode": mode,
-                "maxStaleness": staleness,
-                "training": {"totalSteps": steps, "episodesPerStep": episodes, "seed": 7},
-                "workflow": {
-                    "entrypoint": "polyrl_runtime.workflows.signal:SignalGame",
-                    "args": {"vocab": 8, "symbols": 4, "tail_tokens": tail, "tail_alpha": alpha},
-                },
-                "policies": [{"name": n, **policy} for n in ("speaker", "listener")],
-                "weightSync": {"transport": "objectstore"},
-                "checkpoint": {"everySteps": 10_000},
-            },
-        }
+    return tiny_job(
+        f"bench-{mode}-{staleness}",
+        ["speaker", "listener"],
+        workflow,
+        steps=steps,
+        episodes=episodes,
+        seed=7,
+        mode=mode,
+        staleness=staleness,
     )
 
 
@@ -64,15 +46,7 @@ def run(j: RLJob) -> tuple[RunSummary, list[float]]:
         if rec.policy == "listener":
             stamps.append(time.monotonic())
 
-    with tempfile.TemporaryDirectory() as tmp:
-        opts = DriverOptions(
-            out_dir=Path(tmp),
-            checkpoint_root=Path(tmp) / "ckpt",
-            place_by_resource=False,
-            on_record=on_record,
-        )
-        summary = asyncio.run(Driver(j, opts).run())
-    return summary, stamps
+    return run_job(j, on_record), stamps
 
 
 def main() -> int:
@@ -84,14 +58,7 @@ def main() -> int:
         "--alpha", type=float, default=0.8, help="Pareto shape of the reply lengths (smaller: longer tail)"
     )
     args = ap.parse_args()
-    set_env_defaults()
-    ray.init(
-        address="local",
-        num_cpus=os.cpu_count() or 2,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
+    start_ray()
     rows = []
     for mode, s in (("sync", 0), ("async", 1), ("async", 2)):
         summary, stamps = run(job(mode, s, args.steps, args.tail, args.episodes, alpha=args.alpha))
@@ -119,7 +86,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for name, rate, final, stale in rows:
         print(f"| {name} | {rate:.2f} | {rate / base:.2f}x | {final:.2f} | {stale} |")
-    ray.shutdown()
+    stop_ray()
     return 0
 
 

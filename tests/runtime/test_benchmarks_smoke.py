@@ -62,3 +62,25 @@ def test_experience_benchmark_runs() -> None:
     assert _rows(out, "buffer") and _rows(out, "raw")
     (bound,) = _rows(out, "16")  # capacity row of the memory-bound table
     assert int(bound[1]) <= 16
+
+
+@pytest.mark.slow
+def test_async_speedup_benchmark_runs() -> None:
+    out = _run("async_speedup.py", "--steps", "5", "--episodes", "8", "--tail", "4")
+    table = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert [row.split("|")[1].strip() for row in table] == [
+        "sync (maxStaleness 0)",
+        "async (maxStaleness 1)",
+        "async (maxStaleness 2)",
+    ]
+
+
+@pytest.mark.slow
+def test_policy_scaling_benchmark_runs() -> None:
+    out = _run("policy_scaling.py", "--steps", "3", "--episodes", "8", "--max-policies", "2")
+    assert [
+        line.split("|")[1].strip() for line in out.splitlines() if line.endswith("|") and "x |" in line
+    ] == [
+        "1",
+        "2",
+    ]
