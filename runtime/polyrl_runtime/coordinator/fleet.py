@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +45,16 @@ class Slot:
     _busy: float = 0.0
     _at: float = field(default_factory=time.monotonic)
 
+    # Engines only. `fence`: the first routing epoch without this engine since its drain began.
+    # `quiet`: every live worker holds routes at least that new and waits on no request to it. Its
+    # own in-flight count alone is not enough: a request a worker has sent may still be on its way.
+    fence: int | None = None
+    quiet: bool = False
+
     @property
     def drained(self) -> bool:
-        return self.draining and self.in_flight == 0
+        engine_done = self.quiet or not self.policy  # workflow workers get no routes
+        return self.draining and self.in_flight == 0 and engine_done
 
     def observe(self, busy_s: float, in_flight: int) -> None:
         now = time.monotonic()
@@ -82,6 +90,7 @@ class Fleet:
         self.engines: dict[str, dict[str, Slot]] = {p.name: {} for p in self.spec.policies}
         self.workers: dict[str, Slot] = {}
         self._ids = itertools.count()
+        self.routes_epoch = 0  # bumped by each push of routing tables to the workers
 
     # -- creation ------------------------------------------------------------------------------
 
@@ -126,7 +135,7 @@ class Fleet:
                 max_concurrency=4096,
                 runtime_env=self._env(),
             )
-            .remote(name, job_json, buffer, self.routes(), episode_timeout_s)
+            .remote(name, job_json, buffer, self.routes(), episode_timeout_s, routes_epoch=self.routes_epoch)
         )
         slot = Slot(name, handle)
         self.workers[name] = slot
@@ -168,9 +177,14 @@ class Fleet:
         }
 
     async def push_routes(self) -> None:
-        routes = self.routes()
+        self.routes_epoch += 1
+        for s in (s for p in self.engines.values() for s in p.values() if s.draining and s.fence is None):
+            s.fence = self.routes_epoch
+        routes, epoch = self.routes(), self.routes_epoch
         live = [w for w in self.workers.values() if not w.dead]
-        await asyncio.gather(*(w.handle.set_routes.remote(routes) for w in live), return_exceptions=True)
+        await asyncio.gather(
+            *(w.handle.set_routes.remote(routes, epoch) for w in live), return_exceptions=True
+        )
 
     async def poll(self) -> list[Slot]:
         """Refresh stats of every engine and worker; returns the slots found dead since the last poll."""
@@ -187,6 +201,8 @@ class Fleet:
             s.queued, s.version = r.queued, r.version
             s.pod = s.pod or str(r.extra.get("pod", "")) or s.name
         workers = [w for w in self.workers.values() if not w.dead]
+        outstanding: Counter[str] = Counter()  # engine -> requests the workers are waiting on
+        oldest = self.routes_epoch  # the oldest routes a live worker holds
         wres = await asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True)
         for w, r in zip(workers, wres, strict=True):
             if isinstance(r, BaseException):
@@ -195,6 +211,10 @@ class Fleet:
                 continue
             w.observe(float(r["busy_s"]) / max(1.0, float(r.get("capacity", 1.0))), int(r["in_flight"]))
             w.pod = w.pod or str(r.get("pod", "")) or w.name
+            outstanding.update(r.get("engine_requests", {}))
+            oldest = min(oldest, int(r.get("routes_epoch", 0)))
+        for s in slots:
+            s.quiet = s.fence is not None and oldest >= s.fence and not outstanding[s.name]
         return newly_dead
 
     def mark_dead(self, names: set[str]) -> list[Slot]:
@@ -212,6 +232,7 @@ class Fleet:
         for s in [*(s for p in self.engines.values() for s in p.values()), *self.workers.values()]:
             if target in (s.name, s.pod):
                 s.draining = draining
+                s.fence, s.quiet = None, False  # until new routes are out and a poll saw it idle
                 found = True
         return found
 

@@ -41,6 +41,10 @@ class EnginePool:
         for e in live:
             self._in_flight.setdefault(e, 0)
 
+    def outstanding(self) -> dict[str, int]:
+        """Engine name -> requests sent to it and not answered yet (drain needs every caller's view)."""
+        return {name: n for name, n in self._in_flight.items() if n}
+
     def policies(self) -> list[str]:
         return sorted(self._routes)
 

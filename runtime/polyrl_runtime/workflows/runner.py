@@ -74,8 +74,11 @@ class WorkflowWorker:
         buffer: Any,
         routes: Mapping[str, Mapping[str, Any]],
         episode_timeout_s: float = 300.0,
+        *,
+        routes_epoch: int = 0,
     ) -> None:
         self.name = name
+        self.routes_epoch = routes_epoch
         self.job = RLJob.model_validate_json(job_json)
         spec = self.job.spec
         self.workflow, self.agent_policies = load_workflow(spec.workflow.entrypoint, spec.workflow.args)
@@ -96,13 +99,24 @@ class WorkflowWorker:
         self._busy_s = 0.0
         self._busy_since: float | None = None
 
-    def set_routes(self, routes: Mapping[str, Mapping[str, Any]]) -> None:
+    def set_routes(self, routes: Mapping[str, Mapping[str, Any]], epoch: int = 0) -> None:
+        """Install the driver's routing table `epoch`; an older one arriving late is ignored (calls
+        to a concurrent actor may run out of order)."""
+        if epoch and epoch < self.routes_epoch:
+            return
+        self.routes_epoch = max(epoch, self.routes_epoch)
         self.pool.set_routes(routes)
 
     def stats(self) -> dict[str, Any]:
         """Episodes in flight and seconds with at least one episode running (utilisation)."""
         busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
-        return {"in_flight": self.in_flight, "busy_s": busy, "pod": os.environ.get("POLYRL_POD_NAME", "")}
+        return {
+            "in_flight": self.in_flight,
+            "busy_s": busy,
+            "pod": os.environ.get("POLYRL_POD_NAME", ""),
+            "engine_requests": self.pool.outstanding(),
+            "routes_epoch": self.routes_epoch,
+        }
 
     def _track(self, delta: int) -> None:
         now = time.monotonic()
