@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-import uuid
 from typing import Any
 
 import jsonschema
@@ -24,6 +23,8 @@ from polyrl_testenv.helm import HelmRenderError, find_helmrender, render_chart, 
 from polyrl_testenv.install import (
     CHART,
     MANIFESTS,
+    assert_apply_is_idempotent,
+    assert_examples_apply,
     find,
     kubectl_binary,
     kustomize,
@@ -323,20 +324,8 @@ def test_rendering_applies_and_the_examples_apply_after_it(
         cp.create_namespace(ns)
     text = render_chart_text(CHART, OPTIONS[name])
     try:
-        applied = cp.kubectl("apply", "--server-side", "-f", "-", input=text, timeout=120)
-        assert applied.returncode == 0, applied.stderr
-        diff = cp.kubectl("diff", "--server-side", "-f", "-", input=text, timeout=120)
-        assert diff.returncode == 0, diff.stdout + diff.stderr
-        ns = f"t-chart-{uuid.uuid4().hex[:6]}"
-        cp.create_namespace(ns)
-        try:
-            for example in sorted(EXAMPLES.glob("*.yaml")):
-                body = yaml.safe_load(example.read_text())
-                body["metadata"]["namespace"] = ns
-                result = cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
-                assert result.returncode == 0, f"{example.name}: {result.stderr}"
-        finally:
-            cp.delete_namespace(ns)
+        assert_apply_is_idempotent(cp, text)
+        assert_examples_apply(cp, EXAMPLES, "t-chart")
     finally:
         cp.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-", input=text, timeout=120)
         for ns in created:

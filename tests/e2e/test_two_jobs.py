@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from polyrl_testenv import ControlPlane
+from polyrl_testenv.kueue import admission_status
 
 from .conftest import E2E, accounted, selfplay
 
@@ -26,17 +27,7 @@ def admit(e2e: E2E, namespace: str) -> list[tuple[str, int]]:
     code, wl = e2e.cp.request("GET", path)
     assert code == 200, wl
     podsets = [(p["name"], p["count"]) for p in wl["spec"]["podSets"]]
-    now = "2026-01-01T00:00:00Z"
-    admission = {
-        "admission": {
-            "clusterQueue": "cluster-cpu",
-            "podSetAssignments": [{"name": n, "count": c, "flavors": {"cpu": "default"}} for n, c in podsets],
-        },
-        "conditions": [
-            {"type": t, "status": "True", "reason": t, "message": "ok", "lastTransitionTime": now}
-            for t in ("QuotaReserved", "Admitted")
-        ],
-    }
+    admission = admission_status("cluster-cpu", podsets, {"cpu": "default"})
     e2e.kubectl("patch", "workload", JOB, "-n", namespace, "--subresource=status", "--type=merge",
                 "-p", json.dumps({"status": admission}))  # fmt: skip
     return podsets

@@ -57,6 +57,7 @@ from polyrl_testenv.install import (
     start_operator,
     without_crds,
 )
+from polyrl_testenv.kueue import admission_status
 from polyrl_testenv.operator_fixtures import pod_status
 from polyrl_testenv.operator_proc import SyncApi
 from polyrl_testenv.request_log import Authorizer, Recorded, RecordingProxy, request_attributes
@@ -406,34 +407,9 @@ def _admit(d: Driver, workload: dict[str, Any], path: str) -> None:
     }
     code, body = d.api.call("POST", "/apis/kueue.x-k8s.io/v1beta2/resourceflavors", flavor)
     assert code == 201, body
-    assignments = [
-        {
-            "name": ps["name"],
-            "count": ps["count"],
-            "flavors": {"nvidia.com/gpu": flavor["metadata"]["name"], "cpu": flavor["metadata"]["name"]},
-        }
-        for ps in workload["spec"]["podSets"]
-    ]
-    now = "2026-01-01T00:00:00Z"
-    status = {
-        "admission": {"clusterQueue": "gpu-queue", "podSetAssignments": assignments},
-        "conditions": [
-            {
-                "type": "QuotaReserved",
-                "status": "True",
-                "reason": "QuotaReserved",
-                "message": "ok",
-                "lastTransitionTime": now,
-            },
-            {
-                "type": "Admitted",
-                "status": "True",
-                "reason": "Admitted",
-                "message": "ok",
-                "lastTransitionTime": now,
-            },
-        ],
-    }
+    podsets = [(ps["name"], ps["count"]) for ps in workload["spec"]["podSets"]]
+    name = flavor["metadata"]["name"]
+    status = admission_status("gpu-queue", podsets, {"nvidia.com/gpu": name, "cpu": name})
     code, body = d.api.merge(f"{path}/status", {"status": status})
     assert code == 200, body
 

@@ -4,7 +4,6 @@ against the operator's own code (settings model, CLI, defaults), not against cop
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
@@ -17,6 +16,8 @@ from polyrl_testenv.bad_rljobs import EXAMPLES, REPO
 from polyrl_testenv.install import (
     MANIFESTS,
     OVERLAYS,
+    assert_apply_is_idempotent,
+    assert_examples_apply,
     find,
     kubectl_binary,
     kustomize,
@@ -193,20 +194,8 @@ def test_each_rendering_applies_and_the_examples_apply_after_it(
             live = cp.kubectl_json(*args)
             assert (live["kind"], live["metadata"]["name"]) == (doc["kind"], meta["name"])
         # Applying the same rendering again changes nothing (GitOps).
-        again = cp.kubectl("apply", "--server-side", "-f", "-", input=text, timeout=120)
-        assert again.returncode == 0, again.stderr
-        diff = cp.kubectl("diff", "--server-side", "-f", "-", input=text, timeout=120)
-        assert diff.returncode == 0, diff.stdout + diff.stderr
-        ns = f"t-examples-{uuid.uuid4().hex[:6]}"
-        cp.create_namespace(ns)
-        try:
-            for example in sorted(EXAMPLES.glob("*.yaml")):
-                body = yaml.safe_load(example.read_text())
-                body["metadata"]["namespace"] = ns
-                applied = cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
-                assert applied.returncode == 0, f"{example.name}: {applied.stderr}"
-        finally:
-            cp.delete_namespace(ns)
+        assert_apply_is_idempotent(cp, text)
+        assert_examples_apply(cp, EXAMPLES, "t-examples")
     finally:
         keep = ("CustomResourceDefinition", "Namespace")
         rest = yaml.safe_dump_all([d for d in docs if d["kind"] not in keep])

@@ -17,6 +17,7 @@ from polyrl_operator import naming
 from polyrl_operator.kube import CHILD_API_VERSIONS, ApiError, Credentials, KubeClient, path_for
 from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES, REPO
+from polyrl_testenv.kueue import admission_status
 from polyrl_testenv.operator_fixtures import pod_status
 from polyrl_testenv.operator_harness import FakeCoordinator, eventually, operator_in_process
 from polyrl_testenv.quota_proxy import QuotaProxy
@@ -313,33 +314,8 @@ async def test_kueue_admission_gates_pods_and_eviction_suspends(
         assert await k8s.pod_names("signal-game") == set()
         assert (await k8s.condition("signal-game", "Admitted"))["status"] == "False"
         now = "2026-01-01T00:00:00Z"
-        admission = {
-            "status": {
-                "admission": {
-                    "clusterQueue": "cluster-cpu",
-                    "podSetAssignments": [
-                        {"name": name, "count": count, "flavors": {"cpu": flavor["metadata"]["name"]}}
-                        for name, count in podsets
-                    ],
-                },
-                "conditions": [
-                    {
-                        "type": "QuotaReserved",
-                        "status": "True",
-                        "reason": "QuotaReserved",
-                        "message": "ok",
-                        "lastTransitionTime": now,
-                    },
-                    {
-                        "type": "Admitted",
-                        "status": "True",
-                        "reason": "Admitted",
-                        "message": "ok",
-                        "lastTransitionTime": now,
-                    },
-                ],
-            }
-        }
+        status = admission_status("cluster-cpu", podsets, {"cpu": flavor["metadata"]["name"]})
+        admission = {"status": status}
         await k8s.api.patch(workload_path + "/status", admission)
         await k8s.wait_for("signal-game", "Admitted")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,26 @@ def kubeconfig_for(server: str, path: Path) -> Path:
         )
     )
     return path
+
+
+def assert_apply_is_idempotent(cp: Any, text: str) -> None:
+    """Server-side apply of an install rendering succeeds, and a second look finds nothing to change
+    (what a GitOps controller would see on its next sync)."""
+    applied = cp.kubectl("apply", "--server-side", "-f", "-", input=text, timeout=120)
+    assert applied.returncode == 0, applied.stderr
+    diff = cp.kubectl("diff", "--server-side", "-f", "-", input=text, timeout=120)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+
+
+def assert_examples_apply(cp: Any, examples: Path, prefix: str) -> None:
+    """Every example RLJob under ``examples`` applies with kubectl into a fresh namespace."""
+    ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cp.create_namespace(ns)
+    try:
+        for example in sorted(examples.glob("*.yaml")):
+            body = yaml.safe_load(example.read_text())
+            body["metadata"]["namespace"] = ns
+            result = cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(body))
+            assert result.returncode == 0, f"{example.name}: {result.stderr}"
+    finally:
+        cp.delete_namespace(ns)
