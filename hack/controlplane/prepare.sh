@@ -10,7 +10,8 @@
 # Nothing is installed system-wide: every package is fetched with `apt-get download` through a
 # PRIVATE apt configuration (own sources.list pointing at sid on the mirror this machine already
 # uses, own lists/cache/state under the cache folder) and unpacked with `dpkg-deb -x`. The
-# system's apt sources are never touched. Why sid: it is the only Debian suite that packages
+# system's apt sources are never touched. That recipe lives in hack/lib/debian-go.sh (dgo_*),
+# shared with hack/helmrender/prepare.sh. Why sid: it is the only Debian suite that packages
 # the Kubernetes 1.36 libraries, and Debian's mirrors are reachable where GitHub/dl.k8s.io are not.
 #
 # Idempotent: when the binaries and the recipe stamp are in the cache it prints what is there and
@@ -24,13 +25,12 @@ set -Eeuo pipefail
 
 # Bump when the recipe changes in a way that needs a rebuild of the cached binaries.
 RECIPE=6
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE_ROOT="${POLYRL_CACHE:-$HOME/.cache/polyrl}/controlplane"
 BIN="$CACHE_ROOT/bin"
 STAMP="$BIN/.recipe"
 VERSIONS="$BIN/versions.txt"
 WORK="$CACHE_ROOT/work"
-APT="$CACHE_ROOT/apt"
-KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 T0=$(date +%s)
 
 log() { printf '[controlplane %4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
@@ -58,10 +58,9 @@ if [[ "${POLYRL_CONTROLPLANE_REBUILD:-0}" != 1 ]] && have_all; then
     exit 0
 fi
 
-for tool in apt-get dpkg-deb python3 flock; do
-    command -v "$tool" >/dev/null || die "'$tool' is required (this recipe needs a Debian-like machine)"
-done
-[[ -f "$KEYRING" ]] || die "$KEYRING is missing (install debian-archive-keyring)"
+# shellcheck source=SCRIPTDIR/../lib/debian-go.sh
+source "$HERE/../lib/debian-go.sh"
+dgo_check_host
 
 mkdir -p "$CACHE_ROOT" "$BIN"
 # Two concurrent `make` runs must not build into the same folders.
@@ -72,70 +71,20 @@ if [[ "${POLYRL_CONTROLPLANE_REBUILD:-0}" != 1 ]] && have_all; then
     exit 0
 fi
 
-# ---- private apt configuration --------------------------------------------------------------
-# Reuse the mirror host this machine is configured with (it is the one the network allows).
-mirror="${POLYRL_DEBIAN_MIRROR:-}"
-if [[ -z "$mirror" ]]; then
-    mirror=$(
-        { grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}'
-          grep -hs '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
-              | sed -E 's/\[[^]]*\]//' | awk '{print $2}'; } \
-            | grep -v -e security -e '^$' | grep '/debian/\?$' | head -n1 || true
-    )
-    mirror="${mirror:-http://deb.debian.org/debian}"
-fi
-mirror="${mirror%/}"
-mkdir -p "$APT/lists/partial" "$APT/cache/archives/partial" "$APT/etc"
-: >"$APT/status"
-cat >"$APT/etc/sources.list" <<EOF
-deb [signed-by=$KEYRING] $mirror sid main
-deb-src [signed-by=$KEYRING] $mirror sid main
-EOF
-APTOPTS=(
-    -o "Dir::Etc::SourceList=$APT/etc/sources.list" -o Dir::Etc::SourceParts=/dev/null
-    -o "Dir::State=$APT" -o "Dir::State::Lists=$APT/lists" -o "Dir::State::status=$APT/status"
-    -o "Dir::Cache=$APT/cache" -o Debug::NoLocking=1 -o APT::Sandbox::User=root
-    -o Acquire::Languages=none -q
-)
-log "refreshing private apt index of $mirror sid (Packages + Sources)"
-apt-get "${APTOPTS[@]}" update >"$APT/update.log" 2>&1 || { cat "$APT/update.log" >&2; die "apt-get update (private sid config) failed"; }
-
-rm -rf "$WORK"
-mkdir -p "$WORK/debs" "$WORK/root"
-DEBS="$WORK/debs"
-ROOT="$WORK/root"
-
-# Downloads the named binary packages (candidate = newest in sid) and unpacks them into $ROOT.
-fetch() {
-    (cd "$DEBS" && apt-get "${APTOPTS[@]}" download "$@" >>"$WORK/download.log" 2>&1) \
-        || { tail -n 20 "$WORK/download.log" >&2; die "apt-get download $* failed"; }
-    local p f
-    for p in "$@"; do
-        for f in "$DEBS/${p}"_*.deb; do dpkg-deb -x "$f" "$ROOT"; done
-    done
-}
+dgo_apt_init "$CACHE_ROOT/apt"
+dgo_workspace "$WORK"
 
 # ---- etcd and kubectl (prebuilt Debian binaries) --------------------------------------------
 log "fetching etcd-server and kubectl"
-fetch etcd-server kubectl
+dgo_fetch etcd-server kubectl
 install -m 0755 "$ROOT/usr/bin/etcd" "$WORK/etcd"
 install -m 0755 "$ROOT/usr/bin/kubectl" "$WORK/kubectl"
 
-# ---- Go toolchain -----------------------------------------------------------------------------
-gopkg=$(apt-cache "${APTOPTS[@]}" depends golang-go | awk '/Depends: golang-1\.[0-9]+-go/ {print $2; exit}')
-[[ -n "$gopkg" ]] || die "cannot find sid's default Go toolchain (golang-go's Depends)"
-log "fetching Go toolchain $gopkg + ${gopkg%-go}-src"
-fetch "$gopkg" "${gopkg%-go}-src"
-gover="${gopkg#golang-}"; GOROOT="$ROOT/usr/lib/go-${gover%-go}"
-GO="$GOROOT/bin/go"
-[[ -x "$GO" ]] || die "no go binary at $GO"
-
-# ---- apiextensions-apiserver sources and the -dev packages it imports --------------------------
-export GOROOT GOPATH="$ROOT/usr/share/gocode" GO111MODULE=off CGO_ENABLED=0 GOTOOLCHAIN=local \
-    GOPROXY=off GOFLAGS=-buildvcs=false GOCACHE="$WORK/gocache" GOTELEMETRY=off
+# ---- Go toolchain, apiextensions-apiserver sources and the -dev packages it imports -----------
+dgo_toolchain
 SRCDIR="$GOPATH/src/k8s.io/apiextensions-apiserver"
 log "fetching golang-k8s-apiextensions-apiserver-dev"
-fetch golang-k8s-apiextensions-apiserver-dev
+dgo_fetch golang-k8s-apiextensions-apiserver-dev
 [[ -f "$SRCDIR/main.go" ]] || die "no main.go in $SRCDIR"
 
 # The one source change: the standalone server configures only the OpenAPI v3 *config*, and its
@@ -151,78 +100,10 @@ grep -q 'serverConfig.OpenAPIConfig = ' "$OPTS_GO" || {
     log "patched $OPTS_GO: publish CRD OpenAPI (v2 + v3)"
 }
 
-# Debian's Sources index carries each Go package's import path(s) (Go-Import-Path); a missing
-# import is mapped to the -dev package of the source with the longest matching import path.
-# This fetches only what the build imports (~80 packages) instead of the >300-package Depends
-# closure (tests, tools). Iterate because each new package reveals its own imports.
-SOURCES_TXT="$WORK/Sources"
-for f in "$APT"/lists/*_source_Sources*; do /usr/lib/apt/apt-helper cat-file "$f"; done >"$SOURCES_TXT"
-PACKAGES_TXT="$WORK/Packages"
-for f in "$APT"/lists/*_binary-*_Packages*; do /usr/lib/apt/apt-helper cat-file "$f"; done >"$PACKAGES_TXT"
-[[ -s "$SOURCES_TXT" && -s "$PACKAGES_TXT" ]] || die "private apt update produced no Sources/Packages index"
-
-map_imports() { # args: missing import paths; stdout: package names
-    # (The script comes on stdin, so the import paths travel as arguments.)
-    python3 - "$SOURCES_TXT" "$PACKAGES_TXT" "$@" <<'PY'
-import sys
-
-
-def stanzas(path: str) -> list[dict[str, str]]:
-    out = []
-    for block in open(path, encoding="utf-8", errors="replace").read().split("\n\n"):
-        fields = {}
-        for line in block.splitlines():
-            if line[:1] not in ("", " ", "\t") and ":" in line:
-                key, _, value = line.partition(":")
-                fields[key] = value.strip()
-        out.append(fields)
-    return out
-
-
-available = {f["Package"] for f in stanzas(sys.argv[2]) if "Package" in f}
-by_path: dict[str, list[str]] = {}  # import path -> the source's -dev binaries in the archive
-for fields in stanzas(sys.argv[1]):
-    paths = [p.strip() for p in fields.get("Go-Import-Path", "").split(",") if p.strip()]
-    # All -dev binaries of the source: one is often an empty transitional name (e.g.
-    # golang-gogoprotobuf-dev) for the real one; they are small, so take every one.
-    devs = [b.strip() for b in fields.get("Binary", "").split(",")]
-    devs = [b for b in devs if b.endswith("-dev") and b in available]
-    for path in paths:
-        if devs and path not in by_path:
-            by_path[path] = devs
-missing = []
-for imp in sys.argv[3:]:
-    parts = imp.split("/")
-    for n in range(len(parts), 0, -1):
-        hit = by_path.get("/".join(parts[:n]))
-        if hit:
-            print("\n".join(hit))
-            break
-    else:
-        missing.append(imp)
-if missing:
-    print("UNMAPPED " + " ".join(missing), file=sys.stderr)
-PY
-}
-
-declare -A fetched=()
-for round in $(seq 1 25); do
-    missing=$(cd "$SRCDIR" && "$GO" list -e -deps -f '{{if .Error}}{{.ImportPath}}{{end}}' . 2>/dev/null | sort -u || true)
-    if [[ -z "$missing" ]]; then break; fi
-    # shellcheck disable=SC2086 # one import path per word
-    pkgs=$(map_imports $missing 2>"$WORK/unmapped.txt" | sort -u)
-    new=()
-    for p in $pkgs; do
-        if [[ -z "${fetched[$p]:-}" ]]; then new+=("$p"); fetched[$p]=1; fi
-    done
-    if [[ ${#new[@]} -eq 0 ]]; then
-        cat "$WORK/unmapped.txt" >&2
-        (cd "$SRCDIR" && "$GO" list -e -deps -f '{{if .Error}}{{.Error}}{{end}}' . 2>&1 | head -n 20 >&2) || true
-        die "imports that no sid package provides: $(tr '\n' ' ' <<<"$missing" | cut -c1-400)"
-    fi
-    log "round $round: $(wc -w <<<"$missing") missing imports -> fetching ${#new[@]} packages"
-    fetch "${new[@]}"
-done
+# Fetch only what the build imports (~80 packages, mapped through the Go-Import-Path field of
+# Debian's Sources index) instead of the >300-package Depends closure (tests, tools).
+log "resolving the server's imports to sid -dev packages"
+dgo_resolve_imports "$SRCDIR"
 
 # The shim transcodes protobuf request bodies (client-go typed clients, e.g. `kubectl create cm`)
 # with Kubernetes' own schema: keep the few generated.proto files it needs.
@@ -253,12 +134,12 @@ log "built apiextensions-apiserver $kver ($(($(stat -c %s "$WORK/apiextensions-a
 "$WORK/apiextensions-apiserver" --help >/dev/null 2>&1 || die "the built apiextensions-apiserver does not run"
 
 {
-    echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $mirror sid, recipe $RECIPE"
-    echo "$("$GO" version)"
+    echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $DGO_MIRROR sid, recipe $RECIPE"
+    "$GO" version
     echo "etcd: $("$WORK/etcd" --version | head -n1)"
     echo "kubectl: $("$WORK/kubectl" version --client 2>/dev/null | head -n1)"
     echo "downloaded: $ndebs packages, $dlsize bytes"
-    for f in "$DEBS"/*.deb; do dpkg-deb --showformat='pkg ${Package}=${Version}\n' -W "$f"; done | sort
+    dgo_package_versions
 } >"$WORK/versions.txt"
 
 rm -f "$STAMP"
