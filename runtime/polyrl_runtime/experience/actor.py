@@ -40,21 +40,15 @@ class ExperienceService:
 
     def acquire(self, policies: Sequence[str], n: int = 1, timeout: float | None = 0.0) -> list[Ticket]:
         """Up to `n` tickets; waits (up to `timeout`) only for the first."""
-        out: list[Ticket] = []
-        for i in range(n):
-            t = self.buffer.acquire(policies, timeout if i == 0 else 0.0)
-            if t is None:
-                break
-            out.append(t)
-        return out
+        return self.buffer.acquire_many(policies, n, timeout)
 
     def release(self, tickets: Sequence[Ticket]) -> None:
         for t in tickets:
             self.buffer.release(t)
 
     def put(self, items: Sequence[tuple[Ticket, Episode]]) -> None:
-        for ticket, episode in items:
-            self.buffer.put(ticket, episode)
+        """Put a batch of finished episodes, all or none."""
+        self.buffer.put_many(items)
 
     def pull(
         self,

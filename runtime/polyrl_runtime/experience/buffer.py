@@ -165,20 +165,31 @@ class ExperienceBuffer:
 
     def acquire(self, policies: Iterable[str], timeout: float | None = 0.0) -> Ticket | None:
         """Credit for one episode from each policy named (all or none); None if none came in time."""
+        tickets = self.acquire_many(policies, 1, timeout)
+        return tickets[0] if tickets else None
+
+    def acquire_many(self, policies: Iterable[str], n: int, timeout: float | None = 0.0) -> list[Ticket]:
+        """Up to `n` tickets, each as `acquire` gives one; waits (up to `timeout`) only for the first.
+
+        One lock hold for the batch: a workflow asks for a batch's worth of credit per call.
+        """
         names = frozenset(policies)
         if not names:
             raise ValueError("an episode involves at least one policy")
-        for n in names:
-            self._policy(n)
+        for name in names:
+            self._policy(name)
+        out: list[Ticket] = []
         with self._cond:
-            if not self._wait(lambda: self._can_admit(names), timeout):
-                return None
-            for n in names:
-                if not self._p[n].finished:
-                    self._p[n].admitted += 1
-            ticket = Ticket(self._take_id(), names)
-            self._tickets[ticket.ticket_id] = ticket
-            return ticket
+            if n < 1 or not self._wait(lambda: self._can_admit(names), timeout):
+                return out
+            live = [self._p[name] for name in names if not self._p[name].finished]
+            while len(out) < n and self._can_admit(names):
+                for p in live:
+                    p.admitted += 1
+                ticket = Ticket(self._take_id(), names)
+                self._tickets[ticket.ticket_id] = ticket
+                out.append(ticket)
+        return out
 
     def release(self, ticket: Ticket) -> None:
         """Give back an unused ticket (the episode was abandoned before it produced anything)."""
@@ -191,52 +202,73 @@ class ExperienceBuffer:
 
     def put(self, ticket: Ticket, episode: Episode) -> None:
         """Accept a finished episode: every sample is buffered, or dropped with a counted reason."""
-        samples = episode.samples()
-        for s in samples:
-            self._policy(s.policy)
+        self.put_many([(ticket, episode)])
+
+    def put_many(self, items: Sequence[tuple[Ticket, Episode]]) -> None:
+        """Accept a batch of finished episodes under one lock hold, all or none (an invalid ticket or
+        policy anywhere rejects the whole batch).
+
+        One hold and one wake-up per batch, not per episode: a trainer woken by the first episode of a
+        batch would otherwise lease a fragment of it, and every fragment costs it a round trip.
+        """
+        prepared = [(ticket, episode, episode.samples()) for ticket, episode in items]
+        for _, _, samples in prepared:
+            for s in samples:
+                self._policy(s.policy)
         with self._cond:
             if self._cancelled:
-                # Tickets were voided by cancel; the episode still finished, so count its drops.
-                self._tickets.pop(ticket.ticket_id, None)
-                for s in samples:
-                    p = self._p[s.policy]
-                    p.produced += 1
-                    p.dropped[DropReason.JOB_CANCELLED] += 1
+                # Tickets were voided by cancel; the episodes still finished, so count their drops.
+                for ticket, _, samples in prepared:
+                    self._tickets.pop(ticket.ticket_id, None)
+                    for s in samples:
+                        p = self._p[s.policy]
+                        p.produced += 1
+                        p.dropped[DropReason.JOB_CANCELLED] += 1
                 return
-            t = self._tickets.get(ticket.ticket_id)
-            if t is None:
-                raise UnknownTicketError(f"ticket {ticket.ticket_id} is not outstanding")
-            extra = episode.policies - t.policies
-            if extra:
-                raise ValueError(
-                    f"episode {episode.episode_id} involves policies without credit: {sorted(extra)}"
-                )
-            del self._tickets[t.ticket_id]
-            for n in t.policies - episode.policies:
-                if not self._p[n].finished:
-                    self._p[n].admitted -= 1  # credit back: this episode never used that policy
-            for n in episode.policies:
-                if not self._p[n].finished:
-                    self._pairs[(episode.episode_id, n)] = [0, 0]
-            accepted = []
-            for s in samples:
-                p = self._p[s.policy]
-                p.produced += 1
-                if p.finished:
-                    p.dropped[DropReason.POLICY_FINISHED] += 1
-                    continue
-                self._pairs[(s.episode_id, s.policy)][0] += 1
-                self._live_episodes[s.episode_id] = self._live_episodes.get(s.episode_id, 0) + 1
-                accepted.append(s)
-            # Only once the whole episode is counted as live may a sample settle (a stale drop):
-            # settling the first of a pair's samples early would close the pair under the others.
-            for s in accepted:
-                p = self._p[s.policy]
-                if p.version - s.min_version > p.cfg.max_staleness:
-                    self._drop(p, s, DropReason.STALE)
-                else:
-                    p.queue.append(s)
+            seen: set[int] = set()
+            for ticket, episode, _ in prepared:
+                t = self._tickets.get(ticket.ticket_id)
+                if t is None or ticket.ticket_id in seen:
+                    raise UnknownTicketError(f"ticket {ticket.ticket_id} is not outstanding")
+                seen.add(ticket.ticket_id)
+                extra = episode.policies - t.policies
+                if extra:
+                    raise ValueError(
+                        f"episode {episode.episode_id} involves policies without credit: {sorted(extra)}"
+                    )
+            for ticket, episode, samples in prepared:
+                self._accept(self._tickets.pop(ticket.ticket_id), episode, samples)
             self._cond.notify_all()
+
+    def _accept(self, t: Ticket, episode: Episode, samples: list[Sample]) -> None:
+        used = episode.policies
+        for n in t.policies - used:
+            if not self._p[n].finished:
+                self._p[n].admitted -= 1  # credit back: this episode never used that policy
+        for n in used:
+            if not self._p[n].finished:
+                self._pairs[(episode.episode_id, n)] = [0, 0]
+        accepted = []
+        for s in samples:
+            p = self._p[s.policy]
+            p.produced += 1
+            if p.finished:
+                p.dropped[DropReason.POLICY_FINISHED] += 1
+                continue
+            self._pairs[(s.episode_id, s.policy)][0] += 1
+            accepted.append(s)
+        if accepted:
+            self._live_episodes[episode.episode_id] = self._live_episodes.get(episode.episode_id, 0) + len(
+                accepted
+            )
+        # Only once the whole episode is counted as live may a sample settle (a stale drop):
+        # settling the first of a pair's samples early would close the pair under the others.
+        for s in accepted:
+            p = self._p[s.policy]
+            if p.version - s.min_version > p.cfg.max_staleness:
+                self._drop(p, s, DropReason.STALE)
+            else:
+                p.queue.append(s)
 
     # -- consumers ---------------------------------------------------------------------------
 
@@ -251,7 +283,9 @@ class ExperienceBuffer:
             taken = [p.queue.popleft() for _ in range(min(max_samples, len(p.queue)))]
             lease_id = self._take_id()
             self._leases[lease_id] = _LeaseState(policy, consumer, taken)
-            return Lease(lease_id, policy, consumer, SampleBatch.from_samples(policy, taken))
+        # The columnar copy needs no lock (the samples are immutable): producers and the other
+        # policies' trainers are not held up by it.
+        return Lease(lease_id, policy, consumer, SampleBatch.from_samples(policy, taken))
 
     def ack(self, lease_id: int) -> None:
         """The lease's samples were trained on (after the optimizer step): they are consumed."""

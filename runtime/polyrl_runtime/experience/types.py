@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float32]
+_T = TypeVar("_T")
 
 
 def _arr(name: str, value: Any, dtype: type[np.generic]) -> Any:
@@ -84,10 +86,14 @@ class Episode:
 
     def samples(self) -> list[Sample]:
         """One sample per turn; they share the episode id and carry the turn's agent reward."""
+        eid, rewards = self.episode_id, self.rewards
+        # Built unchecked: every field comes from this (validated) episode, and the buffer makes
+        # one sample per turn of every episode it takes in.
         return [
-            Sample(
-                sample_id=f"{self.episode_id}/{i}",
-                episode_id=self.episode_id,
+            _unchecked(
+                Sample,
+                sample_id=f"{eid}/{i}",
+                episode_id=eid,
                 policy=t.policy,
                 agent=t.agent,
                 turn_index=i,
@@ -95,51 +101,69 @@ class Episode:
                 response_ids=t.response_ids,
                 logprobs=t.logprobs,
                 versions=t.versions,
-                reward=self.rewards[t.agent],
+                reward=rewards[t.agent],
                 allowed_ids=t.allowed_ids,
             )
             for i, t in enumerate(self.turns)
         ]
 
     def __reduce__(self) -> Any:
-        # On the wire an episode is two flat arrays (int32: every turn's prompt, response and versions;
-        # float32: logprobs) plus lengths, not four small arrays per turn: Ray handles each numpy buffer
-        # separately, and per-buffer overhead, not bytes, dominated episode transfer.
-        ints = [a for t in self.turns for a in (t.prompt_ids, t.response_ids, t.versions, t.allowed_ids)]
-        flat_i = np.concatenate(ints) if ints else np.zeros(0, np.int32)
-        flat_f = np.concatenate([t.logprobs for t in self.turns]) if self.turns else np.zeros(0, np.float32)
+        # On the wire an episode is one flat int32 array (every turn's prompt, response, versions and
+        # allowed ids, then every turn's logprobs as raw float32 bits) plus lengths, not five small
+        # arrays per turn: Ray handles each numpy buffer separately, and per-buffer overhead, not
+        # bytes, dominates episode transfer.
+        parts = [a for t in self.turns for a in (t.prompt_ids, t.response_ids, t.versions, t.allowed_ids)]
+        parts += [t.logprobs.view(np.int32) for t in self.turns]
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         heads = tuple(
             (t.agent, t.policy, len(t.prompt_ids), len(t.response_ids), len(t.allowed_ids))
             for t in self.turns
         )
-        return (
-            _rebuild_episode,
-            ((self.episode_id, heads, flat_i, flat_f, dict(self.rewards), dict(self.metadata)),),
-        )
+        return _rebuild_episode, (self.episode_id, heads, flat, dict(self.rewards), dict(self.metadata))
+
+
+def _unchecked(cls: type[_T], **fields: Any) -> _T:
+    """An instance of a frozen dataclass without running `__init__`/`__post_init__`: for values
+    rebuilt from ones that were validated already (the wire format, an episode's own turns)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 def _rebuild_episode(
-    state: tuple[
-        str,
-        tuple[tuple[str, str, int, int, int], ...],
-        IntArray,
-        FloatArray,
-        dict[str, float],
-        dict[str, Any],
-    ],
+    episode_id: str,
+    heads: tuple[tuple[str, str, int, int, int], ...],
+    flat: IntArray,
+    rewards: dict[str, float],
+    metadata: dict[str, Any],
 ) -> Episode:
-    episode_id, heads, flat_i, flat_f, rewards, metadata = state
-    turns, i, f = [], 0, 0
+    # The layout was written by `Episode.__reduce__` from validated turns, so the turns are rebuilt
+    # unchecked: re-validating five arrays per turn was most of the buffer's deserialisation time.
+    turns, i = [], 0
+    f = sum(n_prompt + 2 * n_resp + n_allowed for _, _, n_prompt, n_resp, n_allowed in heads)
     for agent, policy, n_prompt, n_resp, n_allowed in heads:
-        prompt = flat_i[i : i + n_prompt]
-        response = flat_i[i + n_prompt : i + n_prompt + n_resp]
-        versions = flat_i[i + n_prompt + n_resp : i + n_prompt + 2 * n_resp]
-        j = i + n_prompt + 2 * n_resp
-        allowed = flat_i[j : j + n_allowed]
-        turns.append(Turn(agent, policy, prompt, response, flat_f[f : f + n_resp], versions, allowed))
-        i = j + n_allowed
+        r, v, a = i + n_prompt, i + n_prompt + n_resp, i + n_prompt + 2 * n_resp
+        turns.append(
+            _unchecked(
+                Turn,
+                agent=agent,
+                policy=policy,
+                prompt_ids=flat[i:r],
+                response_ids=flat[r:v],
+                logprobs=flat[f : f + n_resp].view(np.float32),
+                versions=flat[v:a],
+                allowed_ids=flat[a : a + n_allowed],
+            )
+        )
+        i = a + n_allowed
         f += n_resp
-    return Episode(episode_id, tuple(turns), rewards, metadata)
+    return _unchecked(
+        Episode,
+        episode_id=episode_id,
+        turns=tuple(turns),
+        rewards=MappingProxyType(rewards),
+        metadata=metadata,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,9 +182,11 @@ class Sample:
     reward: float
     allowed_ids: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # empty: any
 
-    @property
+    @cached_property
     def min_version(self) -> int:
-        """The oldest policy version among the response tokens: what staleness is measured from."""
+        """The oldest policy version among the response tokens: what staleness is measured from.
+
+        Cached: the buffer checks it on put, on every version advance and on ack."""
         return int(self.versions.min())
 
     @property
@@ -170,11 +196,14 @@ class Sample:
         )
 
 
-def _ragged(parts: Sequence[npt.NDArray[Any]], dtype: type[np.generic]) -> tuple[Any, npt.NDArray[np.int64]]:
-    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in parts], out=offsets[1:])
-    flat = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
-    return flat, offsets
+def _offsets(lengths: list[int]) -> npt.NDArray[np.int64]:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def _flat(parts: list[npt.NDArray[Any]], dtype: type[np.generic]) -> Any:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,11 +228,11 @@ class SampleBatch:
 
     @classmethod
     def from_samples(cls, policy: str, samples: Sequence[Sample]) -> SampleBatch:
-        prompt, p_off = _ragged([s.prompt_ids for s in samples], np.int32)
-        response, r_off = _ragged([s.response_ids for s in samples], np.int32)
-        logprobs, _ = _ragged([s.logprobs for s in samples], np.float32)
-        versions, _ = _ragged([s.versions for s in samples], np.int32)
-        allowed, a_off = _ragged([s.allowed_ids for s in samples], np.int32)
+        responses = [s.response_ids for s in samples]
+        # Logprobs and versions share the response offsets; the allowed-ids column is only built
+        # when some sample is constrained (the common case is none: one offsets array of zeros).
+        allowed = [s.allowed_ids for s in samples]
+        a_len = [len(a) for a in allowed]
         return cls(
             policy=policy,
             sample_ids=tuple(s.sample_id for s in samples),
@@ -211,14 +240,14 @@ class SampleBatch:
             agents=tuple(s.agent for s in samples),
             turn_index=np.array([s.turn_index for s in samples], dtype=np.int32),
             rewards=np.array([s.reward for s in samples], dtype=np.float32),
-            prompt_ids=prompt,
-            prompt_offsets=p_off,
-            response_ids=response,
-            response_offsets=r_off,
-            logprobs=logprobs,
-            versions=versions,
-            allowed_ids=allowed,
-            allowed_offsets=a_off,
+            prompt_ids=_flat([s.prompt_ids for s in samples], np.int32),
+            prompt_offsets=_offsets([len(s.prompt_ids) for s in samples]),
+            response_ids=_flat(responses, np.int32),
+            response_offsets=_offsets([len(r) for r in responses]),
+            logprobs=_flat([s.logprobs for s in samples], np.float32),
+            versions=_flat([s.versions for s in samples], np.int32),
+            allowed_ids=_flat(allowed, np.int32) if any(a_len) else np.zeros(0, dtype=np.int32),
+            allowed_offsets=_offsets(a_len),
         )
 
     def allowed(self, i: int) -> IntArray:

@@ -11,6 +11,7 @@ import pickle
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -23,6 +24,7 @@ from polyrl_runtime.experience import (
     Ticket,
     Turn,
     UnknownLeaseError,
+    UnknownTicketError,
 )
 
 POLICIES = ("a", "b")
@@ -79,25 +81,58 @@ class BufferMachine(RuleBasedStateMachine):
 
     # -- producers ---------------------------------------------------------------------------
 
-    @rule(which=st.sampled_from([("a",), ("b",), ("a", "b")]))
-    def acquire(self, which: tuple[str, ...]) -> None:
+    def _can_admit(self, which: tuple[str, ...]) -> bool:
         m = self.model
-        ticket = self.buf.acquire(which)
-        can = (
+        return (
             not m.cancelled
             and m.resident() < self.capacity
             and all(p in m.finished or m.admitted(p) < self._limit(p) for p in which)
         )
+
+    def _issued(self, ticket: Ticket, which: tuple[str, ...]) -> None:
+        self.model.tickets[ticket.ticket_id] = frozenset(p for p in which if p not in self.model.finished)
+        self.issued[ticket.ticket_id] = ticket
+
+    @rule(which=st.sampled_from([("a",), ("b",), ("a", "b")]))
+    def acquire(self, which: tuple[str, ...]) -> None:
+        can = self._can_admit(which)
+        ticket = self.buf.acquire(which)
         assert (ticket is not None) == can, (which, can)
         if ticket is not None:
-            m.tickets[ticket.ticket_id] = frozenset(p for p in which if p not in m.finished)
-            self.issued[ticket.ticket_id] = ticket
+            self._issued(ticket, which)
+
+    @rule(which=st.sampled_from([("a",), ("b",), ("a", "b")]), n=st.integers(0, 4))
+    def acquire_many(self, which: tuple[str, ...], n: int) -> None:
+        """A batch of tickets: as many as `acquire` one by one would have given, up to n."""
+        tickets = self.buf.acquire_many(which, n)
+        expected = 0
+        while expected < n and self._can_admit(which):
+            expected += 1
+            if expected <= len(tickets):
+                self._issued(tickets[expected - 1], which)
+        assert len(tickets) == expected, (which, n, len(tickets), expected)
 
     @precondition(lambda self: bool(self.model.tickets))
     @rule(data=st.data())
     def put(self, data: st.DataObject) -> None:
+        self._admit(data, [data.draw(st.sampled_from(sorted(self.model.tickets)))], single=True)
+
+    @precondition(lambda self: bool(self.model.tickets))
+    @rule(data=st.data())
+    def put_many(self, data: st.DataObject) -> None:
+        """Several episodes in one call; with a bad ticket among them, none is taken."""
         m = self.model
-        tid = data.draw(st.sampled_from(sorted(m.tickets)))
+        tids = data.draw(st.lists(st.sampled_from(sorted(m.tickets)), min_size=1, max_size=3, unique=True))
+        if data.draw(st.booleans()):
+            built = [self._episode(data, tid) for tid in tids]
+            bad = Ticket(10_000 + m.episodes, frozenset({"a"}))
+            with pytest.raises(UnknownTicketError):
+                self.buf.put_many([*built, (bad, built[0][1])])
+            return
+        self._admit(data, tids)
+
+    def _episode(self, data: st.DataObject, tid: int) -> tuple[Ticket, Episode]:
+        m = self.model
         ticket = self.issued[tid]
         used = data.draw(st.sets(st.sampled_from(sorted(ticket.policies)), min_size=1))
         m.episodes += 1
@@ -109,9 +144,22 @@ class BufferMachine(RuleBasedStateMachine):
                 v = m.version[p]
                 versions = np.array([v, max(0, v - lag)], dtype=np.int32)
                 turns.append(Turn(f"agent-{p}", p, [1, 2], [3, 4], [-0.5, -0.1], versions))
-        episode = Episode(eid, tuple(turns), {f"agent-{p}": 1.0 for p in used})
-        self.buf.put(ticket, episode)
-        del m.tickets[tid]
+        return ticket, Episode(eid, tuple(turns), {f"agent-{p}": 1.0 for p in used})
+
+    def _admit(self, data: st.DataObject, tids: list[int], *, single: bool = False) -> None:
+        m = self.model
+        built = [self._episode(data, tid) for tid in tids]
+        if single:
+            self.buf.put(*built[0])
+        else:
+            self.buf.put_many(built)
+        for tid, (_, episode) in zip(tids, built, strict=True):
+            del m.tickets[tid]
+            self._model_put(episode)
+
+    def _model_put(self, episode: Episode) -> None:
+        m = self.model
+        eid = episode.episode_id
         for i, s in enumerate(episode.samples()):
             sid = f"{eid}/{i}"
             m.policy_of[sid] = s.policy
