@@ -2,10 +2,16 @@
 
 Requests queue in `generate`; one loop admits them into the running batch between forward passes, so
 a long generation never holds up short ones (the benchmark's long-tail lengths depend on this). Each
-step is one forward over the whole batch (left-padded, no KV cache: the built-in models and sequences
-are small), under the weight target's serving lock: a weight update waits for the current step and
+step runs under the weight target's serving lock: a weight update waits for the current step and
 applies between two steps, so an unfinished generation continues with the new weights and each token
 records the version that produced it (partial rollouts, as in APRIL).
+
+The built-in models decode with a KV cache: a request's sequence is prefilled once, then each step
+feeds one token per running request, so a token costs the same at any position. Each request's cache
+row remembers which weights computed it; after a weight update the rows are prefilled again under
+the new weights before the next token, so every token is exactly what the new weights
+give for the whole sequence (as the recompute path, and the trainer, compute it). Other models (a
+Hugging Face causal LM) recompute the whole sequence each step, bucketed by length.
 """
 
 from __future__ import annotations
@@ -21,14 +27,14 @@ import structlog
 import torch
 
 from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
-from polyrl_runtime.models import load_model
+from polyrl_runtime.models import KVCache, TinyCausalLM, load_model
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the running batch finds and removes its own requests
 class _Request:
     prompt: list[int]
     params: SamplingParams
@@ -37,6 +43,10 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    cached_weights: int | None = None  # `TensorTarget.updates` when its cache row was computed
+
+    def last_token(self) -> int:
+        return self.tokens[-1] if self.tokens else self.prompt[-1]
 
 
 def model_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -86,6 +96,10 @@ class TorchEngine(EngineWeights):
         self.init_weight_receiver(transport, self.target, **(transport_kwargs or {}))
         self.max_batch = max_batch
         self.max_len = int(getattr(getattr(self.model, "cfg", None), "max_len", 1 << 30))
+        # Cached decoding for the built-in models; `_active[i]` owns cache row i (rows 0..n-1 live).
+        self._cache: KVCache | None = (
+            self.model.new_cache(8) if isinstance(self.model, TinyCausalLM) else None
+        )
         self._rng = torch.Generator().manual_seed(seed)
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
@@ -109,6 +123,8 @@ class TorchEngine(EngineWeights):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if len(prompt_ids) > self.max_len:  # refused here: in a forward pass it would fail the batch
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model's max_len {self.max_len}")
         wake = self._ensure_loop()
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -137,9 +153,11 @@ class TorchEngine(EngineWeights):
                     if not r.future.done():
                         r.future.set_exception(e)
                 self._active = [r for r in self._active if r not in batch]
+                for r in self._active:  # their cache rows may have moved: prefill them again
+                    r.cached_weights = None
                 continue
             for r, reason in finished:
-                self._active.remove(r)
+                self._retire(r)
                 if not r.future.done():
                     r.future.set_result(
                         Generation(
@@ -151,15 +169,24 @@ class TorchEngine(EngineWeights):
                         )
                     )
 
+    def _retire(self, r: _Request) -> None:
+        """Drop a finished request; the last row takes its cache row, so live rows stay 0..n-1."""
+        i, last = self._active.index(r), len(self._active) - 1
+        if i != last:
+            self._active[i] = self._active[last]
+            if self._cache is not None:
+                self._cache.move(last, i)
+        self._active.pop()
+
     @staticmethod
-    def _buckets(batch: list[_Request]) -> list[list[_Request]]:
-        """Split by sequence length (no KV cache: a row costs as much as the longest row of its
-        forward pass), so long tails do not make every short sequence pay for their length."""
+    def _buckets(batch: list[_Request], trim: int = 0) -> list[list[_Request]]:
+        """Split by sequence length (a row of a full forward pass costs as much as the longest row),
+        so long tails do not make every short sequence pay for their length."""
         rows = sorted(batch, key=lambda r: len(r.prompt) + len(r.tokens))
         out: list[list[_Request]] = []
         for r in rows:
-            n = len(r.prompt) + len(r.tokens)
-            if out and n <= 1.5 * (len(out[-1][0].prompt) + len(out[-1][0].tokens)) + 4:
+            n = len(r.prompt) + len(r.tokens) - trim
+            if out and n <= 1.5 * (len(out[-1][0].prompt) + len(out[-1][0].tokens) - trim) + 4:
                 out[-1].append(r)
             else:
                 out.append([r])
@@ -175,14 +202,46 @@ class TorchEngine(EngineWeights):
             mask[i, width - len(s) :] = 1
         return model_logits(self.model, ids.to(self.device), mask.to(self.device))[:, -1].float().cpu()
 
+    def _prefill(self, batch: list[_Request], weights: int) -> None:
+        """Cache all but the last token of each sequence whose cache row is missing or was computed
+        with other weights (the last token is fed by the decoding step that follows)."""
+        assert self._cache is not None and isinstance(self.model, TinyCausalLM)
+        row = {id(r): i for i, r in enumerate(batch)}
+        stale = [r for r in batch if r.cached_weights != weights]
+        for bucket in self._buckets(stale, trim=1):
+            seqs = [(r.prompt + r.tokens)[:-1] for r in bucket]
+            rows = torch.tensor([row[id(r)] for r in bucket], device=self.device)
+            lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+            width = max(len(s) for s in seqs)
+            if width == 0:  # one-token prompts: nothing to cache before their first decoding step
+                self._cache.lengths[rows] = 0
+            else:
+                ids = torch.zeros(len(seqs), width, dtype=torch.long)
+                for i, s in enumerate(seqs):
+                    ids[i, : len(s)] = torch.tensor(s)
+                self.model.prefill(ids.to(self.device), lengths, self._cache, rows)
+                self._forwards += 1
+            for r in bucket:
+                r.cached_weights = weights
+
+    def _logits(self, batch: list[_Request]) -> tuple[list[_Request], torch.Tensor]:
+        """Next-token logits of every request of `batch` (in the order returned)."""
+        if self._cache is None or not isinstance(self.model, TinyCausalLM):
+            buckets = self._buckets(batch)
+            self._forwards += len(buckets)
+            return [r for b in buckets for r in b], torch.cat([self._forward(b) for b in buckets])
+        if self._cache.rows < len(batch):
+            self._cache.grow(min(max(2 * self._cache.rows, len(batch)), max(self.max_batch, len(batch))))
+        self._prefill(batch, self.target.updates)  # under the serving lock: no update in between
+        ids = torch.tensor([r.last_token() for r in batch], device=self.device)
+        self._forwards += 1
+        return batch, self.model.decode(ids, self._cache).float().cpu()
+
     def _step(self, batch: list[_Request]) -> list[tuple[_Request, str]]:
         start = time.perf_counter()
         with torch.no_grad(), self.target.serving() as version:
-            buckets = self._buckets(batch)
-            batch = [r for b in buckets for r in b]
-            logits = torch.cat([self._forward(b) for b in buckets])
+            batch, logits = self._logits(batch)
         self._busy_s += time.perf_counter() - start
-        self._forwards += len(buckets)
         finished = []
         for i, r in enumerate(batch):
             p = r.params
