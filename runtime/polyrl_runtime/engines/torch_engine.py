@@ -44,6 +44,15 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     cached_weights: int | None = None  # `TensorTarget.updates` when its cache row was computed
+    _bias: torch.Tensor | None = None
+
+    def bias(self, vocab: int) -> torch.Tensor:
+        """[vocab]: 0 for the allowed ids (all when unconstrained), -inf elsewhere; built once."""
+        if self._bias is None:
+            ids = torch.tensor(self.params.allowed_ids, dtype=torch.long)
+            self._bias = torch.zeros(vocab) if not ids.numel() else torch.full((vocab,), float("-inf"))
+            self._bias[ids] = 0.0
+        return self._bias
 
     def last_token(self) -> int:
         return self.tokens[-1] if self.tokens else self.prompt[-1]
@@ -242,14 +251,12 @@ class TorchEngine(EngineWeights):
         with torch.no_grad(), self.target.serving() as version:
             batch, logits = self._logits(batch)
         self._busy_s += time.perf_counter() - start
+        tokens, logprobs = self._sample_batch(batch, logits)
         finished = []
-        for i, r in enumerate(batch):
+        for r, tok, logprob in zip(batch, tokens, logprobs, strict=True):
             p = r.params
-            allowed = torch.tensor(p.allowed_ids, dtype=torch.long) if p.allowed_ids else None
-            lp = constrained_logprobs(logits[i], p.temperature, allowed)
-            tok = self._sample(lp, p, r.generator)
             r.tokens.append(tok)
-            r.logprobs.append(float(lp[tok]))
+            r.logprobs.append(logprob)
             r.versions.append(version)
             self._tokens += 1
             if tok in p.stop_ids:
@@ -257,6 +264,32 @@ class TorchEngine(EngineWeights):
             elif len(r.tokens) >= p.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
                 finished.append((r, "length"))
         return finished
+
+    def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """One token per row and its behaviour logprob: `constrained_logprobs` of each row, computed
+        for the whole batch at once (per-row tensor calls would cost more than a decoding step)."""
+        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in batch])
+        scaled = logits / temps[:, None]
+        if any(r.params.allowed_ids for r in batch):
+            scaled = scaled + torch.stack([r.bias(logits.shape[-1]) for r in batch])
+        lp = torch.log_softmax(scaled, dim=-1)
+        # Plain sampling shares one draw over its rows; greedy, top-p and seeded rows (a seed promises
+        # the same tokens whatever else is in the batch) are sampled one by one.
+        tokens = [0] * len(batch)
+        plain = [
+            i
+            for i, r in enumerate(batch)
+            if r.params.temperature > 0 and r.params.top_p >= 1.0 and r.generator is None
+        ]
+        if plain:
+            probs = (lp if len(plain) == len(batch) else lp[plain]).exp()
+            drawn = torch.multinomial(probs, 1, generator=self._rng)[:, 0].tolist()
+            for i, tok in zip(plain, drawn, strict=True):
+                tokens[i] = tok
+        for i in sorted(set(range(len(batch))) - set(plain)):
+            tokens[i] = self._sample(lp[i], batch[i].params, batch[i].generator)
+        picked = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        return tokens, picked
 
     def _sample(self, lp: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
         if p.temperature == 0:

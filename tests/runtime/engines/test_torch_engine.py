@@ -13,7 +13,7 @@ import torch
 
 from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.engines.api import Generation, SamplingParams
-from polyrl_runtime.engines.torch_engine import TorchEngine
+from polyrl_runtime.engines.torch_engine import TorchEngine, _Request, constrained_logprobs
 from polyrl_runtime.models import build_tiny
 from polyrl_runtime.weights import make_sender
 
@@ -171,3 +171,26 @@ def test_tokens_after_a_weight_update_are_computed_with_the_new_weights() -> Non
         assert (v == -1).any() and (v == 1).any()
         np.testing.assert_allclose(g.logprobs[v == -1], lo[v == -1], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(g.logprobs[v == 1], ln[v == 1], rtol=1e-4, atol=1e-5)
+
+
+def test_batched_sampling_logprobs_follow_the_single_row_convention() -> None:
+    eng = _engine()
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    params = [
+        SamplingParams(allowed_ids=(3, 7, 9)),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=0, allowed_ids=(1, 2)),
+        SamplingParams(top_p=0.5, seed=4),
+    ]
+
+    async def requests() -> list[_Request]:
+        loop = asyncio.get_running_loop()
+        return [_Request([1], p, loop.create_future()) for p in params]
+
+    batch = asyncio.run(requests())
+    tokens, logprobs = eng._sample_batch(batch, logits)
+    assert tokens[0] in (3, 7, 9) and tokens[2] in (1, 2)
+    for i, p in enumerate(params):
+        allowed = torch.tensor(p.allowed_ids, dtype=torch.long) if p.allowed_ids else None
+        want = constrained_logprobs(logits[i], p.temperature, allowed)[tokens[i]]
+        assert logprobs[i] == pytest.approx(float(want), abs=1e-6)
