@@ -43,16 +43,22 @@ class Slot:
     started: float = field(default_factory=time.monotonic)
     _busy: float = 0.0
     _at: float = field(default_factory=time.monotonic)
+    # Drained needs an idle poll started after the workers got routes without this slot: an idle
+    # moment seen earlier says nothing about requests routed here until then (a fast engine is
+    # often idle between two requests).
+    _drain_routed: bool = False
+    _polled_draining: bool = False
 
     @property
     def drained(self) -> bool:
-        return self.draining and self.in_flight == 0
+        return self.draining and self._polled_draining and self.in_flight == 0
 
-    def observe(self, busy_s: float, in_flight: int) -> None:
+    def observe(self, busy_s: float, in_flight: int, *, draining_at_poll: bool = False) -> None:
         now = time.monotonic()
         if now > self._at:
             self.utilisation = min(1.0, max(0.0, (busy_s - self._busy) / (now - self._at)))
         self._busy, self._at, self.in_flight = busy_s, now, in_flight
+        self._polled_draining = self.draining and draining_at_poll
 
 
 def engine_class(policy: Policy) -> Any:
@@ -170,12 +176,16 @@ class Fleet:
     async def push_routes(self) -> None:
         routes = self.routes()
         live = [w for w in self.workers.values() if not w.dead]
+        draining = [s for p in self.engines.values() for s in p.values() if s.draining]
         await asyncio.gather(*(w.handle.set_routes.remote(routes) for w in live), return_exceptions=True)
+        for s in [*draining, *(w for w in self.workers.values() if w.draining)]:
+            s._drain_routed = True
 
     async def poll(self) -> list[Slot]:
         """Refresh stats of every engine and worker; returns the slots found dead since the last poll."""
         newly_dead: list[Slot] = []
         slots = [s for p in self.engines.values() for s in p.values() if not s.dead]
+        draining = {s.name for s in slots if s.draining and s._drain_routed}
         results = await asyncio.gather(*(s.handle.stats.remote() for s in slots), return_exceptions=True)
         for s, r in zip(slots, results, strict=True):
             if isinstance(r, BaseException):
@@ -183,17 +193,22 @@ class Fleet:
                 newly_dead.append(s)
                 continue
             assert isinstance(r, EngineStats)
-            s.observe(r.busy_s, r.in_flight)
+            s.observe(r.busy_s, r.in_flight, draining_at_poll=s.name in draining)
             s.queued, s.version = r.queued, r.version
             s.pod = s.pod or str(r.extra.get("pod", "")) or s.name
         workers = [w for w in self.workers.values() if not w.dead]
+        draining |= {w.name for w in workers if w.draining and w._drain_routed}
         wres = await asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True)
         for w, r in zip(workers, wres, strict=True):
             if isinstance(r, BaseException):
                 w.dead = True
                 newly_dead.append(w)
                 continue
-            w.observe(float(r["busy_s"]) / max(1.0, float(r.get("capacity", 1.0))), int(r["in_flight"]))
+            w.observe(
+                float(r["busy_s"]) / max(1.0, float(r.get("capacity", 1.0))),
+                int(r["in_flight"]),
+                draining_at_poll=w.name in draining,
+            )
             w.pod = w.pod or str(r.get("pod", "")) or w.name
         return newly_dead
 
@@ -212,6 +227,7 @@ class Fleet:
         for s in [*(s for p in self.engines.values() for s in p.values()), *self.workers.values()]:
             if target in (s.name, s.pod):
                 s.draining = draining
+                s._drain_routed = s._polled_draining = False
                 found = True
         return found
 
