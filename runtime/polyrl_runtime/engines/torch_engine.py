@@ -2,10 +2,16 @@
 
 Requests queue in `generate`; one loop admits them into the running batch between forward passes, so
 a long generation never holds up short ones (the benchmark's long-tail lengths depend on this). Each
-step is one forward over the whole batch (left-padded, no KV cache: the built-in models and sequences
-are small), under the weight target's serving lock: a weight update waits for the current step and
+step runs under the weight target's serving lock: a weight update waits for the current step and
 applies between two steps, so an unfinished generation continues with the new weights and each token
 records the version that produced it (partial rollouts, as in APRIL).
+
+The built-in models decode with a KV cache: a request's sequence is prefilled once, then each step
+feeds one token per running request, so a token costs the same at any position. Each request's cache
+row remembers which weights computed it; after a weight update the rows are prefilled again under
+the new weights before the next token, so every token is exactly what the new weights
+give for the whole sequence (as the recompute path, and the trainer, compute it). Other models (a
+Hugging Face causal LM) recompute the whole sequence each step, bucketed by length.
 """
 
 from __future__ import annotations
@@ -21,14 +27,14 @@ import structlog
 import torch
 
 from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
-from polyrl_runtime.models import load_model
+from polyrl_runtime.models import KVCache, TinyCausalLM, load_model
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the running batch finds and removes its own requests
 class _Request:
     prompt: list[int]
     params: SamplingParams
@@ -37,6 +43,19 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    cached_weights: int | None = None  # `TensorTarget.updates` when its cache row was computed
+    _bias: torch.Tensor | None = None
+
+    def bias(self, vocab: int) -> torch.Tensor:
+        """[vocab]: 0 for the allowed ids (all when unconstrained), -inf elsewhere; built once."""
+        if self._bias is None:
+            ids = torch.tensor(self.params.allowed_ids, dtype=torch.long)
+            self._bias = torch.zeros(vocab) if not ids.numel() else torch.full((vocab,), float("-inf"))
+            self._bias[ids] = 0.0
+        return self._bias
+
+    def last_token(self) -> int:
+        return self.tokens[-1] if self.tokens else self.prompt[-1]
 
 
 def model_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -86,6 +105,10 @@ class TorchEngine(EngineWeights):
         self.init_weight_receiver(transport, self.target, **(transport_kwargs or {}))
         self.max_batch = max_batch
         self.max_len = int(getattr(getattr(self.model, "cfg", None), "max_len", 1 << 30))
+        # Cached decoding for the built-in models; `_active[i]` owns cache row i (rows 0..n-1 live).
+        self._cache: KVCache | None = (
+            self.model.new_cache(8) if isinstance(self.model, TinyCausalLM) else None
+        )
         self._rng = torch.Generator().manual_seed(seed)
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
@@ -109,6 +132,8 @@ class TorchEngine(EngineWeights):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if len(prompt_ids) > self.max_len:  # refused here: in a forward pass it would fail the batch
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model's max_len {self.max_len}")
         wake = self._ensure_loop()
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -130,16 +155,24 @@ class TorchEngine(EngineWeights):
                 del self._pending[:room]
             batch = list(self._active)
             try:
-                finished = await asyncio.to_thread(self._step, batch)
+                if self._cache is not None:
+                    # A cached step of the built-in models takes about a millisecond, as long as
+                    # handing it to a thread would: run it here, then let queued calls in.
+                    finished = self._step(batch)
+                    await asyncio.sleep(0)
+                else:  # a full forward of a real model: keep the event loop serving meanwhile
+                    finished = await asyncio.to_thread(self._step, batch)
             except Exception as e:  # a bad request must not kill the loop: fail the batch, go on
                 log.exception("engine.step_failed", engine=self.name)
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(e)
                 self._active = [r for r in self._active if r not in batch]
+                for r in self._active:  # their cache rows may have moved: prefill them again
+                    r.cached_weights = None
                 continue
             for r, reason in finished:
-                self._active.remove(r)
+                self._retire(r)
                 if not r.future.done():
                     r.future.set_result(
                         Generation(
@@ -151,15 +184,24 @@ class TorchEngine(EngineWeights):
                         )
                     )
 
+    def _retire(self, r: _Request) -> None:
+        """Drop a finished request; the last row takes its cache row, so live rows stay 0..n-1."""
+        i, last = self._active.index(r), len(self._active) - 1
+        if i != last:
+            self._active[i] = self._active[last]
+            if self._cache is not None:
+                self._cache.move(last, i)
+        self._active.pop()
+
     @staticmethod
-    def _buckets(batch: list[_Request]) -> list[list[_Request]]:
-        """Split by sequence length (no KV cache: a row costs as much as the longest row of its
-        forward pass), so long tails do not make every short sequence pay for their length."""
+    def _buckets(batch: list[_Request], trim: int = 0) -> list[list[_Request]]:
+        """Split by sequence length (a row of a full forward pass costs as much as the longest row),
+        so long tails do not make every short sequence pay for their length."""
         rows = sorted(batch, key=lambda r: len(r.prompt) + len(r.tokens))
         out: list[list[_Request]] = []
         for r in rows:
-            n = len(r.prompt) + len(r.tokens)
-            if out and n <= 1.5 * (len(out[-1][0].prompt) + len(out[-1][0].tokens)) + 4:
+            n = len(r.prompt) + len(r.tokens) - trim
+            if out and n <= 1.5 * (len(out[-1][0].prompt) + len(out[-1][0].tokens) - trim) + 4:
                 out[-1].append(r)
             else:
                 out.append([r])
@@ -175,22 +217,52 @@ class TorchEngine(EngineWeights):
             mask[i, width - len(s) :] = 1
         return model_logits(self.model, ids.to(self.device), mask.to(self.device))[:, -1].float().cpu()
 
+    def _prefill(self, batch: list[_Request], weights: int) -> None:
+        """Cache all but the last token of each sequence whose cache row is missing or was computed
+        with other weights (the last token is fed by the decoding step that follows)."""
+        assert self._cache is not None and isinstance(self.model, TinyCausalLM)
+        row = {id(r): i for i, r in enumerate(batch)}
+        stale = [r for r in batch if r.cached_weights != weights]
+        for bucket in self._buckets(stale, trim=1):
+            seqs = [(r.prompt + r.tokens)[:-1] for r in bucket]
+            rows = torch.tensor([row[id(r)] for r in bucket], device=self.device)
+            lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+            width = max(len(s) for s in seqs)
+            if width == 0:  # one-token prompts: nothing to cache before their first decoding step
+                self._cache.lengths[rows] = 0
+            else:
+                ids = torch.zeros(len(seqs), width, dtype=torch.long)
+                for i, s in enumerate(seqs):
+                    ids[i, : len(s)] = torch.tensor(s)
+                self.model.prefill(ids.to(self.device), lengths, self._cache, rows)
+                self._forwards += 1
+            for r in bucket:
+                r.cached_weights = weights
+
+    def _logits(self, batch: list[_Request]) -> tuple[list[_Request], torch.Tensor]:
+        """Next-token logits of every request of `batch` (in the order returned)."""
+        if self._cache is None or not isinstance(self.model, TinyCausalLM):
+            buckets = self._buckets(batch)
+            self._forwards += len(buckets)
+            return [r for b in buckets for r in b], torch.cat([self._forward(b) for b in buckets])
+        if self._cache.rows < len(batch):
+            self._cache.grow(min(max(2 * self._cache.rows, len(batch)), max(self.max_batch, len(batch))))
+        self._prefill(batch, self.target.updates)  # under the serving lock: no update in between
+        ids = torch.tensor([r.last_token() for r in batch], device=self.device)
+        self._forwards += 1
+        return batch, self.model.decode(ids, self._cache).float().cpu()
+
     def _step(self, batch: list[_Request]) -> list[tuple[_Request, str]]:
         start = time.perf_counter()
         with torch.no_grad(), self.target.serving() as version:
-            buckets = self._buckets(batch)
-            batch = [r for b in buckets for r in b]
-            logits = torch.cat([self._forward(b) for b in buckets])
+            batch, logits = self._logits(batch)
         self._busy_s += time.perf_counter() - start
-        self._forwards += len(buckets)
+        tokens, logprobs = self._sample_batch(batch, logits)
         finished = []
-        for i, r in enumerate(batch):
+        for r, tok, logprob in zip(batch, tokens, logprobs, strict=True):
             p = r.params
-            allowed = torch.tensor(p.allowed_ids, dtype=torch.long) if p.allowed_ids else None
-            lp = constrained_logprobs(logits[i], p.temperature, allowed)
-            tok = self._sample(lp, p, r.generator)
             r.tokens.append(tok)
-            r.logprobs.append(float(lp[tok]))
+            r.logprobs.append(logprob)
             r.versions.append(version)
             self._tokens += 1
             if tok in p.stop_ids:
@@ -198,6 +270,32 @@ class TorchEngine(EngineWeights):
             elif len(r.tokens) >= p.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
                 finished.append((r, "length"))
         return finished
+
+    def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """One token per row and its behaviour logprob: `constrained_logprobs` of each row, computed
+        for the whole batch at once (per-row tensor calls would cost more than a decoding step)."""
+        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in batch])
+        scaled = logits / temps[:, None]
+        if any(r.params.allowed_ids for r in batch):
+            scaled = scaled + torch.stack([r.bias(logits.shape[-1]) for r in batch])
+        lp = torch.log_softmax(scaled, dim=-1)
+        # Plain sampling shares one draw over its rows; greedy, top-p and seeded rows (a seed promises
+        # the same tokens whatever else is in the batch) are sampled one by one.
+        tokens = [0] * len(batch)
+        plain = [
+            i
+            for i, r in enumerate(batch)
+            if r.params.temperature > 0 and r.params.top_p >= 1.0 and r.generator is None
+        ]
+        if plain:
+            probs = (lp if len(plain) == len(batch) else lp[plain]).exp()
+            drawn = torch.multinomial(probs, 1, generator=self._rng)[:, 0].tolist()
+            for i, tok in zip(plain, drawn, strict=True):
+                tokens[i] = tok
+        for i in sorted(set(range(len(batch))) - set(plain)):
+            tokens[i] = self._sample(lp[i], batch[i].params, batch[i].generator)
+        picked = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        return tokens, picked
 
     def _sample(self, lp: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
         if p.temperature == 0:

@@ -107,7 +107,11 @@ class ExperienceService:
         """Each policy's trainer version: what a workflow stamps on the tokens it generates next."""
         return {p: self.buffer.stats(p).version for p in self.buffer.policies}
 
-    def stats(self) -> dict[str, PolicyStats]:
+    def stats(self, wait_for: tuple[str, int] | None = None, timeout: float = 0.0) -> dict[str, PolicyStats]:
+        """Every policy's stats; with `wait_for` (policy, n), first wait up to `timeout` for n samples
+        of that policy to be buffered (one long poll instead of many short ones)."""
+        if wait_for is not None:
+            self.buffer.wait_buffered(*wait_for, timeout)
         return {p: self.buffer.stats(p) for p in self.buffer.policies}
 
     def snapshot(self) -> BufferSnapshot:

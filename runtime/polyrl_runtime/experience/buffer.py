@@ -389,6 +389,12 @@ class ExperienceBuffer:
                 finished=p.finished,
             )
 
+    def wait_buffered(self, policy: str, n: int, timeout: float | None) -> bool:
+        """Wait (up to `timeout`) until `policy` has at least `n` samples buffered."""
+        p = self._policy(policy)
+        with self._cond:
+            return self._wait(lambda: len(p.queue) >= n or self._cancelled, timeout)
+
     def snapshot(self) -> BufferSnapshot:
         """State for a checkpoint: leased samples count as unconsumed (the trainer restarts too)."""
         with self._cond:

@@ -10,11 +10,12 @@ from typing import Any, Protocol
 
 import torch
 
-from polyrl_runtime.models.tiny import TinyCausalLM, TinyConfig, build_tiny
+from polyrl_runtime.models.tiny import KVCache, TinyCausalLM, TinyConfig, build_tiny
 from polyrl_runtime.models.tokenizer import CharTokenizer
 
 __all__ = [
     "CharTokenizer",
+    "KVCache",
     "TinyCausalLM",
     "TinyConfig",
     "Tokenizer",

@@ -3,6 +3,10 @@
 Pre-norm blocks, learned positions, a separate output head. Sequences may be left-padded: the
 attention mask hides padding and positions count real tokens only, so a batch of prompts of different
 lengths gives each the same logits as it would get alone (the engine relies on that for batching).
+
+Generation uses a KV cache (`KVCache`, `prefill`, `decode`): a sequence's keys and values are computed
+once, then each decoding step feeds one token per row, so a token costs the same at any position.
+`forward` (what the trainer computes) and the cached path give the same logits up to float rounding.
 """
 
 from __future__ import annotations
@@ -38,15 +42,67 @@ class _Block(nn.Module):
         self.ff1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.ff2 = nn.Linear(cfg.d_ff, cfg.d_model)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [batch, heads, time, head_dim] of the block's input `x`."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         shape = (b, t, self.n_heads, d // self.n_heads)
-        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
-        a = nnf.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+
+    def finish(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The block's output from its input `x` and the attention output `a` [batch, heads, time, hd]."""
+        b, t, d = x.shape
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         out: torch.Tensor = x + self.ff2(nnf.gelu(self.ff1(self.ln2(x))))
         return out
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        return self.finish(x, nnf.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask))
+
+
+class KVCache:
+    """Keys and values of up to `rows` sequences for `TinyCausalLM.prefill`/`decode`.
+
+    One row per sequence, its token j at column j: a row's `lengths` entry says how many leading
+    columns are real; later columns hold stale values that attention masks out and decoding
+    overwrites. Rows are addressed by index, so a caller that keeps its live
+    sequences in rows 0..n-1 decodes on views of the buffers, never on gathered copies.
+    """
+
+    def __init__(self, cfg: TinyConfig, rows: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg = cfg
+        self.k, self.v, self.lengths = self._alloc(rows, dtype, device)
+
+    def _alloc(
+        self, rows: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        cfg = self.cfg
+        shape = (rows, cfg.n_heads, cfg.max_len, cfg.d_model // cfg.n_heads)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        return k, v, torch.zeros(rows, dtype=torch.long, device=device)
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def grow(self, rows: int) -> None:
+        """At least `rows` rows, keeping the current ones."""
+        if rows <= self.rows:
+            return
+        old_k, old_v, old_len = self.k, self.v, self.lengths
+        self.k, self.v, self.lengths = self._alloc(rows, old_k[0].dtype, old_k[0].device)
+        for new, old in zip(self.k + self.v, old_k + old_v, strict=True):
+            new[: old.shape[0]] = old
+        self.lengths[: old_len.shape[0]] = old_len
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy row `src` into row `dst` (to keep the live rows contiguous when one leaves)."""
+        n = int(self.lengths[src])
+        for buf in self.k + self.v:
+            buf[dst, :, :n] = buf[src, :, :n]
+        self.lengths[dst] = n
 
 
 class TinyCausalLM(nn.Module):
@@ -88,6 +144,59 @@ class TinyCausalLM(nn.Module):
         for block in self.blocks:
             x = block(x, allowed[:, None])
         logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits
+
+    def _layers(self) -> list[_Block]:
+        return [b for b in self.blocks if isinstance(b, _Block)]  # typed: ModuleList yields Module
+
+    def new_cache(self, rows: int) -> KVCache:
+        p = self.head.weight
+        return KVCache(self.cfg, rows, dtype=p.dtype, device=p.device)
+
+    def prefill(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, rows: torch.Tensor
+    ) -> None:
+        """Write the keys and values of right-padded sequences `input_ids` [n, time] (row i's first
+        `lengths[i]` tokens are real) into cache rows `rows` [n], and set those rows' lengths.
+
+        Right padding needs no mask here: causal attention never lets a real token see the padding
+        after it, and the padding's own keys land beyond the row's length, where `decode` ignores them.
+        """
+        t = input_ids.shape[1]
+        if t > self.cfg.max_len:
+            raise ValueError(f"sequence of {t} tokens exceeds the model's max_len {self.cfg.max_len}")
+        positions = torch.arange(t, device=input_ids.device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        x = self.tok(input_ids) + self.pos(positions)[None]
+        for layer, block in enumerate(self._layers()):
+            q, k, v = block.heads(x)
+            cache.k[layer][rows, :, :t] = k
+            cache.v[layer][rows, :, :t] = v
+            if layer + 1 < len(self.blocks):  # the last block's output feeds no cache
+                x = block.finish(x, nnf.scaled_dot_product_attention(q, k, v, attn_mask=causal))
+        cache.lengths[rows] = lengths
+
+    def decode(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Next-token logits [n, vocab] after appending one token per row (`input_ids` [n]) to cache
+        rows 0..n-1, each at its row's length (its position: the row's real tokens before it)."""
+        n = input_ids.shape[0]
+        lengths = cache.lengths[:n]
+        if n and int(lengths.max()) >= self.cfg.max_len:
+            raise ValueError(f"a sequence would exceed the model's max_len {self.cfg.max_len}")
+        width = int(lengths.max()) + 1 if n else 1
+        rows = torch.arange(n, device=input_ids.device)
+        # [n, 1, 1, width]: each row's query sees its own real columns, the new token included.
+        allowed = (torch.arange(width, device=input_ids.device)[None] <= lengths[:, None])[:, None, None]
+        x = (self.tok(input_ids) + self.pos(lengths))[:, None]
+        for layer, block in enumerate(self._layers()):
+            q, k, v = block.heads(x)
+            kc, vc = cache.k[layer], cache.v[layer]
+            kc[rows, :, lengths] = k[:, :, 0]
+            vc[rows, :, lengths] = v[:, :, 0]
+            a = nnf.scaled_dot_product_attention(q, kc[:n, :, :width], vc[:n, :, :width], attn_mask=allowed)
+            x = block.finish(x, a)
+        cache.lengths[:n] += 1
+        logits: torch.Tensor = self.head(self.ln_f(x))[:, 0]
         return logits
 
 

@@ -107,6 +107,7 @@ class TensorTarget:
                 raise ValueError(f"engine tensor {name!r} is not contiguous; weights are written in place")
         self._tensors = dict(tensors)
         self._version = version
+        self._updates = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -119,13 +120,23 @@ class TensorTarget:
     def version(self) -> int:
         return self._version
 
+    @property
+    def updates(self) -> int:
+        """How many updates have written (or may have written) the tensors: state derived from the
+        weights (an engine's KV cache) is current while this count is unchanged, even when an update
+        re-applies a version or fails halfway."""
+        return self._updates
+
     def named_tensors(self) -> Mapping[str, torch.Tensor]:
         return self._tensors
 
     @contextmanager
     def paused(self, new_version: int) -> Iterator[None]:
         with self._lock:
-            yield
+            try:
+                yield
+            finally:
+                self._updates += 1
             self._version = new_version
 
     @contextmanager

@@ -1,14 +1,19 @@
 """The torch engine in-process (no Ray): constrained decoding, stops, batching, and weight updates
-that land between two tokens of an unfinished generation (partial rollouts keep per-token versions)."""
+that land between two tokens of an unfinished generation (partial rollouts keep per-token versions).
+The engine decodes with a KV cache; its behaviour logprobs must be what the trainer computes for the
+same tokens with a full forward pass, also across weight updates."""
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
+import torch
 
-from polyrl_runtime.engines.api import SamplingParams
-from polyrl_runtime.engines.torch_engine import TorchEngine
+from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
+from polyrl_runtime.engines.api import Generation, SamplingParams
+from polyrl_runtime.engines.torch_engine import TorchEngine, _Request, constrained_logprobs
 from polyrl_runtime.models import build_tiny
 from polyrl_runtime.weights import make_sender
 
@@ -78,3 +83,114 @@ def test_weight_update_lands_mid_generation_and_versions_are_recorded() -> None:
         sender.close()
     assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
     assert eng.weight_version() == 1
+
+
+def _trainer_logprobs(
+    model: torch.nn.Module, prompts: list[list[int]], gens: list[Generation], allowed: list[tuple[int, ...]]
+) -> list[np.ndarray]:
+    """What the trainer computes for these tokens: one full forward, no cache."""
+    batch = TokenBatch.build(
+        [np.asarray(p, dtype=np.int32) for p in prompts],
+        [g.token_ids for g in gens],
+        [np.asarray(a, dtype=np.int32) for a in allowed],
+    )
+    with torch.no_grad():
+        lp = sequence_logprobs(model, batch).numpy()
+    return [lp[i, : len(g.token_ids)] for i, g in enumerate(gens)]
+
+
+def test_cached_logprobs_match_the_trainers_full_forward() -> None:
+    eng = _engine()
+    prompts = [[1, *range(10, 10 + n)] for n in (0, 3, 9, 1, 20, 5)]
+    allowed = [(), (30, 31, 32), (), (2, 40), (), (5, 6)]
+    lengths = [12, 3, 30, 7, 40, 1]
+
+    async def go() -> list[Generation]:
+        first = [
+            eng.generate(p, SamplingParams(max_new_tokens=n, allowed_ids=a))
+            for p, a, n in zip(prompts[:3], allowed[:3], lengths[:3], strict=True)
+        ]
+        tasks = [asyncio.create_task(c) for c in first]
+        while not eng._active or len(eng._active[0].tokens) < 2:  # later requests join a running batch
+            await asyncio.sleep(0.001)
+        rest = [
+            eng.generate(p, SamplingParams(max_new_tokens=n, allowed_ids=a))
+            for p, a, n in zip(prompts[3:], allowed[3:], lengths[3:], strict=True)
+        ]
+        return list(await asyncio.gather(*tasks, *rest))
+
+    gens = asyncio.run(go())
+    assert [len(g.token_ids) for g in gens] == lengths
+    for got, want in zip(gens, _trainer_logprobs(eng.model, prompts, gens, allowed), strict=True):
+        np.testing.assert_allclose(got.logprobs, want, rtol=1e-4, atol=1e-5)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch() -> None:
+    params = SamplingParams(max_new_tokens=12, seed=11)
+
+    async def alone() -> list[int]:
+        return [int(t) for t in (await _engine().generate([1, 14, 15], params)).token_ids]
+
+    async def batched() -> list[int]:
+        eng = _engine()
+        others = [eng.generate([1, 20 + i] * (1 + i), SamplingParams(max_new_tokens=5 + i)) for i in range(6)]
+        outs = await asyncio.gather(*others, eng.generate([1, 14, 15], params))
+        return [int(t) for t in outs[-1].token_ids]
+
+    assert asyncio.run(alone()) == asyncio.run(alone()) == asyncio.run(batched())
+
+
+def test_tokens_after_a_weight_update_are_computed_with_the_new_weights() -> None:
+    # In-flight requests' cached keys/values were computed with the old weights: the engine must
+    # recompute them, so each token's logprob is the full forward of the weights of its version.
+    eng = _engine()
+    old = build_tiny("tiny", 64, seed=3).eval()  # the engine's initial weights (same seed)
+    new = build_tiny("tiny", 64, seed=99).eval()
+    sender = make_sender("shm", "p", 1 << 20)
+    prompts = [[1, 10], [1, 11, 12, 13]]
+    try:
+
+        async def go() -> list[Generation]:
+            tasks = [asyncio.create_task(eng.generate(p, SamplingParams(max_new_tokens=20))) for p in prompts]
+            while not eng._active or len(eng._active[0].tokens) < 4:
+                await asyncio.sleep(0.001)
+            await eng.pause()
+            v1 = sender.publish(1, {k: p.detach().clone() for k, p in new.named_parameters()})
+            assert (await eng.receive_weights(v1)).applied
+            await eng.resume()
+            return list(await asyncio.gather(*tasks))
+
+        gens = asyncio.run(go())
+    finally:
+        sender.close()
+    allowed: list[tuple[int, ...]] = [(), ()]
+    by_old = _trainer_logprobs(old, prompts, gens, allowed)
+    by_new = _trainer_logprobs(new, prompts, gens, allowed)
+    for g, lo, ln in zip(gens, by_old, by_new, strict=True):
+        v = g.versions
+        assert (v == -1).any() and (v == 1).any()
+        np.testing.assert_allclose(g.logprobs[v == -1], lo[v == -1], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g.logprobs[v == 1], ln[v == 1], rtol=1e-4, atol=1e-5)
+
+
+def test_batched_sampling_logprobs_follow_the_single_row_convention() -> None:
+    eng = _engine()
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    params = [
+        SamplingParams(allowed_ids=(3, 7, 9)),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=0, allowed_ids=(1, 2)),
+        SamplingParams(top_p=0.5, seed=4),
+    ]
+
+    async def requests() -> list[_Request]:
+        loop = asyncio.get_running_loop()
+        return [_Request([1], p, loop.create_future()) for p in params]
+
+    batch = asyncio.run(requests())
+    tokens, logprobs = eng._sample_batch(batch, logits)
+    assert tokens[0] in (3, 7, 9) and tokens[2] in (1, 2)
+    for i, p in enumerate(params):
+        allowed = torch.tensor(p.allowed_ids, dtype=torch.long) if p.allowed_ids else None
+        want = constrained_logprobs(logits[i], p.temperature, allowed)[tokens[i]]
+        assert logprobs[i] == pytest.approx(float(want), abs=1e-6)

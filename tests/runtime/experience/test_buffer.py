@@ -120,6 +120,20 @@ def test_blocking_pull_and_acquire_wake_up() -> None:
     assert got[0] is not None and got[1] is not None
 
 
+def test_wait_buffered_wakes_on_put_and_times_out() -> None:
+    # The driver's long poll for a full step: answered as soon as the samples are there.
+    buf = ExperienceBuffer([PolicyConfig("a", 2, max_staleness=0)], 100)
+    assert not buf.wait_buffered("a", 1, timeout=0.01)
+    t = buf.acquire(["a"])
+    assert t is not None
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(buf.wait_buffered("a", 1, timeout=30)))
+    waiter.start()
+    buf.put(t, episode("e", turn("a")))
+    waiter.join(timeout=10)
+    assert woke == [True] and buf.wait_buffered("a", 1, timeout=0)
+
+
 def test_finished_policy_drops_late_arrivals_and_redeliveries() -> None:
     buf = ExperienceBuffer([PolicyConfig("a", 5, 1), PolicyConfig("b", 5, 1)], 100)
     t = buf.acquire(["a", "b"])

@@ -50,3 +50,34 @@ def test_unknown_builtin_model_is_a_clear_error() -> None:
         load_model("builtin://huge")
     with pytest.raises(ValueError, match="only builtin://, file:// and pvc://"):
         load_model("s3://bucket/model")
+
+
+def test_kv_cache_decoding_matches_full_forward() -> None:
+    # The engine samples from prefill + decode; the trainer scores with forward: same logits.
+    model = build_tiny("tiny", 64, seed=4).eval()
+    seqs = [[1, 10, 11, 12, 13, 14, 15], [1, 20], [7], [1, *range(30, 50)]]
+    cache = model.new_cache(2)
+    cache.grow(len(seqs))  # rows 0..3, as the engine grows it while requests join
+    width = max(len(s) for s in seqs) - 1
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s) - 1] = torch.tensor(s[:-1])
+    with torch.no_grad():
+        model.prefill(ids, torch.tensor([len(s) - 1 for s in seqs]), cache, torch.arange(len(seqs)))
+        steps = [model.decode(torch.tensor([s[-1] for s in seqs]), cache)]
+        for j in range(5):  # each row appends the same tokens, at its own position
+            steps.append(model.decode(torch.full((len(seqs),), 40 + j), cache))
+        for j, got in enumerate(steps):
+            full = [s + list(range(40, 40 + j)) for s in seqs]
+            w = max(len(s) for s in full)
+            ids = torch.tensor([s + [0] * (w - len(s)) for s in full])
+            mask = torch.tensor([[1] * len(s) + [0] * (w - len(s)) for s in full])
+            want = model(ids, mask)[torch.arange(len(full)), torch.tensor([len(s) - 1 for s in full])]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        # a row moved into a freed row keeps decoding as before
+        cache.move(3, 1)
+        got = model.decode(torch.tensor([9, 9]), cache)
+        alone = model(torch.tensor([[*seqs[3], *range(40, 45), 9]]))[0, -1]
+        torch.testing.assert_close(got[1], alone, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="max_len"):
+        model.prefill(torch.zeros(1, 129, dtype=torch.long), torch.tensor([129]), cache, torch.tensor([0]))
