@@ -17,7 +17,8 @@ import ray
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime.config import set_env_defaults
-from polyrl_runtime.coordinator.driver import Driver, DriverOptions, RunSummary
+from polyrl_runtime.coordinator.driver import Driver, DriverOptions
+from polyrl_runtime.coordinator.report import RunSummary
 
 TINY_POLICY: dict[str, Any] = {
     "model": {"uri": "builtin://tiny"},

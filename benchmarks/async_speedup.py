@@ -19,7 +19,7 @@ from typing import Any
 from _jobs import run_job, start_ray, stop_ray, tiny_job
 
 from polyrl_operator.api import RLJob
-from polyrl_runtime.coordinator.driver import RunSummary
+from polyrl_runtime.coordinator.report import RunSummary
 
 
 def job(mode: str, staleness: int, steps: int, tail: int, episodes: int, *, alpha: float = 0.8) -> RLJob:

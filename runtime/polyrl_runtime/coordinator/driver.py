@@ -34,16 +34,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import (
-    CheckpointProgress,
-    PolicyProgress,
     Progress,
-    StalenessStats,
-    Worker,
-    WorkflowProgress,
 )
 from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
+from polyrl_runtime.coordinator.report import RunSummary, progress_report, run_summary
 from polyrl_runtime.experience.actor import create_experience_actor
 from polyrl_runtime.experience.buffer import PolicyConfig, PolicyStats, UnknownTicketError
 from polyrl_runtime.weights import VersionRegistry, choose_transport
@@ -77,23 +73,6 @@ class DriverOptions:
     # Polled every poll_s: the id of a checkpoint request (the pod's checkpoint-request annotation).
     checkpoint_requests: Callable[[], str | None] | None = None
     on_event: Callable[[str, dict[str, Any]], None] | None = None
-
-
-@dataclass
-class RunSummary:
-    state: str
-    message: str
-    steps: dict[str, int]
-    first_reward: dict[str, float | None]
-    last_reward: dict[str, float | None]
-    wall_s: float
-    episodes: int
-    failed: dict[str, int]
-    dropped: dict[str, dict[str, int]]
-    checkpoint: str | None
-    records: list[StepRecord] = field(default_factory=list)
-    buffers: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per policy: samples produced, consumed (acknowledged), redelivered, buffered, leased."""
 
 
 @dataclass
@@ -175,7 +154,7 @@ class Driver:
         except JobFailedError as e:
             self.state, self.message, self.retryable = "failed", str(e), e.retryable
             log.error("job.failed", error=str(e))
-        return await self._summary()
+        return await run_summary(self)
 
     def stop(self, reason: str = "interrupted") -> None:
         """Stop after the steps in progress; `run` then checkpoints and returns (Ctrl-C, SIGTERM)."""
@@ -573,96 +552,8 @@ class Driver:
             self._emit("drain", target=target, draining=draining)
         return found
 
-    # -- reporting -------------------------------------------------------------------------------
+    # -- reporting (coordinator/report.py) -----------------------------------------------------
 
     def progress(self) -> Progress:
-        policies = []
-        for name, run in self.runs.items():
-            engines = []
-            backlog = 0
-            if self.fleet is not None:
-                for s in self.fleet.engines[name].values():
-                    if s.dead:
-                        continue
-                    backlog += s.queued
-                    engines.append(
-                        Worker(
-                            pod=s.pod or s.name,
-                            utilisation=s.utilisation,
-                            in_flight=s.in_flight,
-                            draining=s.draining,
-                            drained=s.drained,
-                            version=max(s.version, 0),
-                        )
-                    )
-            policies.append(
-                PolicyProgress(
-                    name=name,
-                    version=run.step,
-                    step=run.step,
-                    reward_mean=run.last_reward,
-                    staleness=StalenessStats(mean=run.staleness[0], max=run.staleness[1]),
-                    backlog=backlog,
-                    engines=engines,
-                    last_checkpoint_step=run.last_ckpt_step,
-                )
-            )
-        workers = []
-        if self.fleet is not None:
-            workers = [
-                Worker(
-                    pod=w.pod or w.name,
-                    utilisation=w.utilisation,
-                    in_flight=w.in_flight,
-                    draining=w.draining,
-                    drained=w.drained,
-                )
-                for w in self.fleet.workers.values()
-                if not w.dead
-            ]
-        return Progress(
-            state=self.state,
-            message=self.message or None,
-            retryable=self.retryable,
-            policies=policies,
-            workflow=WorkflowProgress(backlog=0, workers=workers),
-            checkpoint=CheckpointProgress(
-                last_step=self.last_ckpt.step if self.last_ckpt else None,
-                last_request_id=self.handled_requests[-1] if self.handled_requests else None,
-                in_progress=self.ckpt_in_progress,
-            ),
-        )
-
-    async def _summary(self) -> RunSummary:
-        dropped: dict[str, dict[str, int]] = {}
-        buffers: dict[str, dict[str, int]] = {}
-        if self.buffer is not None:
-            try:
-                stats: dict[str, PolicyStats] = await self.buffer.stats.remote()
-                dropped = {n: dict(s.dropped) for n, s in stats.items()}
-                buffers = {
-                    n: {
-                        k: getattr(s, k)
-                        for k in ("produced", "consumed", "redelivered", "buffered", "leased")
-                    }
-                    for n, s in stats.items()
-                }
-            except Exception:
-                pass
-        first: dict[str, float | None] = {}
-        for r in self.records:
-            first.setdefault(r.policy, r.reward_mean)
-        return RunSummary(
-            state=self.state,
-            message=self.message,
-            steps={n: r.step for n, r in self.runs.items()},
-            first_reward=first,
-            last_reward={n: r.last_reward for n, r in self.runs.items()},
-            wall_s=self.elapsed(),
-            episodes=self.episodes_ok,
-            failed=dict(self.failures),
-            dropped=dropped,
-            checkpoint=str(self.last_ckpt.path) if self.last_ckpt else None,
-            records=list(self.records),
-            buffers=buffers,
-        )
+        """The `/progress` document the operator reads."""
+        return progress_report(self)

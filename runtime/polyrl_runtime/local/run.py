@@ -24,8 +24,9 @@ import structlog
 from polyrl_operator.api import RLJob
 from polyrl_runtime.config import JobFileError, load_job, resource_name, set_env_defaults
 from polyrl_runtime.coordinator.checkpoint import CheckpointStore, checkpoint_root
-from polyrl_runtime.coordinator.driver import Driver, DriverOptions, RunSummary
+from polyrl_runtime.coordinator.driver import Driver, DriverOptions
 from polyrl_runtime.coordinator.metrics import StepRecord
+from polyrl_runtime.coordinator.report import RunSummary
 from polyrl_runtime.local.display import ProgressDisplay
 from polyrl_runtime.local.plots import read_jsonl, reward_curves, write_csv
 

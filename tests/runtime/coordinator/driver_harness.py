@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 
 from polyrl_operator.api import RLJob
-from polyrl_runtime.coordinator.driver import Driver, DriverOptions, RunSummary
+from polyrl_runtime.coordinator.driver import Driver, DriverOptions
+from polyrl_runtime.coordinator.report import RunSummary
 
 DATA = Path(__file__).parent.parent / "data"
 BASE = yaml.safe_load((DATA / "selfplay-tiny.yaml").read_text())
