@@ -68,6 +68,8 @@ class DriverOptions:
     max_in_flight_per_worker: int = 512
     poll_s: float = 0.5
     same_host: bool = True
+    # How long a policy may sit with no credit and no experience anywhere before the job fails.
+    stall_timeout_s: float = 30.0
     place_by_resource: bool = True  # False: ignore polyrl/<policy>/<role> resources (tests on a plain Ray)
     on_record: Callable[[StepRecord], None] | None = None
     # Polled every poll_s: the id of a checkpoint request (the pod's checkpoint-request annotation).
@@ -186,12 +188,12 @@ class Driver:
         capacity = (s + 2) * self.E * len(configs) + 4 * self.group_size
         node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         snapshot = ref.buffer() if ref is not None else None
-        if snapshot is not None:
-            for name, state in snapshot.policies.items():
-                # A policy that had finished may train again when the job now asks for more steps.
-                if int(ref.state["policies"].get(name, {}).get("step", 0)) < self.total:  # type: ignore[union-attr]
-                    state["finished"] = False
         self.buffer = create_experience_actor(configs, capacity, snapshot=snapshot, scheduling_strategy=node)
+        if ref is not None:  # a policy that had finished trains again when the job asks for more steps
+            done = {n: int(st.get("step", 0)) for n, st in ref.state["policies"].items()}
+            await asyncio.gather(
+                *(self.buffer.reopen.remote(n) for n, step in done.items() if step < self.total)
+            )
         for p in spec.policies:
             for _ in range(p.rollout.replicas.min):
                 self.fleet.new_engine(p)
@@ -320,20 +322,34 @@ class Driver:
     async def _wait_for_step(self, run: _PolicyRun) -> int:
         """Samples for one step of `run` (0 when stopping): a full step, or whatever is buffered when
         no more can come (credit exhausted, nothing in flight: episodes with fewer turns than usual)."""
+        stalled_since: float | None = None
         while not self._stop.is_set():
-            if run.samples_per_episode is None:  # not known until the first episode is reported
-                await asyncio.sleep(0.01)
-                continue
-            need = self.E * run.samples_per_episode
+            # samples_per_episode is not known until the first episode is reported.
+            need = self.E * (run.samples_per_episode or 1)
             # A long poll: the buffer answers as soon as the step is complete. Polling every 10 ms
             # (two Ray calls per policy each time) cost the driver and the buffer about 0.1 CPU-s
             # per optimizer step of the async benchmark, on 2 cores a visible share.
             stats: dict[str, PolicyStats] = await self.buffer.stats.remote((run.name, need), 0.05)
             st = run.stats = stats[run.name]
-            if st.buffered >= need:
-                return need
-            if st.buffered and st.credit <= 0 and self._episodes_in_flight == 0:
-                return int(st.buffered)
+            if run.samples_per_episode is not None:
+                if st.buffered >= need:
+                    return need
+                if st.buffered and st.credit <= 0 and self._episodes_in_flight == 0:
+                    return int(st.buffered)
+            # No credit, nothing buffered, leased or on its way: nothing can ever change (credit only
+            # grows when this policy trains). A bug, but the job must fail clearly, never hang.
+            if st.credit > 0 or st.buffered or st.leased or self._episodes_in_flight:
+                stalled_since = None
+            elif stalled_since is None:
+                stalled_since = time.monotonic()
+            elif time.monotonic() - stalled_since > self.opts.stall_timeout_s:
+                self._fail(
+                    f"policy {run.name}: stalled at step {run.step}: no staleness credit (admitted "
+                    f"{st.admitted} at version {st.version}), nothing buffered and no episode in flight "
+                    f"for {self.opts.stall_timeout_s:.0f} s",
+                    retryable=False,
+                )
+                return 0
         return 0
 
     async def _train_loop(self, name: str) -> None:

@@ -100,6 +100,9 @@ class ExperienceService:
     def finish(self, policy: str) -> None:
         self.buffer.finish(policy)
 
+    def reopen(self, policy: str) -> None:
+        self.buffer.reopen(policy)
+
     def cancel(self) -> None:
         self.buffer.cancel()
 

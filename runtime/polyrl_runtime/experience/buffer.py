@@ -182,10 +182,9 @@ class ExperienceBuffer:
         with self._cond:
             if n < 1 or not self._wait(lambda: self._can_admit(names), timeout):
                 return out
-            live = [self._p[name] for name in names if not self._p[name].finished]
             while len(out) < n and self._can_admit(names):
-                for p in live:
-                    p.admitted += 1
+                for name in names:
+                    self._p[name].admitted += 1
                 ticket = Ticket(self._take_id(), names)
                 self._tickets[ticket.ticket_id] = ticket
                 out.append(ticket)
@@ -196,8 +195,7 @@ class ExperienceBuffer:
         with self._cond:
             t = self._pop_ticket(ticket)
             for n in t.policies:
-                if not self._p[n].finished:
-                    self._p[n].admitted -= 1
+                self._p[n].admitted -= 1
             self._cond.notify_all()
 
     def put(self, ticket: Ticket, episode: Episode) -> None:
@@ -243,10 +241,11 @@ class ExperienceBuffer:
     def _accept(self, t: Ticket, episode: Episode, samples: list[Sample]) -> None:
         used = episode.policies
         for n in t.policies - used:
-            if not self._p[n].finished:
-                self._p[n].admitted -= 1  # credit back: this episode never used that policy
+            self._p[n].admitted -= 1  # credit back: this episode never used that policy
         for n in used:
-            if not self._p[n].finished:
+            if self._p[n].finished:
+                self._p[n].admitted -= 1  # all its samples are dropped below: nothing will be consumed
+            else:
                 self._pairs[(episode.episode_id, n)] = [0, 0]
         accepted = []
         for s in samples:
@@ -349,6 +348,17 @@ class ExperienceBuffer:
                 self._drop(p, p.queue.popleft(), DropReason.POLICY_FINISHED)
             self._cond.notify_all()
 
+    def reopen(self, policy: str) -> None:
+        """A finished policy trains again (a job resumed with more steps): it takes credit again.
+
+        Its accounts stayed exact while it was finished (tickets, drops and late arrivals all settled
+        their credit), so the credit it gets is what its version allows minus what its consumed and
+        still buffered episodes hold."""
+        p = self._policy(policy)
+        with self._cond:
+            p.finished = False
+            self._cond.notify_all()
+
     def cancel(self) -> None:
         """The job is cancelled: everything not yet consumed is dropped; leases and tickets are void."""
         with self._cond:
@@ -411,8 +421,7 @@ class ExperienceBuffer:
                 name: {
                     "version": p.version,
                     # Outstanding tickets die with the process that restores: their credit comes back.
-                    "admitted": p.admitted
-                    - sum(1 for t in self._tickets.values() if name in t.policies and not p.finished),
+                    "admitted": p.admitted - sum(1 for t in self._tickets.values() if name in t.policies),
                     "produced": p.produced,
                     "consumed": p.consumed,
                     "redelivered": p.redelivered
@@ -489,9 +498,8 @@ class ExperienceBuffer:
         pair[1] += int(consumed)
         if pair[0] == 0:
             del self._pairs[key]
-            p = self._p[s.policy]
-            if pair[1] == 0 and not p.finished:
-                p.admitted -= 1  # nothing of this episode reached the trainer: its credit comes back
+            if pair[1] == 0:
+                self._p[s.policy].admitted -= 1  # nothing of this episode reached the trainer: credit back
         left = self._live_episodes[s.episode_id] - 1
         if left:
             self._live_episodes[s.episode_id] = left

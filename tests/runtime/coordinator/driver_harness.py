@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +49,18 @@ def new_driver(job: RLJob, tmp: Path, **opts: Any) -> Driver:
 def run(job: RLJob, tmp: Path, **opts: Any) -> tuple[Driver, RunSummary]:
     d = new_driver(job, tmp, **opts)
     return d, asyncio.run(d.run())
+
+
+def still_running(task: asyncio.Task[Any], what: str) -> None:
+    """Fail the test at once when the driver ended before `what` (a loop that only polled for `what`
+    would wait forever on a job that failed early)."""
+    if task.done():
+        summary = task.result()
+        raise AssertionError(f"the driver ended ({summary.state}: {summary.message}) before {what}")
+
+
+async def until(task: asyncio.Task[Any], ready: Callable[[], bool], what: str) -> None:
+    """Wait for `ready` while the driver runs."""
+    while not ready():
+        still_running(task, what)
+        await asyncio.sleep(0.05)

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
-from driver_harness import make_job, new_driver, policy, run
+from driver_harness import make_job, new_driver, policy, run, still_running, until
 
 from polyrl_operator.api.progress import Progress
-from polyrl_runtime.coordinator.checkpoint import CheckpointStore
+from polyrl_runtime.coordinator.checkpoint import BUFFER, CheckpointStore
 from polyrl_runtime.coordinator.progress_server import ProgressServer
 
 pytestmark = pytest.mark.slow
@@ -62,6 +63,23 @@ def test_checkpoint_then_resume_continues_counters_and_experience(ray_local: Any
     assert stats.consumed + sum(stats.dropped.values()) + stats.buffered >= leftover
 
 
+def test_a_policy_that_can_never_get_credit_fails_the_job_instead_of_hanging(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    """The safety net behind the buffer's credit accounting: a resumed buffer whose accounts say every
+    credit is taken (as the finished-policy bug left them) must end the job with a clear reason."""
+    _, first = run(make_job(training={"totalSteps": 1}), tmp_path)
+    assert first.state == "done", first.message
+    ref = CheckpointStore(tmp_path / "ckpt", 2).latest()
+    assert ref is not None
+    snap = ref.buffer()
+    snap.policies["agent"]["admitted"] = 10**6
+    (ref.path / BUFFER).write_bytes(pickle.dumps(snap))
+    driver, second = run(make_job(training={"totalSteps": 3}), tmp_path, stall_timeout_s=2.0)
+    assert second.state == "failed" and not driver.retryable
+    assert "policy agent: stalled at step 1: no staleness credit" in second.message, second.message
+
+
 async def _stats(driver: Any) -> Any:
     return (await driver.buffer.stats.remote())["agent"]
 
@@ -77,6 +95,10 @@ def _post(url: str, body: dict[str, Any]) -> Any:
         return json.loads(r.read())
 
 
+def _engine(doc: dict[str, Any], pod: str) -> dict[str, Any]:
+    return next(e for e in doc["policies"][0]["engines"] if e["pod"] == pod)
+
+
 def test_drain_progress_and_checkpoint_request_over_http(ray_local: Any, tmp_path: Path) -> None:
     job = make_job(training={"totalSteps": 8}, policies=[policy(rollout={"replicas": {"min": 2, "max": 2}})])
     driver = new_driver(job, tmp_path)
@@ -87,24 +109,20 @@ def test_drain_progress_and_checkpoint_request_over_http(ray_local: Any, tmp_pat
         port = await server.start()
         base = f"http://127.0.0.1:{port}"
         task = asyncio.create_task(driver.run())
-        while driver.state != "running" or driver.runs["agent"].step < 2:
-            await asyncio.sleep(0.05)
+        await until(task, lambda: driver.state == "running" and driver.runs["agent"].step >= 2, "step 2")
         doc = await asyncio.to_thread(_get, base + "/progress")
         Progress.model_validate(doc)
         seen["running"] = doc
         target = doc["policies"][0]["engines"][0]["pod"]
         assert (await asyncio.to_thread(_post, base + "/drain", {"target": target}))["found"]
-        while True:  # the operator's view: the engine is reported drained once its work is done
-            doc = await asyncio.to_thread(_get, base + "/progress")
-            eng = next(e for e in doc["policies"][0]["engines"] if e["pod"] == target)
-            if eng["drained"]:
-                break
+        # The operator's view over HTTP: the engine is reported drained once its work is done.
+        while not _engine(await asyncio.to_thread(_get, base + "/progress"), target)["drained"]:
+            still_running(task, "the drain")
             await asyncio.sleep(0.1)
         handle = driver.fleet.engines["agent"][target].handle  # type: ignore[union-attr]
         seen["requests_at_drain"] = (await handle.stats.remote()).requests
         await asyncio.to_thread(_post, base + "/checkpoint", {"requestId": "suspend-1"})
-        while "suspend-1" not in driver.handled_requests:
-            await asyncio.sleep(0.05)
+        await until(task, lambda: "suspend-1" in driver.handled_requests, "the checkpoint request")
         seen["after_request"] = await asyncio.to_thread(_get, base + "/progress")
         summary = await task
         seen["requests_at_end"] = (await handle.stats.remote()).requests
@@ -156,8 +174,7 @@ def test_an_engine_that_dies_mid_run_does_not_stop_the_job(ray_local: Any, tmp_p
 
     async def scenario() -> Any:
         task = asyncio.create_task(driver.run())
-        while driver.runs.get("agent") is None or driver.runs["agent"].step < 2:
-            await asyncio.sleep(0.05)
+        await until(task, lambda: "agent" in driver.runs and driver.runs["agent"].step >= 2, "step 2")
         victim = next(iter(driver.fleet.engines["agent"].values()))  # type: ignore[union-attr]
         ray.kill(victim.handle)
         return await task

@@ -231,3 +231,32 @@ def test_acquire_many_takes_what_credit_allows() -> None:
     assert buf.stats("a").credit == 1 and buf.stats("b").credit == 0
     assert buf.acquire_many(["a", "b"], 5) == [] and buf.acquire_many(["a"], 0) == []
     assert len(buf.acquire_many(["a"], 5)) == 1
+
+
+def test_a_finished_policy_reopened_after_restore_gets_its_credit_back() -> None:
+    """Resume with more steps: a policy that finished with every ticket taken must be able to produce
+    again. Before the fix its credit stayed frozen at zero (finished policies kept no accounts), so the
+    resumed job waited forever for samples no producer could make."""
+    buf = ExperienceBuffer([PolicyConfig("a", 2, 1)], 100)
+    t0, t1 = buf.acquire(["a"]), buf.acquire(["a"])
+    assert t0 is not None and t1 is not None
+    buf.put(t0, episode("e0", turn("a")))
+    lease = buf.pull("a", "t", 1)
+    assert lease is not None
+    buf.ack(lease.lease_id)  # e0 consumed: it holds its credit for good
+    buf.put(t1, episode("e1", turn("a")))  # buffered, never trained
+    buf.advance("a", 1)
+    more = buf.acquire_many(["a"], 10)
+    assert len(more) == 4 and buf.stats("a").credit == 0  # limit (1 + 1 + 1) * 2 = 6, e0 e1 hold 2
+    buf.put(more[0], episode("e2", turn("a")))
+    buf.finish("a")  # drops e1 and e2 (nothing consumed: their credit comes back)
+    buf.put(more[1], episode("e3", turn("a")))  # arrives after the end: dropped, credit back
+    late = buf.acquire(["a"])  # a finished policy takes no credit, but the ticket is still counted
+    assert late is not None
+    restored = ExperienceBuffer.restore(buf.snapshot())  # more[2:] and late die with the process
+    restored.reopen("a")
+    st_ = restored.stats("a")
+    assert not st_.finished and st_.admitted == 1 and st_.credit == 5  # only e0 still holds credit
+    assert len(restored.acquire_many(["a"], 10)) == 5
+    with pytest.raises(KeyError, match="unknown policy"):
+        restored.reopen("nope")

@@ -299,6 +299,15 @@ class BufferMachine(RuleBasedStateMachine):
         self.buf = ExperienceBuffer.restore(pickle.loads(blob))
         self.model = self._restored_model(self.model)
 
+    @precondition(lambda self: bool(self.model.finished) and not self.model.cancelled)
+    @rule()
+    def resume_with_more_steps(self) -> None:
+        """Restart from a snapshot with more steps to train: finished policies take credit again."""
+        self.restart()
+        for policy in sorted(self.model.finished):
+            self.buf.reopen(policy)
+        self.model.finished.clear()
+
     @rule()
     def save(self) -> None:
         self.saved = (pickle.dumps(self.buf.snapshot()), self._restored_model(self.model))
