@@ -324,14 +324,16 @@ class Driver:
         no more can come (credit exhausted, nothing in flight: episodes with fewer turns than usual)."""
         stalled_since: float | None = None
         while not self._stop.is_set():
-            # samples_per_episode is not known until the first episode is reported.
-            need = self.E * (run.samples_per_episode or 1)
+            # Read once: the first report sets it while we wait, and a step's size must not change
+            # under us (unknown: wait for the first episode's report before counting samples).
+            per_episode = run.samples_per_episode
+            need = self.E * (per_episode or 1)
             # A long poll: the buffer answers as soon as the step is complete. Polling every 10 ms
             # (two Ray calls per policy each time) cost the driver and the buffer about 0.1 CPU-s
             # per optimizer step of the async benchmark, on 2 cores a visible share.
             stats: dict[str, PolicyStats] = await self.buffer.stats.remote((run.name, need), 0.05)
             st = run.stats = stats[run.name]
-            if run.samples_per_episode is not None:
+            if per_episode is not None:
                 if st.buffered >= need:
                     return need
                 if st.buffered and st.credit <= 0 and self._episodes_in_flight == 0:
