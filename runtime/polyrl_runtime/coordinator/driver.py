@@ -70,6 +70,7 @@ class DriverOptions:
     same_host: bool = True
     # How long a policy may sit with no credit and no experience anywhere before the job fails.
     stall_timeout_s: float = 30.0
+    unused_episodes: int = 2000  # episodes in a row without a turn of a policy before the job fails
     place_by_resource: bool = True  # False: ignore polyrl/<policy>/<role> resources (tests on a plain Ray)
     on_record: Callable[[StepRecord], None] | None = None
     # Polled every poll_s: the id of a checkpoint request (the pod's checkpoint-request annotation).
@@ -90,6 +91,7 @@ class _PolicyRun:
     staleness: tuple[float, int] = (0.0, 0)
     last_reward: float | None = None
     last_ckpt_step: int | None = None
+    unused: int = 0  # episodes in a row without a turn of this policy
 
 
 class Driver:
@@ -190,7 +192,7 @@ class Driver:
         snapshot = ref.buffer() if ref is not None else None
         self.buffer = create_experience_actor(configs, capacity, snapshot=snapshot, scheduling_strategy=node)
         if ref is not None:  # a policy that had finished trains again when the job asks for more steps
-            done = {n: int(st.get("step", 0)) for n, st in ref.state["policies"].items()}
+            done = {p.name: int(ref.state["policies"].get(p.name, {}).get("step", 0)) for p in spec.policies}
             await asyncio.gather(
                 *(self.buffer.reopen.remote(n) for n, step in done.items() if step < self.total)
             )
@@ -214,10 +216,12 @@ class Driver:
         run = self.runs[name]
         addr, port = await run.ranks[0].address.remote()
         await asyncio.gather(*(r.setup.remote(addr, port) for r in run.ranks))
-        if ref is not None:
+        if ref is not None and name in ref.state["policies"]:
             d = str(ref.trainer_dir(name))
             await asyncio.gather(*(r.load.remote(d, TRAINER_TAG) for r in run.ranks))
             run.step = int(ref.state["policies"][name]["step"])
+        elif ref is not None:  # a policy added to the job since the checkpoint starts from its model
+            log.info("policy.not_in_checkpoint", policy=name, checkpoint=str(ref.path))
         engines = {n: s.handle for n, s in self.fleet.engines[name].items()}
         kwargs = {"num_receivers": len(engines)} if transport == "collective" else {}
         await run.ranks[0].init_sender.remote(transport, self._bucket(), kwargs)
@@ -240,7 +244,7 @@ class Driver:
         self.last_ckpt = ref
         for name, run in self.runs.items():
             run.last_ckpt_step = run.step
-            run.samples_per_episode = st["policies"][name].get("samples_per_episode")
+            run.samples_per_episode = st["policies"].get(name, {}).get("samples_per_episode")
         log.info("job.resumed", checkpoint=str(ref.path), steps={n: r.step for n, r in self.runs.items()})
 
     # -- producing episodes ----------------------------------------------------------------------
@@ -307,6 +311,7 @@ class Driver:
                 continue
             self._consecutive_failures = 0
             self.episodes_ok += 1
+            self._check_used(ep.samples)
             success = ep.metadata.get("success")
             for policy, reward in ep.policy_rewards.items():
                 run = self.runs[policy]
@@ -316,6 +321,18 @@ class Driver:
         if report.dead_engines and self.fleet is not None:
             for slot in self.fleet.mark_dead(report.dead_engines):
                 self._emit("engine_lost", engine=slot.name, policy=slot.policy)
+
+    def _check_used(self, samples: dict[str, int]) -> None:
+        """A policy the workflow never calls would wait for samples forever: after `unused_episodes`
+        episodes in a row without a turn of it (while it still has steps to train), fail the job."""
+        for name, run in self.runs.items():
+            run.unused = 0 if samples.get(name) else run.unused + 1
+            if run.unused >= self.opts.unused_episodes and run.step < self.total:
+                self._fail(
+                    f"policy {name}: no agent turn of it in the last {run.unused} episodes of workflow "
+                    f"{self.spec.workflow.entrypoint} (does the workflow call an agent of this policy?)",
+                    retryable=False,
+                )
 
     # -- training --------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ class ExperienceService:
         snapshot: BufferSnapshot | None = None,
     ) -> None:
         self.buffer = (
-            ExperienceBuffer.restore(snapshot)
+            ExperienceBuffer.restore(snapshot, policies, capacity_episodes)
             if snapshot is not None
             else ExperienceBuffer(policies, capacity_episodes)
         )

@@ -443,8 +443,19 @@ class ExperienceBuffer:
             )
 
     @classmethod
-    def restore(cls, snap: BufferSnapshot) -> ExperienceBuffer:
-        buf = cls(snap.configs, snap.capacity_episodes)
+    def restore(
+        cls,
+        snap: BufferSnapshot,
+        policies: Sequence[PolicyConfig] | None = None,
+        capacity_episodes: int | None = None,
+    ) -> ExperienceBuffer:
+        """The buffer a snapshot describes, under the job's current `policies` and capacity when given
+        (a resumed job may have changed its staleness, episodes per step or policies): a new policy
+        starts empty; one the job no longer has is finished, so its samples are dropped and counted."""
+        configs = list(policies) if policies is not None else list(snap.configs)
+        names = {c.name for c in configs}
+        gone = [c for c in snap.configs if c.name not in names]
+        buf = cls([*configs, *gone], capacity_episodes or snap.capacity_episodes)
         for name, state in snap.policies.items():
             p = buf._p[name]
             for key, value in state.items():
@@ -455,6 +466,12 @@ class ExperienceBuffer:
             if live:
                 buf._live_episodes[episode_id] = buf._live_episodes.get(episode_id, 0) + live
         buf._cancelled = snap.cancelled
+        for c in gone:
+            buf.finish(c.name)
+        before = {c.name: c.max_staleness for c in snap.configs}
+        for c in configs:  # a changed maxStaleness applies to what is buffered at once
+            if c.name in before and c.max_staleness != before[c.name]:
+                buf.advance(c.name, buf._p[c.name].version)
         return buf
 
     # -- internals (called with the lock held) ----------------------------------------------

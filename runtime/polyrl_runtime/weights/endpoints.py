@@ -136,7 +136,7 @@ class PolicyWeightSync:
         """Admit a new engine and bring it to the latest version before it gets any work."""
         # A new actor may take seconds to start: wait for it outside the lock, not in a sync's way.
         # One that died starting fails in _deliver below, which reports it like any failed engine.
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ray.exceptions.RayError):
             ray.get(handle.weight_version.remote())
         with self._lock:
             return self._admit(name, handle)

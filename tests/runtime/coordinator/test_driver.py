@@ -80,6 +80,19 @@ def test_a_policy_that_can_never_get_credit_fails_the_job_instead_of_hanging(
     assert "policy agent: stalled at step 1: no staleness credit" in second.message, second.message
 
 
+def test_a_policy_the_workflow_never_calls_fails_the_job_clearly(ray_local: Any, tmp_path: Path) -> None:
+    """Resume after adding a policy: it starts from its model (it is not in the checkpoint). The
+    workflow's agents all map to `agent`, so `idle` would wait for samples forever; the job fails
+    with a reason naming it instead."""
+    _, first = run(make_job(training={"totalSteps": 1}), tmp_path)
+    assert first.state == "done", first.message
+    job = make_job(training={"totalSteps": 3}, policies=[policy(), policy("idle")])
+    driver, second = run(job, tmp_path, unused_episodes=40)
+    assert second.state == "failed" and not driver.retryable
+    assert "policy idle: no agent turn of it in the last 40 episodes" in second.message, second.message
+    assert second.steps["idle"] == 0
+
+
 async def _stats(driver: Any) -> Any:
     return (await driver.buffer.stats.remote())["agent"]
 

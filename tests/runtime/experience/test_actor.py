@@ -25,7 +25,8 @@ def test_actor_streams_and_redelivers_after_trainer_crash(ray_session: Any) -> N
     ray = ray_session
     # The tasks below use this module's helpers; Ray workers cannot import a test module by name.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    buf = create_experience_actor([PolicyConfig("speaker", 4, 1), PolicyConfig("listener", 4, 1)], 16)
+    configs = [PolicyConfig("speaker", 4, 1), PolicyConfig("listener", 4, 1)]
+    buf = create_experience_actor(configs, 16)
 
     @ray.remote(num_cpus=0)
     def workflow(buf: Any, start: int, n: int) -> int:
@@ -57,7 +58,7 @@ def test_actor_streams_and_redelivers_after_trainer_crash(ray_session: Any) -> N
         # The snapshot restores into a fresh actor with nothing lost.
         ray.get(workflow.remote(buf, 200, 1), timeout=120)
         snap = ray.get(buf.snapshot.remote())
-        restored = create_experience_actor([], 1, snapshot=snap)
+        restored = create_experience_actor(configs, 16, snapshot=snap)
         assert ray.get(restored.stats.remote())["speaker"].buffered == 1
         ray.kill(restored)
     finally:

@@ -260,3 +260,25 @@ def test_a_finished_policy_reopened_after_restore_gets_its_credit_back() -> None
     assert len(restored.acquire_many(["a"], 10)) == 5
     with pytest.raises(KeyError, match="unknown policy"):
         restored.reopen("nope")
+
+
+def test_restore_under_the_jobs_current_policies() -> None:
+    """A resumed job may have changed: its staleness and episodes per step apply, a new policy starts
+    empty, and a removed policy's samples are dropped and counted, not lost silently."""
+    buf = ExperienceBuffer([PolicyConfig("a", 2, 2), PolicyConfig("gone", 2, 1)], 100)
+    for i, v in enumerate([0, 2]):
+        t = buf.acquire(["a", "gone"])
+        assert t is not None
+        buf.put(t, episode(f"e{i}", turn("a", v), turn("gone", v)))
+    buf.advance("a", 2)
+    assert buf.stats("a").buffered == 2  # lags 2 and 0 are within maxStaleness 2
+    snap = buf.snapshot()
+    restored = ExperienceBuffer.restore(snap, [PolicyConfig("a", 3, 0), PolicyConfig("new", 4, 1)], 50)
+    a, gone, new = restored.stats("a"), restored.stats("gone"), restored.stats("new")
+    assert a.buffered == 1 and a.dropped[DropReason.STALE] == 1  # lag 2 > the new maxStaleness 0
+    assert a.credit == (2 + 0 + 1) * 3 - 1  # the new episodes per version; e1 still holds credit
+    assert gone.finished and gone.buffered == 0 and gone.dropped[DropReason.POLICY_FINISHED] == 2
+    assert new.buffered == 0 and new.credit == (0 + 1 + 1) * 4
+    assert restored.capacity_episodes == 50
+    same = ExperienceBuffer.restore(snap)  # without a job: the snapshot's own configuration
+    assert same.stats("a").buffered == 2 and not same.stats("gone").finished
