@@ -9,6 +9,7 @@ sampling but not the recorded logprob (as vLLM's processed logprobs).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,6 +66,12 @@ class Engine(Protocol):
     """What the pool and the driver call on an engine actor (each method through `.remote`)."""
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+
+    # Optional (the pool falls back to `generate`): many requests in one call, each answer streamed
+    # back as it finishes, as `engines.batching.stream_generations` does.
+    def generate_many(
+        self, requests: list[tuple[list[int], SamplingParams]]
+    ) -> AsyncIterator[list[tuple[int, Generation | BaseException]]]: ...
 
     async def pause(self) -> None: ...
 

@@ -6,10 +6,18 @@ draining engine simply leaves the table, so it gets no new work and finishes wha
 that dies mid-request is marked dead here, reported to the driver, and the request is retried on
 another engine of the same policy (the episode continues); with none left the request fails with
 `EngineUnavailableError`, which fails that episode only.
+
+Requests for the same engine issued in the same event-loop tick (an episode group's episodes make
+theirs together) go out as one `generate_many` call whose answers stream back as each request
+finishes (see `engines/batching.py`): a Ray call costs more CPU than the engine's work for a request
+of the small models. An engine without `generate_many` gets one `generate` call per request. Routing,
+in-flight counts and retries stay per request: a dead engine's unanswered requests of a call are
+retried elsewhere, one by one, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +26,7 @@ import ray
 import structlog
 
 from polyrl_runtime.engines.api import EngineUnavailableError, Generation, SamplingParams
+from polyrl_runtime.engines.batching import Answer, Request
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +39,10 @@ class EnginePool:
         self.newly_dead: set[str] = set()
         self.retries = retries
         self._tiebreak = itertools.count()
+        # engine name -> (handle, requests waiting for this tick's flush, their futures)
+        self._batches: dict[str, tuple[Any, list[Request], list[asyncio.Future[Generation]]]] = {}
+        self._flush_due = False
+        self._streams: set[asyncio.Task[None]] = set()  # referenced so that they are not collected
         if routes:
             self.set_routes(routes)
 
@@ -62,8 +75,7 @@ class EnginePool:
             name, handle = self._choose(policy)
             self._in_flight[name] = self._in_flight.get(name, 0) + 1
             try:
-                result: Generation = await handle.generate.remote(prompt_ids, params)
-                return result
+                return await self._call(name, handle, prompt_ids, params)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 log.warning("engine.dead", policy=policy, engine=name, error=str(e).splitlines()[0])
                 self._dead.add(name)
@@ -72,6 +84,63 @@ class EnginePool:
             finally:
                 self._in_flight[name] -= 1
         raise EngineUnavailableError(f"policy {policy!r}: engines failed {self.retries + 1} times") from last
+
+    async def _call(
+        self, name: str, handle: Any, prompt_ids: list[int], params: SamplingParams
+    ) -> Generation:
+        if getattr(handle, "generate_many", None) is None:
+            result: Generation = await handle.generate.remote(prompt_ids, params)
+            return result
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Generation] = loop.create_future()
+        _, requests, futures = self._batches.setdefault(name, (handle, [], []))
+        requests.append((prompt_ids, params))
+        futures.append(fut)
+        if not self._flush_due:  # after the callbacks already queued: the rest of this tick's requests
+            self._flush_due = True
+            loop.call_soon(self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        batches, self._batches = self._batches, {}
+        for name, (handle, requests, futures) in batches.items():
+            live = [i for i, f in enumerate(futures) if not f.done()]  # a cancelled caller sends nothing
+            if live:
+                task = asyncio.get_running_loop().create_task(
+                    self._stream(name, handle, [requests[i] for i in live], [futures[i] for i in live])
+                )
+                self._streams.add(task)
+                task.add_done_callback(self._streams.discard)
+
+    async def _stream(
+        self, name: str, handle: Any, requests: list[Request], futures: list[asyncio.Future[Generation]]
+    ) -> None:
+        """One `generate_many` call; each answer goes to its request's future as it arrives. If the
+        call fails (the engine died), its unanswered requests get the error, and `generate` retries
+        each of them (on another engine when this one is dead)."""
+        error: BaseException
+        try:
+            stream = handle.generate_many.options(num_returns="streaming").remote(requests)
+            async for ref in stream:
+                answers: list[Answer] = await ref
+                for i, answer in answers:
+                    if futures[i].done():  # its caller was cancelled
+                        continue
+                    if isinstance(answer, BaseException):
+                        futures[i].set_exception(answer)
+                    else:
+                        futures[i].set_result(answer)
+            error = RuntimeError(f"engine {name} ended a generate_many call without answering every request")
+        except asyncio.CancelledError:
+            for f in futures:
+                f.cancel()
+            raise
+        except Exception as e:
+            error = e
+        for f in futures:
+            if not f.done():
+                f.set_exception(error)
 
     def take_dead(self) -> set[str]:
         dead, self.newly_dead = self.newly_dead, set()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ import structlog
 import torch
 
 from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
+from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.models import KVCache, TinyCausalLM, load_model
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights
@@ -141,6 +143,12 @@ class TorchEngine(EngineWeights):
         self._requests += 1
         wake.set()
         return await fut
+
+    async def generate_many(self, requests: list[Request]) -> AsyncIterator[list[Answer]]:
+        """`generate` for each request in one actor call (streamed: `num_returns="streaming"`),
+        answers sent as they finish (see `engines/batching.py`)."""
+        async for answers in stream_generations(self.generate, requests):
+            yield answers
 
     async def _serve(self) -> None:
         assert self._wakeup is not None

@@ -19,7 +19,7 @@ import importlib
 import itertools
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,6 +28,7 @@ import structlog
 import torch
 
 from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
+from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.models import local_path
 from polyrl_runtime.weights.api import SyncReport, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights
@@ -160,6 +161,12 @@ class VllmEngine(EngineWeights):
             "stop" if completion.finish_reason == "stop" else "length",
             self.name,
         )
+
+    async def generate_many(self, requests: list[Request]) -> AsyncIterator[list[Answer]]:
+        """`generate` for each request in one actor call (streamed: `num_returns="streaming"`),
+        answers sent as they finish (see `engines/batching.py`)."""
+        async for answers in stream_generations(self.generate, requests):
+            yield answers
 
     async def receive_weights(self, manifest: WeightManifest) -> SyncReport:  # type: ignore[override]
         self.target.prepare(manifest)

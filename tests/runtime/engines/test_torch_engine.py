@@ -194,3 +194,26 @@ def test_batched_sampling_logprobs_follow_the_single_row_convention() -> None:
         allowed = torch.tensor(p.allowed_ids, dtype=torch.long) if p.allowed_ids else None
         want = constrained_logprobs(logits[i], p.temperature, allowed)[tokens[i]]
         assert logprobs[i] == pytest.approx(float(want), abs=1e-6)
+
+
+def test_generate_many_streams_each_answer_as_it_finishes() -> None:
+    eng = _engine()
+    prompts = [[1, *range(10, 10 + n)] for n in (4, 0, 9, 2)]
+    lengths = [30, 2, 12, 1]
+    requests = [(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths, strict=True)]
+
+    async def go() -> list[list[tuple[int, Generation | BaseException]]]:
+        return [item async for item in eng.generate_many([*requests, ([], SamplingParams())])]
+
+    items = asyncio.run(go())
+    order = [i for item in items for i, _ in item]
+    assert sorted(order) == [0, 1, 2, 3, 4] and order.index(0) > order.index(2) > order.index(3)
+    answers = dict(a for item in items for a in item)
+    assert isinstance(answers.pop(4), ValueError)  # a bad request fails alone, the others go on
+    gens = [answers[i] for i in range(4)]
+    assert all(isinstance(g, Generation) for g in gens)
+    assert [len(g.token_ids) for g in gens if isinstance(g, Generation)] == lengths
+    want = _trainer_logprobs(eng.model, prompts, gens, [()] * 4)  # type: ignore[arg-type]
+    for got, w in zip(gens, want, strict=True):
+        assert isinstance(got, Generation)
+        np.testing.assert_allclose(got.logprobs, w, rtol=1e-4, atol=1e-5)
