@@ -250,27 +250,6 @@ class SampleBatch:
             allowed_offsets=_offsets(a_len),
         )
 
-    def __reduce__(self) -> Any:
-        # On the wire a lease is one flat int32 array (offsets as int64 pairs first, so they stay
-        # 8-byte aligned; floats as raw bits) plus the string columns, not ten arrays: Ray handles
-        # each numpy buffer separately, and per-buffer overhead, not bytes, dominates a lease's cost.
-        offsets = [self.prompt_offsets, self.response_offsets]
-        if self.allowed_offsets is not None:
-            offsets.append(self.allowed_offsets)
-        columns = [o.astype(np.int64, copy=False).view(np.int32) for o in offsets]
-        columns += [
-            self.turn_index.astype(np.int32, copy=False),
-            self.rewards.astype(np.float32, copy=False).view(np.int32),
-            self.prompt_ids.astype(np.int32, copy=False),
-            self.response_ids.astype(np.int32, copy=False),
-            self.logprobs.astype(np.float32, copy=False).view(np.int32),
-            self.versions.astype(np.int32, copy=False),
-            self.allowed_ids.astype(np.int32, copy=False),
-        ]
-        flat = np.concatenate(columns)
-        strings = (self.policy, self.sample_ids, self.episode_ids, self.agents)
-        return _rebuild_batch, (strings, self.allowed_offsets is not None, flat)
-
     def allowed(self, i: int) -> IntArray:
         """Sample `i`'s decoding constraint (empty: unconstrained)."""
         if self.allowed_offsets is None:
@@ -307,47 +286,3 @@ class SampleBatch:
                 )
             )
         return out
-
-
-def _rebuild_batch(
-    strings: tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]], constrained: bool, flat: IntArray
-) -> SampleBatch:
-    """The inverse of `SampleBatch.__reduce__`: every column a view into the one received buffer."""
-    policy, sample_ids, episode_ids, agents = strings
-    n = len(sample_ids)
-    cols: list[Any] = []
-    i = 0
-    for _ in range(3 if constrained else 2):
-        cols.append(flat[i : i + 2 * (n + 1)].view(np.int64))
-        i += 2 * (n + 1)
-    prompt_offsets, response_offsets = cols[0], cols[1]
-    allowed_offsets = cols[2] if constrained else None
-    n_prompt, n_resp = int(prompt_offsets[-1]), int(response_offsets[-1])
-    n_allowed = (
-        int(allowed_offsets[-1])
-        if allowed_offsets is not None
-        else len(flat) - i - 2 * n - n_prompt - 3 * n_resp
-    )
-    sizes = [n, n, n_prompt, n_resp, n_resp, n_resp, n_allowed]
-    parts = []
-    for size in sizes:
-        parts.append(flat[i : i + size])
-        i += size
-    turn_index, rewards, prompt_ids, response_ids, logprobs, versions, allowed_ids = parts
-    return _unchecked(
-        SampleBatch,
-        policy=policy,
-        sample_ids=sample_ids,
-        episode_ids=episode_ids,
-        agents=agents,
-        turn_index=turn_index,
-        rewards=rewards.view(np.float32),
-        prompt_ids=prompt_ids,
-        prompt_offsets=prompt_offsets,
-        response_ids=response_ids,
-        response_offsets=response_offsets,
-        logprobs=logprobs.view(np.float32),
-        versions=versions,
-        allowed_ids=allowed_ids,
-        allowed_offsets=allowed_offsets,
-    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import threading
 
 import numpy as np
@@ -283,44 +282,3 @@ def test_restore_under_the_jobs_current_policies() -> None:
     assert restored.capacity_episodes == 50
     same = ExperienceBuffer.restore(snap)  # without a job: the snapshot's own configuration
     assert same.stats("a").buffered == 2 and not same.stats("gone").finished
-
-
-@pytest.mark.parametrize("constrained", [False, True])
-@pytest.mark.parametrize("n", [0, 1, 5])
-def test_a_batch_crosses_the_wire_as_one_buffer_and_comes_back_exact(n: int, constrained: bool) -> None:
-    turns = [
-        Turn(
-            f"ag{i}",
-            "p",
-            list(range(i + 1)),
-            [3, 1, 4][: 1 + i % 3],
-            [-0.25, -1e-7, -3.5][: 1 + i % 3],
-            [i] * (1 + i % 3),
-            allowed_ids=[1, 2, 3] if constrained and i % 2 else [],
-        )
-        for i in range(n)
-    ]
-    samples = (
-        Episode("e", tuple(turns), {t.agent: 0.5 + i for i, t in enumerate(turns)}).samples() if n else []
-    )
-    batch = SampleBatch.from_samples("p", samples)
-    reduced = batch.__reduce__()
-    assert sum(isinstance(a, np.ndarray) for a in reduced[1]) == 1  # one buffer, whatever the columns
-    back = pickle.loads(pickle.dumps(batch, protocol=5))
-    assert back.sample_ids == batch.sample_ids and back.agents == batch.agents and back.policy == "p"
-    for name in (
-        "turn_index",
-        "rewards",
-        "prompt_ids",
-        "prompt_offsets",
-        "response_ids",
-        "response_offsets",
-        "logprobs",
-        "versions",
-        "allowed_ids",
-        "allowed_offsets",
-    ):
-        a, b = getattr(batch, name), getattr(back, name)
-        assert a.dtype == b.dtype and np.array_equal(a, b), name
-    for s, t in zip(back.samples(), samples, strict=True):
-        assert np.array_equal(s.allowed_ids, t.allowed_ids) and np.array_equal(s.logprobs, t.logprobs)
