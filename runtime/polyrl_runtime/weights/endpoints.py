@@ -122,13 +122,7 @@ class PolicyWeightSync:
                 continue
             result.reports[name] = report
             self.registry.record(self.policy, name, manifest.version)
-        if self._collective or (
-            self.transport == "shm" and not any(r.applied for r in result.reports.values())
-        ):
-            # The sender may still be sending (collective) or packing (shm, pipelined) after publish
-            # returned; the trainer must not change its weights before it is done. An engine that
-            # applied a shm version read every chunk, so the packer is past its last one and the
-            # extra message is needed only when none did.
+        if self._collective:
             ray.get(self.trainer.wait_weights.remote())
         return result
 

@@ -1,35 +1,33 @@
 """`shm` transport: trainer and engines on one host share a persistent memory-mapped segment.
 
 The segment (a file in /dev/shm) is created once and reused by every sync while the model fits, since
-mapping fresh shared memory per sync costs page faults on every byte (measured 3x slower). It holds
-the whole latest version (so a late joiner reads it from there) after a header of per-chunk flags.
+mapping fresh shared memory per sync costs page faults on every byte (measured 3x slower). It has two
+*slots*, each able to hold a whole version; the trainer packs version v into the slot that does not
+hold the latest version (host copies split over threads; torch releases the GIL), so the latest one
+stays intact for late joiners and for engines still serving it.
 
-A sync is pipelined: `publish` returns the manifest at once and a writer thread packs the version
-chunk by chunk (`CHUNK` bytes, smaller than a bucket so that even a one-bucket model pipelines),
-stamping each chunk's flag with the version when its bytes are in place. An engine, given the one
-manifest, follows the flags: it copies chunk i into its private staging buffer while the writer packs
-chunk i+1, so end to end costs about one copy's time on two cores instead of two copies in a row.
-There is no per-chunk message: the flags in shared memory are the only signal.
+An engine whose target can swap its tensors (every `TensorTarget.from_module`, so the torch engine)
+does not copy at all: it validates the manifest and rebinds its tensors to dtype views of the slot,
+so a sync costs one copy end to end (the trainer's packing) and the engine pause is O(1). A target
+that must be written in place gets one copy from the slot during the pause, as before.
 
-The writer never waits for readers (a reader that dies or stalls cannot wedge the trainer); a reader
-detects being overtaken instead, as in a seqlock: the writer marks a chunk `_WRITING` before it
-overwrites it, and a reader re-reads the chunk's flag after copying it, so a copy that may be torn is
-rejected and the engine keeps its old version. Readers wait for a chunk at most `timeout_s` without
-progress (a writer that died mid-sync) and then fail with a clear error. The flag protocol relies on
-stores becoming visible in program order (x86-64 TSO; the copies and flag writes are separate torch
-calls, with the GIL hand-offs between them acting as compiler barriers).
-
-The engine applies only a complete, validated version (see `staging.py`): by swapping its tensors to
-views of the staging buffer where the target allows, else by one copy during the engine pause.
+Who may write a slot is settled by one `flock` per slot (a small file next to the segment): the
+trainer holds it exclusive while packing; an engine holds it shared while it reads the slot, and
+keeps holding it for as long as it serves weights that live there. The trainer never waits for an
+engine: when the slot it wants is still in use (an engine that missed a version, or stalled), it
+leaves the whole segment to its readers (unlinking only removes the name; their mappings stay valid)
+and starts a new one. A dead engine's locks are dropped by the kernel. An engine waits for a slot
+being packed at most `timeout_s`, then fails with a clear error and keeps its old version.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
-import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -39,6 +37,7 @@ import torch
 
 from polyrl_runtime.weights.api import (
     SyncReport,
+    TensorTarget,
     WeightManifest,
     WeightReceiver,
     WeightSender,
@@ -48,24 +47,23 @@ from polyrl_runtime.weights.api import (
     make_report,
 )
 from polyrl_runtime.weights.buckets import BucketLayout, PairCache, copy_pairs, layout_for, ordered_tensors
-from polyrl_runtime.weights.staging import ALIGN, Staging
+from polyrl_runtime.weights.staging import ALIGN, flat_views, swappable
 
 log = structlog.get_logger(__name__)
 
-# Pipelining granularity: small enough that packing and reading overlap well for a 64 MiB model,
-# large enough that the per-chunk Python work (a flag poll, one copy call) is noise.
-CHUNK = 8 << 20
+_SLOTS = 2
+_HEADER = 4096  # page-aligned slots after it
 _WRITING = -1
-# Header words (int64): 0 the version being (or last) published, 1 the version whose writer failed.
-_VERSION, _FAILED, _FLAGS = 0, 1, 8
-_POLL_S = 50e-6
+# Header words (int64): the latest published version, then each slot's version (_WRITING while packed).
+_LATEST, _SLOT_VERSION = 0, 8
+_POLL_S = 1e-3
 
 
 @dataclass(frozen=True)
 class ShmHandle:
     path: str
-    capacity: int  # data bytes after the header
-    chunks: int  # flags in the header
+    capacity: int  # bytes per slot
+    slot: int
 
 
 def _shm_dir() -> str:
@@ -73,39 +71,54 @@ def _shm_dir() -> str:
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
 
 
-def _header_bytes(chunks: int) -> int:
-    return -(-(8 * (_FLAGS + chunks)) // 4096) * 4096  # page-aligned data after it
+def _lock_path(path: str, slot: int) -> str:
+    return f"{path}.slot{slot}.lock"
 
 
 class _Mapping:
-    """One mapped segment: header words, per-chunk flags, then the data."""
+    """One mapped segment and this process's descriptors of its slot locks (flock is per descriptor,
+    so a trainer and an engine in one process still exclude each other)."""
 
-    def __init__(self, path: str, capacity: int, chunks: int, *, create: bool) -> None:
-        header = _header_bytes(chunks)
-        if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, header + capacity)
-            finally:
+    def __init__(self, path: str, capacity: int, *, create: bool) -> None:
+        size = _HEADER + _SLOTS * capacity
+        try:
+            if create:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fd, size)
                 os.close(fd)
-        elif not os.path.exists(path):
+            flags = os.O_RDWR | (os.O_CREAT if create else 0)
+            self._locks = [os.open(_lock_path(path, s), flags, 0o600) for s in range(_SLOTS)]
+        except FileNotFoundError as e:
             raise WeightSyncError(
                 f"shm segment {path} not found: the shm transport needs the engine on the trainer's host"
-            )
+            ) from e
         self.path = path
         self.capacity = capacity
-        self.chunks = chunks
-        self.buf = torch.from_file(path, shared=True, size=header + capacity, dtype=torch.uint8)
-        self.words = self.buf[:header].view(torch.int64)
-        self.flags = self.words[_FLAGS : _FLAGS + chunks]
-        self.data = self.buf[header:]
+        self.buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.words = self.buf[:_HEADER].view(torch.int64)
+        if create:
+            self.words.fill_(_WRITING)
 
-    def word(self, i: int) -> int:
-        return int(self.words[i])
+    def slot(self, s: int) -> torch.Tensor:
+        return self.buf[_HEADER + s * self.capacity : _HEADER + (s + 1) * self.capacity]
 
-    @property
-    def handle(self) -> ShmHandle:
-        return ShmHandle(self.path, self.capacity, self.chunks)
+    def version(self, s: int) -> int:
+        return int(self.words[_SLOT_VERSION + s])
+
+    def try_lock(self, s: int, *, exclusive: bool) -> bool:
+        try:
+            fcntl.flock(self._locks[s], (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self, s: int) -> None:
+        fcntl.flock(self._locks[s], fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for fd in self._locks:
+            os.close(fd)  # also drops any lock held through it
+        self._locks = []
 
 
 class ShmSender(WeightSender):
@@ -115,85 +128,66 @@ class ShmSender(WeightSender):
         super().__init__(policy, bucket_bytes)
         self._dir = directory or _shm_dir()
         self._seg: _Mapping | None = None
-        self._pairs = PairCache()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._slot = -1  # the slot holding the latest version
+        self._pairs = PairCache(entries=_SLOTS)
 
-    def _segment(self, layout: BucketLayout) -> _Mapping:
-        nbytes, chunks = layout.total_bytes, len(layout.buckets)
-        seg = self._seg
-        if seg is not None and seg.capacity >= nbytes and seg.chunks >= chunks:
-            return seg
+    def _new_segment(self, nbytes: int) -> _Mapping:
         self._drop_segment()
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.policy)
         path = os.path.join(self._dir, f"polyrl-weights-{safe}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        # Round up so a model that grows slightly (or a different bucket size) reuses the segment.
-        capacity = max(1, nbytes + nbytes // 16)
-        seg = _Mapping(path, capacity, max(1, chunks + chunks // 16), create=True)
-        seg.words[_VERSION] = _WRITING
-        seg.words[_FAILED] = _WRITING
-        seg.flags.fill_(_WRITING)
-        self._seg = seg
-        log.info("weights.shm.segment", policy=self.policy, path=path, capacity=capacity)
-        return seg
+        # Round up so a model that grows slightly (or a different bucket size) reuses the segment;
+        # page-aligned so each slot's tensors are aligned for any dtype view.
+        capacity = -(-max(1, nbytes + nbytes // 16) // 4096) * 4096
+        self._seg = _Mapping(path, capacity, create=True)
+        self._slot = -1
+        log.info("weights.shm.segment", policy=self.policy, path=path, slot_bytes=capacity)
+        return self._seg
+
+    def _claim_slot(self, layout: BucketLayout) -> tuple[_Mapping, int]:
+        """A segment and slot to pack into, locked exclusive; never waits for an engine."""
+        seg = self._seg
+        if seg is None or seg.capacity < layout.total_bytes:
+            seg = self._new_segment(layout.total_bytes)
+        slot = (self._slot + 1) % _SLOTS
+        if not seg.try_lock(slot, exclusive=True):
+            # An engine still serves (or reads) an older version there: leave it that segment.
+            log.info("weights.shm.slot_busy", policy=self.policy, path=seg.path, slot=slot)
+            seg = self._new_segment(layout.total_bytes)
+            slot = 0
+            if not seg.try_lock(slot, exclusive=True):  # pragma: no cover - nobody else knows the name
+                raise WeightSyncError(f"{self.policy}: cannot lock a new shm segment {seg.path}")
+        return seg, slot
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> WeightManifest:
-        """Start packing `version` and return its manifest at once.
-
-        The tensors must not change until the version is packed: until `wait()` returns, or until an
-        engine has applied this version (it read every chunk, so the writer is past its last one).
-        """
-        self.wait()
         self._check_version(version)
-        layout = layout_for(tensors, min(self.bucket_bytes, CHUNK), align=ALIGN)
+        layout = layout_for(tensors, self.bucket_bytes, align=ALIGN)
         ordered = [t.cpu() for t in ordered_tensors(layout, tensors)]
-        seg = self._segment(layout)
-        per_bucket = self._pairs.per_bucket(layout, ordered, seg.data, into_flat=True)
-        # Every chunk is marked before the version is announced: a reader of an older version then
-        # sees each chunk it has yet to check as overwritten, and a reader of this one waits.
-        seg.flags.fill_(_WRITING)
-        seg.words[_VERSION] = version
-        self.latest = WeightManifest(self.policy, version, self.transport, layout, handle=seg.handle)
-        self._error = None
-        self._thread = threading.Thread(
-            target=self._pack, args=(seg, version, per_bucket), name=f"polyrl-shm-{self.policy}", daemon=True
-        )
-        self._thread.start()
-        return self.latest
-
-    def _pack(
-        self, seg: _Mapping, version: int, per_bucket: list[list[tuple[torch.Tensor, torch.Tensor]]]
-    ) -> None:
+        seg, slot = self._claim_slot(layout)
         try:
-            for i, pairs in enumerate(per_bucket):
-                copy_pairs(pairs)
-                seg.flags[i] = version
-        except BaseException as e:  # re-raised in wait(); readers fail fast on the marker
-            self._error = e
-            seg.words[_FAILED] = version
-            log.error("weights.shm.pack_failed", policy=self.policy, version=version, error=str(e))
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise WeightSyncError(f"{self.policy}: packing into shared memory failed: {err}") from err
+            seg.words[_SLOT_VERSION + slot] = _WRITING
+            copy_pairs(self._pairs.pairs(layout, ordered, seg.slot(slot), into_flat=True))
+            seg.words[_SLOT_VERSION + slot] = version
+            seg.words[_LATEST] = version
+        finally:
+            seg.unlock(slot)
+        self._slot = slot
+        self.latest = WeightManifest(
+            self.policy, version, self.transport, layout, handle=ShmHandle(seg.path, seg.capacity, slot)
+        )
+        return self.latest
 
     def _drop_segment(self) -> None:
         if self._seg is not None:
-            # Engines keep their own mapping of an unlinked segment until they move on; unlinking only
-            # removes the name, so nobody reading it is disturbed.
-            os.unlink(self._seg.path)
+            # Engines keep their own mapping of an unlinked segment (and their lock descriptors) until
+            # they move on; unlinking only removes the names, so nobody reading it is disturbed.
+            for p in [self._seg.path, *(_lock_path(self._seg.path, s) for s in range(_SLOTS))]:
+                os.unlink(p)
+            self._seg.close()
             self._seg = None
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._drop_segment()
-            self.latest = None
+        self._drop_segment()
+        self.latest = None
 
 
 class ShmReceiver(WeightReceiver):
@@ -201,41 +195,27 @@ class ShmReceiver(WeightReceiver):
 
     def __init__(self, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
-        self._seg: _Mapping | None = None
-        self._staging = Staging()
+        self._maps: dict[str, _Mapping] = {}
+        # The (path, slot) each swapped target serves from, and the slots this receiver holds shared
+        # locks on: a slot stays locked while any live target serves from it.
+        self._serving: weakref.WeakKeyDictionary[TensorTarget, tuple[str, int]] = weakref.WeakKeyDictionary()
+        self._locked: set[tuple[str, int]] = set()
+        self._views: tuple[object, dict[str, torch.Tensor]] | None = None
+        self._pairs = PairCache()
 
-    def _segment(self, handle: ShmHandle) -> _Mapping:
-        if self._seg is None or self._seg.handle != handle:
-            self._seg = None
-            self._seg = _Mapping(handle.path, handle.capacity, handle.chunks, create=False)
-        return self._seg
+    def _mapping(self, handle: ShmHandle) -> _Mapping:
+        seg = self._maps.get(handle.path)
+        if seg is None:
+            seg = self._maps[handle.path] = _Mapping(handle.path, handle.capacity, create=False)
+        return seg
 
-    def _stale(self, manifest: WeightManifest, seg: _Mapping) -> WeightSyncError:
-        return WeightSyncError(
-            f"{manifest.policy}: shm segment holds version {seg.word(_VERSION)}, not {manifest.version} "
-            "(a newer version was published); the engine keeps its current weights"
-        )
-
-    def _await_chunk(self, manifest: WeightManifest, seg: _Mapping, i: int) -> None:
-        """Return once chunk i holds the manifest's version; raise if it never will."""
-        version = manifest.version
+    def _lock_slot(self, manifest: WeightManifest, seg: _Mapping, slot: int) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            flag = int(seg.flags[i])
-            if flag == version:
-                return
-            if seg.word(_VERSION) != version or flag > version:
-                raise self._stale(manifest, seg)
-            if seg.word(_FAILED) == version:
-                raise WeightSyncError(
-                    f"{manifest.policy}: the trainer failed while packing version {version}; "
-                    "the engine keeps its current weights"
-                )
+        while not seg.try_lock(slot, exclusive=False):
             if time.monotonic() > deadline:
                 raise WeightSyncError(
-                    f"{manifest.policy}: chunk {i} of version {version} did not arrive within "
-                    f"{self.timeout_s:.0f} s (the trainer stalled or died mid-sync); "
-                    "the engine keeps its current weights"
+                    f"{manifest.policy}: shm slot of version {manifest.version} still being written after "
+                    f"{self.timeout_s:.0f} s; the engine keeps its current weights"
                 )
             time.sleep(_POLL_S)
 
@@ -244,22 +224,66 @@ class ShmReceiver(WeightReceiver):
         check_manifest(manifest, target)
         if manifest.version == target.version:
             return make_report(manifest, start, 0.0, applied=False)
-        layout = manifest.layout
-        seg = self._segment(manifest.handle)
-        if seg.word(_VERSION) != manifest.version:
-            raise self._stale(manifest, seg)
-        flat = self._staging.buffer(layout, target)
-        for i, bucket in enumerate(layout.buckets):
-            self._await_chunk(manifest, seg, i)
-            lo, hi = bucket.offset, bucket.offset + bucket.nbytes
-            copy_pairs([(flat[lo:hi], seg.data[lo:hi])])
-            # Seqlock check: the writer marks a chunk before overwriting it, so an unchanged flag
-            # after the copy means the copy is not torn.
-            if int(seg.flags[i]) != manifest.version:
-                raise self._stale(manifest, seg)
-        pause = self._staging.apply(manifest, target, flat)
+        handle: ShmHandle = manifest.handle
+        seg = self._mapping(handle)
+        self._lock_slot(manifest, seg, handle.slot)
+        keep = False
+        if (handle.path, handle.slot) in self._locked:
+            # Already held for a target serving this slot; flock would not count a second hold, so
+            # this read relies on that one (the trainer cannot be writing a slot we hold).
+            keep = True
+        try:
+            latest, found = int(seg.words[_LATEST]), seg.version(handle.slot)
+            if found != manifest.version or latest > manifest.version:
+                raise WeightSyncError(
+                    f"{manifest.policy}: shm segment holds version {max(latest, found)}, not "
+                    f"{manifest.version} (a newer version was published); the engine keeps its current weights"
+                )
+            data = seg.slot(handle.slot)
+            if swappable(target) and all(t.device.type == "cpu" for t in target.named_tensors().values()):
+                pause = self._swap_in(manifest, target, data)
+                keep = True  # the shared lock now guards the weights the engine serves
+            else:
+                own = target.named_tensors()
+                ordered = [own[s.name] for s in manifest.layout.specs]
+                pairs = self._pairs.pairs(manifest.layout, ordered, data, into_flat=False)
+                pause_start = time.perf_counter()
+                with target.paused(manifest.version):
+                    copy_pairs(pairs)
+                pause = time.perf_counter() - pause_start
+        finally:
+            if not keep:
+                seg.unlock(handle.slot)
+        self._release_unused(handle.path)
         return make_report(manifest, start, pause, applied=True)
 
+    def _swap_in(self, manifest: WeightManifest, target: WeightTarget, data: torch.Tensor) -> float:
+        assert isinstance(target, TensorTarget)
+        handle: ShmHandle = manifest.handle
+        key = (manifest.layout, handle)
+        if self._views is None or self._views[0] != key:
+            self._views = (key, flat_views(manifest.layout, data))
+        pause_start = time.perf_counter()
+        with target.paused(manifest.version):
+            target.swap(self._views[1])
+        pause = time.perf_counter() - pause_start
+        self._serving[target] = (handle.path, handle.slot)
+        self._locked.add((handle.path, handle.slot))
+        return pause
+
+    def _release_unused(self, current: str) -> None:
+        """Unlock slots no live target serves from; close segments neither served nor just given."""
+        in_use = set(self._serving.values())
+        for path, slot in self._locked - in_use:
+            if path in self._maps:
+                self._maps[path].unlock(slot)
+        self._locked &= in_use
+        keep = {current} | {path for path, _ in in_use}
+        for path in [p for p in self._maps if p not in keep]:
+            self._maps.pop(path).close()
+
     def close(self) -> None:
-        self._seg = None
-        self._staging.close()
+        # Segments a target serves from stay mapped and locked while this receiver lives: the target
+        # may still serve those views, and the lock is what keeps the trainer off them.
+        self._release_unused("")
+        self._views = None
