@@ -200,7 +200,9 @@ class ShmReceiver(WeightReceiver):
         # locks on: a slot stays locked while any live target serves from it.
         self._serving: weakref.WeakKeyDictionary[TensorTarget, tuple[str, int]] = weakref.WeakKeyDictionary()
         self._locked: set[tuple[str, int]] = set()
-        self._views: tuple[object, dict[str, torch.Tensor]] | None = None
+        # Typed views of each slot, kept per (path, slot): building a thousand views costs more than
+        # the rest of a sync, and syncs alternate between the two slots.
+        self._views: dict[tuple[str, int], tuple[object, dict[str, torch.Tensor]]] = {}
         self._pairs = PairCache()
 
     def _mapping(self, handle: ShmHandle) -> _Mapping:
@@ -260,12 +262,13 @@ class ShmReceiver(WeightReceiver):
     def _swap_in(self, manifest: WeightManifest, target: WeightTarget, data: torch.Tensor) -> float:
         assert isinstance(target, TensorTarget)
         handle: ShmHandle = manifest.handle
-        key = (manifest.layout, handle)
-        if self._views is None or self._views[0] != key:
-            self._views = (key, flat_views(manifest.layout, data))
+        where = (handle.path, handle.slot)
+        cached = self._views.get(where)
+        if cached is None or cached[0] != (manifest.layout, handle):
+            cached = self._views[where] = ((manifest.layout, handle), flat_views(manifest.layout, data))
         pause_start = time.perf_counter()
         with target.paused(manifest.version):
-            target.swap(self._views[1])
+            target.swap(cached[1])
         pause = time.perf_counter() - pause_start
         self._serving[target] = (handle.path, handle.slot)
         self._locked.add((handle.path, handle.slot))
@@ -281,9 +284,10 @@ class ShmReceiver(WeightReceiver):
         keep = {current} | {path for path, _ in in_use}
         for path in [p for p in self._maps if p not in keep]:
             self._maps.pop(path).close()
+        self._views = {w: v for w, v in self._views.items() if w[0] in keep}
 
     def close(self) -> None:
         # Segments a target serves from stay mapped and locked while this receiver lives: the target
         # may still serve those views, and the lock is what keeps the trainer off them.
         self._release_unused("")
-        self._views = None
+        self._views = {}
