@@ -9,6 +9,9 @@ driver (publish -> the engine has applied the version); the bounds are measured 
   ray    raw Ray transfer: ray.put of one numpy array in one actor, ray.get + copy into a
          preallocated array in another (what objectstore is compared with)
 A second table shows that control messages per sync do not grow with the number of tensors.
+The engine holds its weights in an nn.Module, as the torch engine does, so transports that can apply
+a version by swapping the module's tensors do (`--target dict`: tensors that must be overwritten in
+place, as before that change).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import ray
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, TCPStore
 
-from polyrl_runtime.weights import VersionRegistry
+from polyrl_runtime.weights import TensorTarget, VersionRegistry
 from polyrl_runtime.weights.collective import GroupAddress, build_group
 from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
 
 MiB = 1 << 20
+TARGET = ["module"]  # set from --target
 
 
 def model(total_bytes: int, n_tensors: int) -> dict[str, torch.Tensor]:
@@ -42,8 +46,16 @@ def model(total_bytes: int, n_tensors: int) -> dict[str, torch.Tensor]:
     for i in range(n_tensors):
         t = torch.empty(per, dtype=torch.float32)
         t.fill_(float(i))
-        out[f"layer.{i}.weight"] = t
+        out[f"layer{i}_weight"] = t  # no dots: the engine registers these as module parameters
     return out
+
+
+def engine_module(total_bytes: int, n_tensors: int) -> torch.nn.Module:
+    """The engine's model as the torch engine holds it: an nn.Module, whose target may swap weights."""
+    m = torch.nn.Module()
+    for name, t in model(total_bytes, n_tensors).items():
+        m.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t), requires_grad=False))
+    return m
 
 
 class Worker(TrainerWeights, EngineWeights):
@@ -59,15 +71,16 @@ class Worker(TrainerWeights, EngineWeights):
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
         return self.tensors
 
-    def engine(self, transport: str, total: int, n_tensors: int) -> None:
-        self.init_weight_receiver(
-            transport, {k: torch.zeros_like(v) for k, v in model(total, n_tensors).items()}
-        )
+    def engine(self, transport: str, total: int, n_tensors: int, kind: str) -> None:
+        self.module = engine_module(total, n_tensors)
+        if kind == "module":
+            self.init_weight_receiver(transport, TensorTarget.from_module(self.module))
+        else:
+            self.init_weight_receiver(transport, {k: p.data for k, p in self.module.named_parameters()})
 
     def check(self) -> bool:
-        return all(
-            bool((t == float(i)).all()) for i, t in enumerate(self._weight_target.named_tensors().values())
-        )
+        # Through the module: what a forward pass would use, whether the update copied or swapped.
+        return all(bool((p == float(i)).all()) for i, p in enumerate(self.module.parameters()))
 
     def reset(self) -> None:
         for name in ("_weight_sender", "_weight_receiver"):
@@ -75,6 +88,7 @@ class Worker(TrainerWeights, EngineWeights):
                 getattr(self, name).close()
                 delattr(self, name)
         self.tensors = {}
+        self.module: Any = None
         self.raw_buf: Any = None
         self.pg: Any = None
         self.store: Any = None
@@ -178,7 +192,7 @@ def transport_time(
     ray.get(
         [
             a.trainer.remote(transport, nbytes, n_tensors, bucket, kwargs),
-            b.engine.remote(transport, nbytes, n_tensors),
+            b.engine.remote(transport, nbytes, n_tensors, TARGET[0]),
         ]
     )
     counter = [0]
@@ -209,7 +223,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tensors", type=int, default=16, help="tensors in the model for the main table")
     ap.add_argument("--tensor-counts", default="10,1000", help="tensor counts for the control-message table")
+    ap.add_argument("--target", choices=["module", "dict"], default="module", help="the engine's weights")
     args = ap.parse_args()
+    TARGET[0] = args.target
     sizes = [int(s) for s in args.sizes.split(",")]
     bucket = args.bucket_mb * MiB
     ray.init(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -57,7 +57,7 @@ class WeightManifest:
 
     @property
     def nbytes(self) -> int:
-        return self.layout.total_bytes
+        return self.layout.payload_bytes
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,22 @@ class TensorTarget:
 
     Serving code takes `serving()` around each forward pass; an update takes the same lock, so a
     generation never sees a half-written model, and the time spent waiting is the engine pause.
+
+    A target built with `swappable=True` (every `from_module` target) may also be updated by `swap`:
+    its tensors are *replaced* by others of the same names, shapes and dtypes (views of a receiver's
+    staging buffer), which makes applying a version O(1) instead of a full copy. Whoever reads the
+    tensors must then go through `named_tensors()` (or the module) after each update, not keep the
+    tensor objects from before it.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = -1) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        version: int = -1,
+        *,
+        swappable: bool = False,
+        rebind: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+    ) -> None:
         for name, t in tensors.items():
             if not t.is_contiguous():
                 raise ValueError(f"engine tensor {name!r} is not contiguous; weights are written in place")
@@ -109,12 +122,29 @@ class TensorTarget:
         self._version = version
         self._updates = 0
         self._lock = threading.Lock()
+        self.swappable = swappable or rebind is not None
+        self._rebind = rebind
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, version: int = -1) -> TensorTarget:
-        named: dict[str, torch.Tensor] = {k: p.data for k, p in module.named_parameters()}
-        named.update(dict(module.named_buffers()))
-        return cls(named, version)
+        params = dict(module.named_parameters())
+        named: dict[str, torch.Tensor] = {k: p.data for k, p in params.items()}
+        # A buffer is rebound on the module that owns it (named_buffers gives dotted paths).
+        owners: dict[str, tuple[torch.nn.Module, str]] = {}
+        for path, buf in module.named_buffers():
+            mod_path, _, attr = path.rpartition(".")
+            owners[path] = (module.get_submodule(mod_path), attr)
+            named[path] = buf
+
+        def rebind(new: Mapping[str, torch.Tensor]) -> None:
+            # `.data` keeps each Parameter object (and so weight tying, hooks, optimiser state keys)
+            # and only points it at the new storage.
+            for name, p in params.items():
+                p.data = new[name]
+            for path, (owner, attr) in owners.items():
+                owner._buffers[attr] = new[path]
+
+        return cls(named, version, rebind=rebind)
 
     @property
     def version(self) -> int:
@@ -129,6 +159,16 @@ class TensorTarget:
 
     def named_tensors(self) -> Mapping[str, torch.Tensor]:
         return self._tensors
+
+    def swap(self, new: Mapping[str, torch.Tensor]) -> None:
+        """Serve `new` (same names, shapes, dtypes) from now on; call only inside `paused()`."""
+        if not self.swappable:
+            raise TypeError("this target is updated in place only")
+        if not self._lock.locked():
+            raise RuntimeError("swap() outside paused()")
+        if self._rebind is not None:
+            self._rebind(new)
+        self._tensors = {name: new[name] for name in self._tensors}
 
     @contextmanager
     def paused(self, new_version: int) -> Iterator[None]:

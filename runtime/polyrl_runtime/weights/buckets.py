@@ -1,7 +1,9 @@
 """Flatten named tensors into fixed-size byte buckets and back, for any dtype (bf16 included).
 
-All tensors of a version are laid back to back in one flat byte space (in publish order, no padding:
-bytes are copied through uint8 views, so no alignment is needed). That space is cut into buckets of
+All tensors of a version are laid back to back in one flat byte space (in publish order; no padding
+unless `align` asks for it: bytes are copied through uint8 views, so copies need no alignment, but a
+receiver that serves straight from its flat staging buffer needs each tensor's start aligned for a dtype
+view, see `staging.py`). That space is cut into buckets of
 at most `bucket_bytes`; a tensor larger than a bucket spans several, so a bucket never exceeds its
 size and memory for staging stays bounded by it. The layout is a pure function of the specs and the
 bucket size, so sender and receivers agree on it from the manifest alone.
@@ -65,17 +67,29 @@ class BucketLayout:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the flat space (the tensors' bytes plus any alignment padding)."""
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.specs)
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketLayout:
-    """Cut the flat byte space of `specs` into buckets of at most `bucket_bytes`."""
-    if bucket_bytes <= 0:
-        raise ValueError("bucket_bytes must be positive")
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, align: int = 1) -> BucketLayout:
+    """Cut the flat byte space of `specs` into buckets of at most `bucket_bytes`.
+
+    With `align` > 1 every tensor starts at a multiple of `align` (padding bytes belong to a bucket but
+    to no segment) and buckets are a multiple of `align` long, so a tensor's start never needs padding
+    past its bucket's end.
+    """
+    if bucket_bytes <= 0 or align <= 0:
+        raise ValueError("bucket_bytes and align must be positive")
+    if align > 1:
+        bucket_bytes = max(align, bucket_bytes - bucket_bytes % align)
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError("tensor names must be unique")
@@ -86,6 +100,11 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketLayout
     for i, spec in enumerate(specs):
         done = 0
         size = spec.nbytes
+        if size and flat % align:
+            flat += align - flat % align
+            if flat - bucket_start == bucket_bytes:
+                buckets.append(Bucket(len(buckets), bucket_start, flat - bucket_start, tuple(current)))
+                current, bucket_start = [], flat
         while done < size:
             room = bucket_bytes - (flat - bucket_start)
             take = min(room, size - done)
@@ -100,8 +119,18 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketLayout
     return BucketLayout(tuple(specs), tuple(buckets), bucket_bytes)
 
 
-def layout_for(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> BucketLayout:
-    return plan_buckets([TensorSpec.of(n, t) for n, t in tensors.items()], bucket_bytes)
+def tensor_offsets(layout: BucketLayout) -> list[int]:
+    """The flat offset where each tensor (in layout order) starts; -1 for a tensor of no bytes."""
+    out = [-1] * len(layout.specs)
+    for b in layout.buckets:
+        for seg in b.segments:
+            if seg.src_offset == 0:
+                out[seg.tensor] = seg.flat_offset
+    return out
+
+
+def layout_for(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, align: int = 1) -> BucketLayout:
+    return plan_buckets([TensorSpec.of(n, t) for n, t in tensors.items()], bucket_bytes, align)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -177,24 +206,30 @@ def bucket_pairs(
 
 
 class PairCache:
-    """Remembers the copy pairs of the last sync: with a thousand tensors, building a thousand slices
+    """Remembers the copy pairs of the last syncs: with a thousand tensors, building a thousand slices
     per side costs more than copying them. Valid while the layout, the flat buffer and the tensors'
-    storage are unchanged (trainers and engines update parameters in place, so they usually are)."""
+    storage are unchanged (trainers update parameters in place; an engine that swaps between two
+    staging buffers alternates between two keys, hence room for two entries)."""
 
-    def __init__(self) -> None:
-        self._key: tuple[object, ...] | None = None
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def __init__(self, entries: int = 2) -> None:
+        self._entries = entries
+        self._cache: list[tuple[tuple[object, ...], list[list[tuple[torch.Tensor, torch.Tensor]]]]] = []
+
+    def per_bucket(
+        self, layout: BucketLayout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, *, into_flat: bool
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        key = (layout, flat.data_ptr(), flat.numel(), into_flat, tuple(t.data_ptr() for t in tensors))
+        for k, v in self._cache:
+            if k == key:
+                return v
+        lists = [bucket_pairs(layout, b, tensors, flat, into_flat=into_flat) for b in layout.buckets]
+        self._cache = [*self._cache, (key, lists)][-self._entries :]
+        return lists
 
     def pairs(
         self, layout: BucketLayout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, *, into_flat: bool
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        key = (layout, flat.data_ptr(), flat.numel(), into_flat, tuple(t.data_ptr() for t in tensors))
-        if key != self._key:
-            self._pairs = [
-                p for b in layout.buckets for p in bucket_pairs(layout, b, tensors, flat, into_flat=into_flat)
-            ]
-            self._key = key
-        return self._pairs
+        return [p for b in self.per_bucket(layout, tensors, flat, into_flat=into_flat) for p in b]
 
 
 def ordered_tensors(layout: BucketLayout, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -8,12 +8,14 @@ the store, so no rank assignment has to be planned ahead. When the set of engine
 a restarted engine) the sender bumps the group *generation*; the next manifest names it and everyone
 builds the new group lazily.
 
-Data: the sender packs bucket i+1 while bucket i is being broadcast (the broadcast runs on the
-backend's threads / NCCL's stream). It packs into a persistent flat buffer that keeps the latest
-version, so a late joiner can be served by `resend()` without the trainer's (by then changed)
-parameters. Receivers broadcast into a persistent staging buffer and only then, after every bucket
-arrived and the manifest matched, copy into their parameters: a failed or mismatched transfer leaves
-the engine on its old version.
+Data: the version is cut into chunks of at most `CHUNK` bytes (smaller than a bucket, so that even a
+one-bucket model pipelines) and the sender packs chunk i+1 while chunk i is being broadcast (the
+broadcast runs on the backend's threads / NCCL's stream). It packs into a persistent flat buffer that
+keeps the latest version, so a late joiner can be served by `resend()` without the trainer's (by then
+changed) parameters. Receivers broadcast into a staging buffer and only then, after every chunk
+arrived and the manifest matched, apply it (see `staging.py`: a swap of the engine's tensors to views
+of the buffer where the target allows, else a copy): a failed or mismatched transfer leaves the engine
+on its old version.
 """
 
 from __future__ import annotations
@@ -42,18 +44,14 @@ from polyrl_runtime.weights.api import (
     check_manifest,
     make_report,
 )
-from polyrl_runtime.weights.buckets import (
-    BucketLayout,
-    PairCache,
-    bucket_pairs,
-    copy_pairs,
-    layout_for,
-    ordered_tensors,
-)
+from polyrl_runtime.weights.buckets import BucketLayout, PairCache, copy_pairs, layout_for, ordered_tensors
+from polyrl_runtime.weights.staging import ALIGN, Staging
 
 log = structlog.get_logger(__name__)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Pipelining granularity (packing chunk i+1 overlaps broadcasting chunk i).
+CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -133,6 +131,7 @@ class CollectiveSender(WeightSender):
         self._flat: torch.Tensor | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._pairs = PairCache()
 
     @property
     def address(self) -> GroupAddress:
@@ -160,7 +159,7 @@ class CollectiveSender(WeightSender):
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> WeightManifest:
         self.wait()
         self._check_version(version)
-        layout = layout_for(tensors, self.bucket_bytes)
+        layout = layout_for(tensors, min(self.bucket_bytes, CHUNK), align=ALIGN)
         ordered = [t.to(self.device) for t in ordered_tensors(layout, tensors)]
         if self._flat is None or self._flat.numel() < layout.total_bytes:
             self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
@@ -190,9 +189,12 @@ class CollectiveSender(WeightSender):
             flat = self._flat
             assert flat is not None
             works = []
+            per_bucket = (
+                self._pairs.per_bucket(layout, ordered, flat, into_flat=True) if ordered is not None else None
+            )
             for bucket in layout.buckets:
-                if ordered is not None:
-                    copy_pairs(bucket_pairs(layout, bucket, ordered, flat, into_flat=True))
+                if per_bucket is not None:
+                    copy_pairs(per_bucket[bucket.index])
                 works.append(_broadcast(group, flat[bucket.offset : bucket.offset + bucket.nbytes]))
             for w in works:
                 w.wait()
@@ -230,8 +232,7 @@ class CollectiveReceiver(WeightReceiver):
         self._group: Any = None
         self._store: Any = None
         self.rank = -1
-        self._staging: torch.Tensor | None = None
-        self._pairs = PairCache()
+        self._staging = Staging()
 
     def _ensure_group(self, address: GroupAddress) -> Any:
         key = (address.host, address.port, address.generation)
@@ -261,13 +262,7 @@ class CollectiveReceiver(WeightReceiver):
             # Still take part in the broadcast: leaving would hang the sender and the other engines.
             rejected = e
         device = self._device or torch.device("cuda" if address.backend == "nccl" else "cpu")
-        if (
-            self._staging is None
-            or self._staging.numel() < layout.total_bytes
-            or self._staging.device != device
-        ):
-            self._staging = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
-        staging = self._staging
+        staging = self._staging.buffer(layout, target, device)
         try:
             group = self._ensure_group(address)
             works = [_broadcast(group, staging[b.offset : b.offset + b.nbytes]) for b in layout.buckets]
@@ -285,18 +280,13 @@ class CollectiveReceiver(WeightReceiver):
             raise rejected
         if manifest.version == target.version:
             return make_report(manifest, start, 0.0, applied=False)
-        own = target.named_tensors()
-        ordered = [own[s.name] for s in layout.specs]
-        pairs = self._pairs.pairs(layout, ordered, staging, into_flat=False)
-        pause_start = time.perf_counter()
-        with target.paused(manifest.version):
-            copy_pairs(pairs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        return make_report(manifest, start, time.perf_counter() - pause_start, applied=True)
+        if staging.device.type == "cuda":
+            torch.cuda.synchronize(staging.device)
+        pause = self._staging.apply(manifest, target, staging)
+        return make_report(manifest, start, pause, applied=True)
 
     def close(self) -> None:
         self._group = None
         self._store = None
         self._key = None
-        self._staging = None
+        self._staging.close()

@@ -122,7 +122,12 @@ class PolicyWeightSync:
                 continue
             result.reports[name] = report
             self.registry.record(self.policy, name, manifest.version)
-        if self._collective:
+        if self._collective and (result.failures or not result.reports):
+            # The sender's broadcast runs on after publish returned; the trainer must not change its
+            # weights (nor start another sync) before it is done and its errors must surface. When
+            # every engine received the whole version, the sender has packed and sent every byte,
+            # so the extra round trip is needed only when some engine did not (its next publish
+            # joins the finished sender thread anyway).
             ray.get(self.trainer.wait_weights.remote())
         return result
 

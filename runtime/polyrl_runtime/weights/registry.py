@@ -50,7 +50,7 @@ def choose_transport(requested: str, *, cuda: bool, same_host: bool, ray_availab
     """Resolve `auto` to the best transport for where the trainer and its engines are.
 
     GPU weights go through NCCL (`collective`): anything else copies them through host memory. On CPU,
-    engines on the trainer's host read one shared segment (`shm`, the cheapest: two host copies);
+    engines on the trainer's host serve from one shared segment (`shm`, the cheapest: one host copy);
     across hosts Ray's object store works everywhere; without Ray, gloo (`collective`) does.
     """
     if requested != "auto":

@@ -217,3 +217,43 @@ def test_generate_many_streams_each_answer_as_it_finishes() -> None:
     for got, w in zip(gens, want, strict=True):
         assert isinstance(got, Generation)
         np.testing.assert_allclose(got.logprobs, w, rtol=1e-4, atol=1e-5)
+
+
+def test_repeated_updates_swap_weights_and_each_token_uses_its_versions_weights() -> None:
+    # The engine's target swaps its parameters to views of alternating staging buffers; three
+    # updates mid-generation reuse a buffer that served before. Each token must still be exactly
+    # what its version's weights give (the KV cache is recomputed after every update).
+    eng = _engine()
+    assert eng.target.swappable
+    models = {-1: build_tiny("tiny", 64, seed=3).eval()}
+    for v, seed in ((1, 99), (2, 5), (3, 3)):
+        models[v] = build_tiny("tiny", 64, seed=seed).eval()
+    sender = make_sender("shm", "p", 1 << 20)
+    prompts = [[1, 10], [1, 11, 12, 13]]
+    try:
+
+        async def go() -> list[Generation]:
+            params = SamplingParams(max_new_tokens=24)
+            tasks = [asyncio.create_task(eng.generate(p, params)) for p in prompts]
+            for v in (1, 2, 3):
+                while not eng._active or len(eng._active[0].tokens) < 5 * v:
+                    await asyncio.sleep(0.001)
+                await eng.pause()
+                tensors = {k: p.detach().clone() for k, p in models[v].named_parameters()}
+                assert (await eng.receive_weights(sender.publish(v, tensors))).applied
+                await eng.resume()
+            return list(await asyncio.gather(*tasks))
+
+        gens = asyncio.run(go())
+    finally:
+        sender.close()
+    allowed: list[tuple[int, ...]] = [(), ()]
+    seen = set()
+    for v, m in models.items():
+        expected = _trainer_logprobs(m, prompts, gens, allowed)
+        for g, lp in zip(gens, expected, strict=True):
+            mask = g.versions == v
+            seen.update(g.versions.tolist())
+            np.testing.assert_allclose(g.logprobs[mask], lp[mask], rtol=1e-4, atol=1e-5)
+    assert seen == {-1, 1, 2, 3}
+    assert all(torch.equal(p, models[3].get_parameter(k)) for k, p in eng.model.named_parameters())

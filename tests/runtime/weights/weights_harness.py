@@ -56,8 +56,12 @@ def sync(
     return results
 
 
-def zeros_like_all(tensors: Mapping[str, torch.Tensor], version: int = -1) -> TensorTarget:
-    return TensorTarget({k: torch.zeros_like(v).contiguous() for k, v in tensors.items()}, version)
+def zeros_like_all(
+    tensors: Mapping[str, torch.Tensor], version: int = -1, *, swappable: bool = False
+) -> TensorTarget:
+    return TensorTarget(
+        {k: torch.zeros_like(v).contiguous() for k, v in tensors.items()}, version, swappable=swappable
+    )
 
 
 def random_tensors(
