@@ -140,29 +140,42 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch() -> None:
     assert asyncio.run(alone()) == asyncio.run(alone()) == asyncio.run(batched())
 
 
+def _generate_across_updates(
+    eng: TorchEngine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    updates: list[tuple[int, int, torch.nn.Module]],
+) -> list[Generation]:
+    """Generate `prompts` while applying each (tokens, version, model) update through `shm` once the
+    first request has that many tokens: the engine pauses, receives the version and resumes."""
+    sender = make_sender("shm", "p", 1 << 20)
+
+    async def go() -> list[Generation]:
+        params = SamplingParams(max_new_tokens=max_new_tokens)
+        tasks = [asyncio.create_task(eng.generate(p, params)) for p in prompts]
+        for tokens, version, model in updates:
+            while not eng._active or len(eng._active[0].tokens) < tokens:
+                await asyncio.sleep(0.001)
+            await eng.pause()
+            tensors = {k: p.detach().clone() for k, p in model.named_parameters()}
+            assert (await eng.receive_weights(sender.publish(version, tensors))).applied
+            await eng.resume()
+        return list(await asyncio.gather(*tasks))
+
+    try:
+        return asyncio.run(go())
+    finally:
+        sender.close()
+
+
 def test_tokens_after_a_weight_update_are_computed_with_the_new_weights() -> None:
     # In-flight requests' cached keys/values were computed with the old weights: the engine must
     # recompute them, so each token's logprob is the full forward of the weights of its version.
     eng = _engine()
     old = build_tiny("tiny", 64, seed=3).eval()  # the engine's initial weights (same seed)
     new = build_tiny("tiny", 64, seed=99).eval()
-    sender = make_sender("shm", "p", 1 << 20)
     prompts = [[1, 10], [1, 11, 12, 13]]
-    try:
-
-        async def go() -> list[Generation]:
-            tasks = [asyncio.create_task(eng.generate(p, SamplingParams(max_new_tokens=20))) for p in prompts]
-            while not eng._active or len(eng._active[0].tokens) < 4:
-                await asyncio.sleep(0.001)
-            await eng.pause()
-            v1 = sender.publish(1, {k: p.detach().clone() for k, p in new.named_parameters()})
-            assert (await eng.receive_weights(v1)).applied
-            await eng.resume()
-            return list(await asyncio.gather(*tasks))
-
-        gens = asyncio.run(go())
-    finally:
-        sender.close()
+    gens = _generate_across_updates(eng, prompts, 20, [(4, 1, new)])
     allowed: list[tuple[int, ...]] = [(), ()]
     by_old = _trainer_logprobs(old, prompts, gens, allowed)
     by_new = _trainer_logprobs(new, prompts, gens, allowed)
@@ -228,25 +241,8 @@ def test_repeated_updates_swap_weights_and_each_token_uses_its_versions_weights(
     models = {-1: build_tiny("tiny", 64, seed=3).eval()}
     for v, seed in ((1, 99), (2, 5), (3, 3)):
         models[v] = build_tiny("tiny", 64, seed=seed).eval()
-    sender = make_sender("shm", "p", 1 << 20)
     prompts = [[1, 10], [1, 11, 12, 13]]
-    try:
-
-        async def go() -> list[Generation]:
-            params = SamplingParams(max_new_tokens=24)
-            tasks = [asyncio.create_task(eng.generate(p, params)) for p in prompts]
-            for v in (1, 2, 3):
-                while not eng._active or len(eng._active[0].tokens) < 5 * v:
-                    await asyncio.sleep(0.001)
-                await eng.pause()
-                tensors = {k: p.detach().clone() for k, p in models[v].named_parameters()}
-                assert (await eng.receive_weights(sender.publish(v, tensors))).applied
-                await eng.resume()
-            return list(await asyncio.gather(*tasks))
-
-        gens = asyncio.run(go())
-    finally:
-        sender.close()
+    gens = _generate_across_updates(eng, prompts, 24, [(5 * v, v, models[v]) for v in (1, 2, 3)])
     allowed: list[tuple[int, ...]] = [(), ()]
     seen = set()
     for v, m in models.items():
