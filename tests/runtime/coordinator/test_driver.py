@@ -145,7 +145,8 @@ def test_drain_progress_and_checkpoint_request_over_http(ray_local: Any, tmp_pat
 
     summary = asyncio.run(scenario())
     assert summary.state == "done", summary.message
-    assert seen["running"]["state"] == "running" and seen["running"]["schemaVersion"] == 1
+    # everySteps 2: the step-2 checkpoint may be under way when /progress is read (only entered from running)
+    assert seen["running"]["state"] in ("running", "checkpointing") and seen["running"]["schemaVersion"] == 1
     assert seen["requests_at_end"] == seen["requests_at_drain"]  # no work after the drain
     assert seen["after_request"]["checkpoint"]["lastRequestId"] == "suspend-1"
     assert seen["after_request"]["checkpoint"]["lastStep"] >= 2
