@@ -3,15 +3,17 @@
 The same two-policy job (speaker/listener signalling game; the listener's replies have a Pareto
 length tail, so a few episodes take far longer than the rest) runs in `sync` mode and in `async` mode
 with maxStaleness 1 and 2. Prints steady-state optimizer steps per second of each, the ratio
-async/sync, and each run's final success rate, so speed is not bought with learning.
+async/sync, and each run's final success rate, so speed is not bought with learning. The three runs are repeated for `--rounds` rounds and each
+ratio is taken within its round (the machine's load moves between rounds); the table gives medians.
 
-    .venv/bin/python benchmarks/async_speedup.py [--steps 30] [--tail 96]
+    .venv/bin/python benchmarks/async_speedup.py [--steps 30] [--tail 96] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -49,6 +51,18 @@ def run(j: RLJob) -> tuple[RunSummary, list[float]]:
     return run_job(j, on_record), stamps
 
 
+def measure(j: RLJob) -> tuple[float, float, int] | str:
+    """Steady-state steps/s, the listener's final success (last 5 steps) and the max staleness of
+    one run, or why it failed."""
+    summary, stamps = run(j)
+    if summary.state != "done":
+        return f"{summary.state}: {summary.message}"
+    warm = 3  # skip the first steps (actor start, first compiles)
+    rate = (len(stamps) - 1 - warm) / (stamps[-1] - stamps[warm])
+    succ = [r.success_mean for r in summary.records if r.policy == "listener" and r.success_mean is not None]
+    return rate, sum(succ[-5:]) / len(succ[-5:]), max(r.staleness_max for r in summary.records)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
@@ -57,35 +71,48 @@ def main() -> int:
     ap.add_argument(
         "--alpha", type=float, default=0.8, help="Pareto shape of the reply lengths (smaller: longer tail)"
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of (sync, async 1, async 2) back to back; ratios are taken within a round, so a "
+        "load change between rounds does not land on one mode only",
+    )
     args = ap.parse_args()
     start_ray()
-    rows = []
-    for mode, s in (("sync", 0), ("async", 1), ("async", 2)):
-        summary, stamps = run(job(mode, s, args.steps, args.tail, args.episodes, alpha=args.alpha))
-        if summary.state != "done":
-            print(f"{mode}/{s}: {summary.state}: {summary.message}", file=sys.stderr)
-            return 1
-        warm = 3  # skip the first steps (actor start, first compiles)
-        rate = (len(stamps) - 1 - warm) / (stamps[-1] - stamps[warm])
-        succ = [
-            r.success_mean for r in summary.records if r.policy == "listener" and r.success_mean is not None
-        ]
-        final = sum(succ[-5:]) / len(succ[-5:])
-        stale = max(r.staleness_max for r in summary.records)
-        rows.append((f"{mode} (maxStaleness {s})", rate, final, stale))
-        print(
-            f"{rows[-1][0]:26s} {rate:6.2f} steps/s  final success {final:.2f}  max staleness {stale}",
-            flush=True,
-        )
-    base = rows[0][1]
+    modes = (("sync", 0), ("async", 1), ("async", 2))
+    runs: dict[tuple[str, int], list[tuple[float, float, int]]] = {m: [] for m in modes}
+    for k in range(args.rounds):
+        for mode, s in modes:
+            got = measure(job(mode, s, args.steps, args.tail, args.episodes, alpha=args.alpha))
+            if isinstance(got, str):
+                print(f"{mode}/{s}: {got}", file=sys.stderr)
+                return 1
+            runs[(mode, s)].append(got)
+            rate, final, stale = got
+            ratio = rate / runs[modes[0]][k][0]
+            print(
+                f"round {k + 1} {mode} (maxStaleness {s}): {rate:6.2f} steps/s ({ratio:.2f}x sync of this "
+                f"round)  final success {final:.2f}  max staleness {stale}",
+                flush=True,
+            )
     print(
-        f"\ncpus={os.cpu_count()} steps={args.steps} episodes/step={args.episodes} "
+        f"\ncpus={os.cpu_count()} steps={args.steps} episodes/step={args.episodes} rounds={args.rounds} "
         f"reply tail: Pareto(alpha={args.alpha}) up to {args.tail} tokens"
     )
-    print("| mode | steps/s | vs sync | final success (last 5 steps) | max staleness |")
-    print("|---|---|---|---|---|")
-    for name, rate, final, stale in rows:
-        print(f"| {name} | {rate:.2f} | {rate / base:.2f}x | {final:.2f} | {stale} |")
+    print(
+        "| mode | steps/s (median) | vs sync (median of rounds) | range over rounds | final success | max staleness |"
+    )
+    print("|---|---|---|---|---|---|")
+    sync_rates = [r[0] for r in runs[modes[0]]]
+    for (mode, s), rs in runs.items():
+        ratios = [r[0] / b for r, b in zip(rs, sync_rates, strict=True)]
+        finals = " / ".join(f"{r[1]:.2f}" for r in rs)
+        print(
+            f"| {mode} (maxStaleness {s}) | {statistics.median(r[0] for r in rs):.2f} | "
+            f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x | {finals} | "
+            f"{max(r[2] for r in rs)} |"
+        )
     stop_ray()
     return 0
 

@@ -66,7 +66,7 @@ def test_experience_benchmark_runs() -> None:
 
 @pytest.mark.slow
 def test_async_speedup_benchmark_runs() -> None:
-    out = _run("async_speedup.py", "--steps", "5", "--episodes", "8", "--tail", "4")
+    out = _run("async_speedup.py", "--steps", "5", "--episodes", "8", "--tail", "4", "--rounds", "1")
     table = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     assert [row.split("|")[1].strip() for row in table] == [
         "sync (maxStaleness 0)",

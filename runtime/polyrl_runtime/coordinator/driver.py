@@ -3,7 +3,7 @@
 The loop, per policy p (all policies concurrently; the producer feeds them all):
 
     producer:  ticket <- buffer.acquire(policies)            # staleness credit = back-pressure
-               group  <- worker.run_group(seed, tickets)     # episodes -> buffer (worker puts them)
+               groups <- worker.run_groups(seeds, tickets)  # episodes -> buffer (worker puts them)
     trainer p: wait until the buffer holds one step of p's samples (episodesPerStep episodes)
                ranks.train_step()  -> buffer.ack(leases)     # each rank pulls its share, one optimizer step
                weights.sync(version + 1) -> buffer.advance(p) # engines first, then more credit
@@ -66,6 +66,7 @@ class DriverOptions:
     episode_timeout_s: float = 300.0
     max_consecutive_failures: int = 64
     max_in_flight_per_worker: int = 512
+    groups_per_call: int = 4  # episode groups a worker gets per Ray call (a call costs ~1 ms of CPU)
     poll_s: float = 0.5
     same_host: bool = True
     # How long a policy may sit with no credit and no experience anywhere before the job fails.
@@ -264,36 +265,45 @@ class Driver:
                 await asyncio.sleep(0.05)
                 continue
             room = self.opts.max_in_flight_per_worker - worker.in_flight
-            tickets = await self.buffer.acquire.remote(names, min(self.group_size, room), 0.2)
+            want = min(self.opts.groups_per_call * self.group_size, room)
+            tickets = await self.buffer.acquire.remote(names, want, 0.2)
             if not tickets:
                 continue
-            gid, seed = f"g{self._group_seq}", self._rng.randrange(2**31)
-            self._group_seq += 1
+            groups = []
+            for i in range(0, len(tickets), self.group_size):
+                groups.append(
+                    (f"g{self._group_seq}", self._rng.randrange(2**31), tickets[i : i + self.group_size])
+                )
+                self._group_seq += 1
             worker.in_flight += len(tickets)
             self._episodes_in_flight += len(tickets)
-            task = asyncio.create_task(self._run_group(worker, gid, seed, tickets))
+            task = asyncio.create_task(self._run_groups(worker, groups))
             pending.add(task)
             task.add_done_callback(pending.discard)
         for t in pending:
             t.cancel()
 
-    async def _run_group(self, worker: Slot, gid: str, seed: int, tickets: list[Any]) -> None:
+    async def _run_groups(self, worker: Slot, groups: list[tuple[str, int, list[Any]]]) -> None:
+        n = sum(len(t) for _, _, t in groups)
         try:
-            report: GroupReport = await worker.handle.run_group.remote(gid, seed, tickets)
+            results: list[GroupReport | str] = await worker.handle.run_groups.remote(groups)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             worker.dead = isinstance(e, ray.exceptions.RayActorError)
+            results = [str(e).splitlines()[0]] * len(groups)
+        finally:
+            worker.in_flight = max(0, worker.in_flight - n)
+            self._episodes_in_flight -= n
+        for (gid, _, tickets), result in zip(groups, results, strict=True):
+            if isinstance(result, GroupReport):
+                self._handle_report(result)
+                continue
             for t in tickets:  # those the worker had not put yet
                 with contextlib.suppress(UnknownTicketError, ray.exceptions.RayTaskError):
                     await self.buffer.release.remote([t])
             self.failures["worker_error"] += len(tickets)
-            log.warning("group.failed", group=gid, worker=worker.name, error=str(e).splitlines()[0])
-            return
-        finally:
-            worker.in_flight = max(0, worker.in_flight - len(tickets))
-            self._episodes_in_flight -= len(tickets)
-        self._handle_report(report)
+            log.warning("group.failed", group=gid, worker=worker.name, error=result)
 
     def _handle_report(self, report: GroupReport) -> None:
         for ep in report.episodes:

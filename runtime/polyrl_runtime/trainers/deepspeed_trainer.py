@@ -29,10 +29,11 @@ import torch
 from polyrl_operator.api import Policy
 from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages
 from polyrl_runtime.algorithms.losses import LossConfig, TokenBatch, policy_loss, sequence_logprobs
-from polyrl_runtime.experience.types import SampleBatch
+from polyrl_runtime.experience.types import Sample, SampleBatch
 from polyrl_runtime.models import load_model
 from polyrl_runtime.netmap import free_port
 from polyrl_runtime.trainers.api import StepResult
+from polyrl_runtime.trainers.ops import prepare_ops
 from polyrl_runtime.weights.endpoints import TrainerWeights
 
 log = structlog.get_logger(__name__)
@@ -40,6 +41,22 @@ log = structlog.get_logger(__name__)
 
 def policy_seed(job_seed: int, policy: str) -> int:
     return (job_seed * 1_000_003 + zlib.crc32(policy.encode())) % (2**31)
+
+
+def micro_batches(batch: SampleBatch | None, micro: int, n_micro: int) -> list[list[int]]:
+    """Row indices of each of `n_micro` micro-batches of at most `micro` rows (empty ones pad the
+    list, so every rank runs the same number), rows sorted by sequence length first: a micro-batch
+    is padded to its longest row, so mixing short turns with long ones (a long-tail reply beside
+    one-token answers) would pay for the long one in every row. GRPO sums the micro losses into one
+    optimizer step, so grouping does not change its gradient; PPO's per-micro-batch updates see rows
+    grouped by length instead of by arrival, an order as arbitrary as before."""
+    n = 0 if batch is None else len(batch)
+    order: list[int] = []
+    if batch is not None:
+        lengths = np.diff(batch.prompt_offsets) + np.diff(batch.response_offsets)
+        order = [int(i) for i in np.argsort(lengths, kind="stable")]
+    rows = [order[i : i + micro] for i in range(0, n, micro)]
+    return rows + [[] for _ in range(n_micro - len(rows))]
 
 
 class DeepSpeedTrainer(TrainerWeights):
@@ -91,6 +108,8 @@ class DeepSpeedTrainer(TrainerWeights):
             WORLD_SIZE=str(self.world),
             LOCAL_RANK="0",
         )
+        if not self.cuda:
+            prepare_ops()  # never wait on a torch build lock a killed build left behind
         deepspeed.init_distributed(dist_backend="nccl" if self.cuda else "gloo")
         if self.cuda:
             self.model.cuda()
@@ -135,14 +154,7 @@ class DeepSpeedTrainer(TrainerWeights):
             self.engine.set_train_batch_size(self.spec.trainer.micro_batch_size * gas * self.world)
             self._gas = gas
 
-    def _micro_batches(self, batch: SampleBatch | None, n_micro: int) -> list[list[int]]:
-        n = 0 if batch is None else len(batch)
-        micro = self.spec.trainer.micro_batch_size
-        rows = [list(range(i, min(i + micro, n))) for i in range(0, n, micro)]
-        return rows + [[] for _ in range(n_micro - len(rows))]
-
-    def _token_batch(self, batch: SampleBatch, rows: list[int]) -> tuple[TokenBatch, torch.Tensor]:
-        samples = batch.samples()
+    def _token_batch(self, samples: list[Sample], rows: list[int]) -> tuple[TokenBatch, torch.Tensor]:
         tb = TokenBatch.build(
             [samples[i].prompt_ids for i in rows],
             [samples[i].response_ids for i in rows],
@@ -185,7 +197,8 @@ class DeepSpeedTrainer(TrainerWeights):
         adv = advantages(
             signals, self.algo.advantage_norm, stats, algorithm=self.algo.name, global_std=global_std
         )
-        micro_rows = self._micro_batches(batch, n_micro)
+        micro_rows = micro_batches(batch, self.spec.trainer.micro_batch_size, n_micro)
+        samples = batch.samples() if batch is not None else []
         ppo = self.algo.name == "ppo"
         self._set_gas(1 if ppo else n_micro)
         prox: list[torch.Tensor | None] = [None] * n_micro
@@ -194,7 +207,7 @@ class DeepSpeedTrainer(TrainerWeights):
                 for k, rows in enumerate(micro_rows):
                     if rows:
                         prox[k] = sequence_logprobs(
-                            self.engine, self._token_batch(batch, rows)[0], self.temperature
+                            self.engine, self._token_batch(samples, rows)[0], self.temperature
                         )
         # Each rank's micro loss is scaled so the optimizer sees the mean over all tokens of the step.
         scale = self.world * n_micro / max(tokens, 1.0)
@@ -202,7 +215,7 @@ class DeepSpeedTrainer(TrainerWeights):
         for k, rows in enumerate(micro_rows):
             if rows:
                 assert batch is not None
-                tb, behav = self._token_batch(batch, rows)
+                tb, behav = self._token_batch(samples, rows)
                 loss_sum, ls = self._forward_loss(tb, behav, adv[rows], prox[k])
                 for key, v in (
                     ("clip", ls.clip_frac),
@@ -223,7 +236,7 @@ class DeepSpeedTrainer(TrainerWeights):
         lag = (
             np.zeros(0)
             if batch is None
-            else np.array([max(0, (step - 1) - s.min_version) for s in batch.samples()], dtype=np.float64)
+            else np.array([max(0, (step - 1) - s.min_version) for s in samples], dtype=np.float64)
         )
         tok = max(acc["tok"], 1)
         return StepResult(

@@ -183,6 +183,32 @@ def test_worker_puts_group_relative_episodes_and_counts_failures() -> None:
     assert worker.stats()["in_flight"] == 0
 
 
+def test_worker_runs_several_groups_in_one_call_and_reports_each() -> None:
+    routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
+    buffer = FakeBuffer()
+    put = buffer.put
+
+    def put_unless_g2(items: Any) -> None:
+        if any(e.episode_id.startswith("g2-") for _, e in items):
+            raise RuntimeError("buffer refused g2")
+        put.fn(items)
+
+    buffer.put = type(put)(put_unless_g2)
+    worker = WorkflowWorker("w", _job("polyrl_runtime.workflows.signal:SignalGame"), buffer, routes)
+    both = frozenset({"speaker", "listener"})
+    groups = [(f"g{g}", 100 + g, [Ticket(4 * g + i, both) for i in range(4)]) for g in range(3)]
+    results = asyncio.run(worker.run_groups(groups))
+    assert [r.group_id for r in results[:2] if not isinstance(r, str)] == ["g0", "g1"]
+    assert results[2] == "RuntimeError: buffer refused g2"  # the driver releases g2's tickets
+    assert sorted(e.episode_id for e in buffer.episodes) == [f"g{g}-{i}" for g in (0, 1) for i in range(4)]
+    # each group keeps its own seed (task) and its own group-relative signal
+    assert all(
+        len({e.metadata["target"] for e in buffer.episodes if e.metadata["group"] == g}) == 1
+        for g in ("g0", "g1")
+    )
+    assert worker.stats()["in_flight"] == 0
+
+
 def test_debate_runs_three_agents_over_several_rounds(tmp_path: Any) -> None:
     from polyrl_runtime.workflows.debate import Debate
 
