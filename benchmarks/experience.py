@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -46,6 +48,20 @@ def make_turns(prompt: int, response: int) -> dict[str, Turn]:
 
 def turn_bytes(t: Turn) -> int:
     return int(t.prompt_ids.nbytes + t.response_ids.nbytes + t.logprobs.nbytes + t.versions.nbytes)
+
+
+@dataclass
+class Run:
+    wall: float
+    cpu: dict[str, float]  # CPU seconds each process spent during the run
+    blocked: float = 0.0  # the producer's time waiting in `exchange`
+    peak: int = 0  # peak resident episodes seen by the trainers
+    stale: int = 0  # maximum staleness of a trained sample
+
+
+def _cpu(_actor: Any) -> float:
+    """Run inside an actor (`__ray_call__`): its process's CPU time, all threads."""
+    return time.process_time()
 
 
 @ray.remote(num_cpus=0)
@@ -149,88 +165,127 @@ class Relay:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--episodes", type=int, default=2000)
+    ap.add_argument("--episodes", type=int, default=10000, help="episodes per run (each path, each pair)")
+    ap.add_argument("--pairs", type=int, default=5, help="interleaved (raw, buffer) pairs of runs")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=32, help="episodes per put = samples per trainer pull")
     ap.add_argument("--capacity", type=int, default=128, help="resident-episode bound of the buffer")
     ap.add_argument("--max-staleness", type=int, default=2)
+    ap.add_argument(
+        "--bound-episodes", type=int, default=2000, help="episodes of the 10x-faster-producer run"
+    )
     args = ap.parse_args()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
 
     turns = make_turns(args.prompt, args.response)
     ep_bytes = sum(turn_bytes(t) for t in turns.values())
-    total = ep_bytes * args.episodes
     per_version = 4 * args.batch
     cfgs = [PolicyConfig(p, per_version, args.max_staleness) for p in POLICIES]
     producer = Producer.remote(args.prompt, args.response)
     trainers = {p: Trainer.remote(p) for p in POLICIES}
     ray.get([producer.__ray_ready__.remote(), *(t.__ray_ready__.remote() for t in trainers.values())])
+    workers = {"producer": producer, **{f"trainer {p}": t for p, t in trainers.items()}}
 
-    def buffered(step_s: float) -> tuple[float, float, int, int]:
+    def cpu(actors: dict[str, Any]) -> dict[str, float]:
+        return dict(zip(actors, ray.get([a.__ray_call__.remote(_cpu) for a in actors.values()]), strict=True))
+
+    def buffered(episodes: int, step_s: float) -> Run:
         buf = create_experience_actor(cfgs, args.capacity)
         ray.get(buf.__ray_ready__.remote())
+        actors = {**workers, "relay/buffer": buf}
+        cpu0 = cpu(actors)
         t = time.perf_counter()
-        prod = producer.run.remote(buf, args.episodes, args.batch)
+        prod = producer.run.remote(buf, episodes, args.batch)
         outs = ray.get(
             [
-                tr.run.remote(buf, args.episodes, args.batch, per_version, step_s, watch=step_s > 0)
+                tr.run.remote(buf, episodes, args.batch, per_version, step_s, watch=step_s > 0)
                 for tr in trainers.values()
             ]
         )
         blocked = ray.get(prod)
         wall = time.perf_counter() - t
+        cpu1 = cpu(actors)
         stats = ray.get(buf.stats.remote())
         for s in stats.values():
-            assert s.consumed == args.episodes and sum(s.dropped.values()) == 0 and s.buffered == 0, s
-        assert sum(o["bytes"] for o in outs) == total
+            assert s.consumed == episodes and sum(s.dropped.values()) == 0 and s.buffered == 0, s
+        assert sum(o["bytes"] for o in outs) == ep_bytes * episodes
         ray.kill(buf)
-        return (
+        return Run(
             wall,
+            {k: cpu1[k] - cpu0[k] for k in actors},
             blocked,
             max(int(o["peak_resident"]) for o in outs),
             max(s.staleness_max for s in stats.values()),
         )
 
-    def raw() -> float:
+    def raw(episodes: int) -> Run:
         relay = Relay.remote()
         ray.get(relay.__ray_ready__.remote())
-        calls = -(-args.episodes // args.batch)
+        actors = {**workers, "relay/buffer": relay}
+        cpu0 = cpu(actors)
+        calls = -(-episodes // args.batch)
         t = time.perf_counter()
-        prod = producer.run_raw.remote(relay, args.episodes, args.batch)
+        prod = producer.run_raw.remote(relay, episodes, args.batch)
         got = ray.get([tr.run_raw.remote(relay, calls) for tr in trainers.values()])
         ray.get(prod)
         wall = time.perf_counter() - t
-        assert sum(got) == total
+        cpu1 = cpu(actors)
+        assert sum(got) == ep_bytes * episodes
         ray.kill(relay)
-        return wall
+        return Run(wall, {k: cpu1[k] - cpu0[k] for k in actors})
 
-    raw()  # warm-up: worker processes, code paths
-    buffered(0.0)
-    raw_s = min(raw() for _ in range(2))
-    buf_runs = [buffered(0.0) for _ in range(2)]
-    buf_s, _, _, _ = min(buf_runs)
-    mb = total / 1e6
+    warm = min(args.episodes, 500)
+    raw(warm)  # warm-up: worker processes, code paths
+    buffered(warm, 0.0)
+    load0 = os.getloadavg()
+    pairs = [(raw(args.episodes), buffered(args.episodes, 0.0)) for _ in range(args.pairs)]
+    load1 = os.getloadavg()
+    ratios = [r.wall / b.wall for r, b in pairs]
+    med = statistics.median(ratios)
+    mb = ep_bytes * args.episodes / 1e6
     print(
-        f"experience: {args.episodes} episodes x 2 policies, {ep_bytes / 1e3:.1f} kB/episode, "
-        f"batch {args.batch}, best of 2"
+        f"experience: {args.episodes} episodes x 2 policies per run, {ep_bytes / 1e3:.1f} kB/episode, "
+        f"batch {args.batch}, {args.pairs} interleaved pairs (raw, buffer)"
     )
-    print(f"{'path':>8} {'episodes/s':>11} {'MB/s':>8} {'ratio':>6}")
-    print(f"{'raw ray':>8} {args.episodes / raw_s:>11.0f} {mb / raw_s:>8.1f} {1.0:>6.2f}")
-    print(f"{'buffer':>8} {args.episodes / buf_s:>11.0f} {mb / buf_s:>8.1f} {raw_s / buf_s:>6.2f}")
+    print(f"load (1/5/15 min): {_load(load0)} before, {_load(load1)} after")
+    print(f"{'pair':>5} {'raw s':>7} {'buffer s':>9} {'ratio':>6}")
+    for i, ((r, b), q) in enumerate(zip(pairs, ratios, strict=True), 1):
+        print(f"{'#' + str(i):>5} {r.wall:>7.2f} {b.wall:>9.2f} {q:>6.2f}")
+    raw_s = statistics.median(r.wall for r, _ in pairs)
+    buf_s = statistics.median(b.wall for _, b in pairs)
+    print(f"\n{'path':>8} {'episodes/s':>11} {'MB/s':>8}   (median run)")
+    print(f"{'raw ray':>8} {args.episodes / raw_s:>11.0f} {mb / raw_s:>8.1f}")
+    print(f"{'buffer':>8} {args.episodes / buf_s:>11.0f} {mb / buf_s:>8.1f}")
+    print(
+        f"ratio (raw wall / buffer wall, per pair): median {med:.2f}, min {min(ratios):.2f}, max {max(ratios):.2f}"
+    )
+    print("\nCPU seconds per run (mean over pairs), by process:")
+    for name in pairs[0][0].cpu:
+        r_cpu = statistics.mean(r.cpu[name] for r, _ in pairs)
+        b_cpu = statistics.mean(b.cpu[name] for _, b in pairs)
+        print(f"{name:>14}  raw {r_cpu:6.2f}  buffer {b_cpu:6.2f}")
 
     # Producer 10x faster than the trainers: each trainer step takes 10x the producer's time per batch.
+    n = min(args.episodes, args.bound_episodes)
     step = 10 * buf_s / (args.episodes / args.batch)
-    wall, blocked, peak, stale = buffered(step)
-    print(f"\nproducer 10x faster than trainers (trainer step {step * 1e3:.1f} ms per {args.batch} samples)")
+    bound = buffered(n, step)
+    print(
+        f"\nproducer 10x faster than trainers ({n} episodes, trainer step {step * 1e3:.1f} ms "
+        f"per {args.batch} samples)"
+    )
     print(
         f"{'capacity':>9} {'peak resident':>14} {'peak MB':>8} {'producer blocked':>17} {'max staleness':>14}"
     )
     print(
-        f"{args.capacity:>9} {peak:>14} {peak * ep_bytes / 1e6:>8.1f} {blocked / wall:>16.0%} "
-        f"{stale:>8} (<= {args.max_staleness})"
+        f"{args.capacity:>9} {bound.peak:>14} {bound.peak * ep_bytes / 1e6:>8.1f} "
+        f"{bound.blocked / bound.wall:>16.0%} {bound.stale:>8} (<= {args.max_staleness})"
     )
     ray.shutdown()
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return "/".join(f"{x:.2f}" for x in avg)
 
 
 if __name__ == "__main__":
