@@ -1,12 +1,14 @@
 """Experience streaming through the buffer actor vs raw Ray transfer of the same bytes, in one run.
 
-    .venv/bin/python benchmarks/experience.py [--episodes 2000] [--response 2048] [--batch 32]
+    .venv/bin/python benchmarks/experience.py [--episodes 10000] [--pairs 5] [--response 2048] [--batch 32]
 
 Workflow -> buffer actor -> one trainer per policy, all separate Ray actor processes. Each episode has
 one turn per policy (two policies). The raw baseline moves the same bytes over the same hops with the
 same number of calls: the producer sends one numpy array per policy per batch to a relay actor, and
-each consumer takes one array per call. Then the producer is made 10x faster than the trainers, and
-the buffer's peak resident episodes (its memory bound) and the producer's blocked time are reported.
+each consumer takes one array per call. Runs alternate (raw, buffer, raw, buffer, ...) so both paths
+see the same machine load; the ratio is taken within each pair and its median, min and max reported,
+with each process's CPU seconds. Then the producer is made 10x faster than the trainers, and the
+buffer's peak resident episodes (its memory bound) and the producer's blocked time are reported.
 """
 
 from __future__ import annotations
