@@ -18,11 +18,8 @@ buffer, newer-but-stale ones are corrected by truncated importance weights in th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import random
 import time
-from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,15 +34,15 @@ from polyrl_operator.api.progress import (
     Progress,
 )
 from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef, CheckpointStore
-from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
+from polyrl_runtime.coordinator.producer import EpisodeProducer, ProducerLimits
 from polyrl_runtime.coordinator.report import RunSummary, progress_report, run_summary
 from polyrl_runtime.experience.actor import create_experience_actor
-from polyrl_runtime.experience.buffer import PolicyConfig, PolicyStats, UnknownTicketError
+from polyrl_runtime.experience.buffer import PolicyConfig, PolicyStats
 from polyrl_runtime.weights import VersionRegistry, choose_transport
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
 from polyrl_runtime.workflows.api import load_workflow
-from polyrl_runtime.workflows.runner import GroupReport
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +89,6 @@ class _PolicyRun:
     staleness: tuple[float, int] = (0.0, 0)
     last_reward: float | None = None
     last_ckpt_step: int | None = None
-    unused: int = 0  # episodes in a row without a turn of this policy
 
 
 class Driver:
@@ -106,13 +102,7 @@ class Driver:
         self.state: State = "starting"
         self.message, self.retryable = "", True
         self.runs: dict[str, _PolicyRun] = {}
-        self.failures: Counter[str] = Counter()
-        self.episodes_ok = 0
-        self._consecutive_failures = 0
-        self._episodes_in_flight = 0
-        self._signals: deque[float] = deque(maxlen=8 * self.E)
-        self._rng = random.Random(self.spec.training.seed)
-        self._group_seq = 0
+        self.producer: EpisodeProducer | None = None
         self._stop = asyncio.Event()
         self._fatal: JobFailedError | None = None
         self._ckpt_lock = asyncio.Lock()
@@ -134,7 +124,11 @@ class Driver:
             await self._start()
             self.state = "running"
             trainers = [asyncio.create_task(self._train_loop(n)) for n in self.runs]
-            side = [asyncio.create_task(self._produce()), asyncio.create_task(self._housekeep())]
+            assert self.producer is not None
+            side = [
+                asyncio.create_task(self.producer.run(self._stop)),
+                asyncio.create_task(self._housekeep()),
+            ]
             waiters: list[asyncio.Future[Any]] = [
                 asyncio.ensure_future(asyncio.gather(*trainers)),
                 asyncio.ensure_future(self._stop.wait()),
@@ -202,6 +196,7 @@ class Driver:
                 self.fleet.new_engine(p)
             self.runs[p.name] = _PolicyRun(p.name, self.fleet.new_trainers(p, self.buffer))
             self.runs[p.name].window = RewardWindow(self.E)
+        self.producer = self._new_producer()
         self._emit("starting", transport=transport, resume=str(ref.path) if ref else None)
         await asyncio.gather(*(self._setup_policy(p.name, ref, transport) for p in spec.policies))
         job_json = self.job.model_dump_json(by_alias=True)
@@ -234,115 +229,43 @@ class Driver:
     def _bucket(self) -> int:
         return self.spec.weight_sync.bucket_mb << 20
 
+    def _new_producer(self) -> EpisodeProducer:
+        assert self.fleet is not None
+        o = self.opts
+
+        def on_episode(policy: str, reward: float, success: float | None, samples: int) -> None:
+            run = self.runs[policy]
+            run.window.add(reward, success)
+            run.samples_per_episode = samples
+
+        return EpisodeProducer(
+            buffer=self.buffer,
+            fleet=self.fleet,
+            policies=list(self.runs),
+            group_size=self.group_size,
+            seed=self.spec.training.seed,
+            entrypoint=self.spec.workflow.entrypoint,
+            limits=ProducerLimits(
+                o.max_in_flight_per_worker, o.groups_per_call, o.max_consecutive_failures, o.unused_episodes
+            ),
+            still_training=lambda name: self.runs[name].step < self.total,
+            on_episode=on_episode,
+            fail=lambda message, retryable: self._fail(message, retryable=retryable),
+            emit=self._emit,
+            signals=8 * self.E,
+        )
+
     def _restore_counters(self, ref: CheckpointRef) -> None:
         st = ref.state
-        self._group_seq = int(st.get("group_seq", 0))
-        self.episodes_ok = int(st.get("episodes_ok", 0))
-        self.failures.update(st.get("failures", {}))
+        assert self.producer is not None
+        self.producer.restore(st)
         self._elapsed_before = float(st.get("elapsed_s", 0.0))
         self.handled_requests = list(st.get("request_ids", []))
-        self._rng.seed(self.spec.training.seed + self._group_seq)
         self.last_ckpt = ref
         for name, run in self.runs.items():
             run.last_ckpt_step = run.step
             run.samples_per_episode = st["policies"].get(name, {}).get("samples_per_episode")
         log.info("job.resumed", checkpoint=str(ref.path), steps={n: r.step for n, r in self.runs.items()})
-
-    # -- producing episodes ----------------------------------------------------------------------
-
-    def _pick_worker(self) -> Slot | None:
-        assert self.fleet is not None
-        ok = [w for w in self.fleet.workers.values() if not w.dead and not w.draining]
-        ok = [w for w in ok if w.in_flight < self.opts.max_in_flight_per_worker]
-        return min(ok, key=lambda w: w.in_flight) if ok else None
-
-    async def _produce(self) -> None:
-        names = list(self.runs)
-        pending: set[asyncio.Task[None]] = set()
-        while not self._stop.is_set():
-            worker = self._pick_worker()
-            if worker is None:
-                await asyncio.sleep(0.05)
-                continue
-            room = self.opts.max_in_flight_per_worker - worker.in_flight
-            want = min(self.opts.groups_per_call * self.group_size, room)
-            tickets = await self.buffer.acquire.remote(names, want, 0.2)
-            if not tickets:
-                continue
-            groups = []
-            for i in range(0, len(tickets), self.group_size):
-                groups.append(
-                    (f"g{self._group_seq}", self._rng.randrange(2**31), tickets[i : i + self.group_size])
-                )
-                self._group_seq += 1
-            worker.in_flight += len(tickets)
-            self._episodes_in_flight += len(tickets)
-            task = asyncio.create_task(self._run_groups(worker, groups))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        for t in pending:
-            t.cancel()
-
-    async def _run_groups(self, worker: Slot, groups: list[tuple[str, int, list[Any]]]) -> None:
-        n = sum(len(t) for _, _, t in groups)
-        try:
-            results: list[GroupReport | str] = await worker.handle.run_groups.remote(groups)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            worker.dead = isinstance(e, ray.exceptions.RayActorError)
-            results = [str(e).splitlines()[0]] * len(groups)
-        finally:
-            worker.in_flight = max(0, worker.in_flight - n)
-            self._episodes_in_flight -= n
-        for (gid, _, tickets), result in zip(groups, results, strict=True):
-            if isinstance(result, GroupReport):
-                self._handle_report(result)
-                continue
-            for t in tickets:  # those the worker had not put yet
-                with contextlib.suppress(UnknownTicketError, ray.exceptions.RayTaskError):
-                    await self.buffer.release.remote([t])
-            self.failures["worker_error"] += len(tickets)
-            log.warning("group.failed", group=gid, worker=worker.name, error=result)
-
-    def _handle_report(self, report: GroupReport) -> None:
-        for ep in report.episodes:
-            if not ep.ok:
-                self.failures[ep.reason] += 1
-                self._consecutive_failures += 1
-                log.warning("episode.failed", episode=ep.episode_id, reason=ep.reason, error=ep.error)
-                self._emit("episode_failed", episode=ep.episode_id, reason=ep.reason, error=ep.error)
-                if self._consecutive_failures >= self.opts.max_consecutive_failures:
-                    self._fail(
-                        f"{self._consecutive_failures} episodes in a row failed; last: episode "
-                        f"{ep.episode_id} ({ep.reason}): {ep.error}",
-                        retryable=ep.reason != "workflow_error",
-                    )
-                continue
-            self._consecutive_failures = 0
-            self.episodes_ok += 1
-            self._check_used(ep.samples)
-            success = ep.metadata.get("success")
-            for policy, reward in ep.policy_rewards.items():
-                run = self.runs[policy]
-                run.window.add(reward, float(success) if isinstance(success, int | float) else None)
-                run.samples_per_episode = ep.samples[policy]
-            self._signals.extend(ep.rewards.values())
-        if report.dead_engines and self.fleet is not None:
-            for slot in self.fleet.mark_dead(report.dead_engines):
-                self._emit("engine_lost", engine=slot.name, policy=slot.policy)
-
-    def _check_used(self, samples: dict[str, int]) -> None:
-        """A policy the workflow never calls would wait for samples forever: after `unused_episodes`
-        episodes in a row without a turn of it (while it still has steps to train), fail the job."""
-        for name, run in self.runs.items():
-            run.unused = 0 if samples.get(name) else run.unused + 1
-            if run.unused >= self.opts.unused_episodes and run.step < self.total:
-                self._fail(
-                    f"policy {name}: no agent turn of it in the last {run.unused} episodes of workflow "
-                    f"{self.spec.workflow.entrypoint} (does the workflow call an agent of this policy?)",
-                    retryable=False,
-                )
 
     # -- training --------------------------------------------------------------------------------
 
@@ -360,14 +283,15 @@ class Driver:
             # per optimizer step of the async benchmark, on 2 cores a visible share.
             stats: dict[str, PolicyStats] = await self.buffer.stats.remote((run.name, need), 0.05)
             st = run.stats = stats[run.name]
+            in_flight = self.producer.in_flight if self.producer is not None else 0
             if per_episode is not None:
                 if st.buffered >= need:
                     return need
-                if st.buffered and st.credit <= 0 and self._episodes_in_flight == 0:
+                if st.buffered and st.credit <= 0 and in_flight == 0:
                     return int(st.buffered)
             # No credit, nothing buffered, leased or on its way: nothing can ever change (credit only
             # grows when this policy trains). A bug, but the job must fail clearly, never hang.
-            if st.credit > 0 or st.buffered or st.leased or self._episodes_in_flight:
+            if st.credit > 0 or st.buffered or st.leased or in_flight:
                 stalled_since = None
             elif stalled_since is None:
                 stalled_since = time.monotonic()
@@ -403,9 +327,10 @@ class Driver:
         shares = [n // world + (1 if i < n % world else 0) for i in range(world)]
         n_micro = max(1, math.ceil(max(shares) / p.trainer.micro_batch_size))
         gstd = None
-        if p.algorithm.advantage_norm == "global" and len(self._signals) > 1:
-            m = sum(self._signals) / len(self._signals)
-            gstd = math.sqrt(sum((x - m) ** 2 for x in self._signals) / (len(self._signals) - 1))
+        signals = self.producer.signals if self.producer is not None else ()
+        if p.algorithm.advantage_norm == "global" and len(signals) > 1:
+            m = sum(signals) / len(signals)
+            gstd = math.sqrt(sum((x - m) ** 2 for x in signals) / (len(signals) - 1))
         t0 = time.perf_counter()
         version = run.step + 1
         try:
@@ -453,7 +378,7 @@ class Driver:
             elapsed_s=self.elapsed(),
             samples_per_s=samples / max(time.perf_counter() - t0, 1e-9),
             dropped=dict(run.stats.dropped),
-            failed_episodes=sum(self.failures.values()),
+            failed_episodes=sum(self.producer.failures.values()) if self.producer else 0,
         )
         self.records.append(rec)
         if self.opts.on_record is not None:
@@ -518,9 +443,7 @@ class Driver:
                         n: {"step": r.step, "version": r.step, "samples_per_episode": r.samples_per_episode}
                         for n, r in self.runs.items()
                     },
-                    "group_seq": self._group_seq,
-                    "episodes_ok": self.episodes_ok,
-                    "failures": dict(self.failures),
+                    **(self.producer.state() if self.producer is not None else {}),
                     "elapsed_s": self.elapsed(),
                     "request_ids": self.handled_requests[-100:],
                     "job": self.job.metadata.name,
