@@ -17,6 +17,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 JOB = "selfplay"
 STEPS, EPISODES, SAMPLES_PER_EPISODE = 16, 8, 2  # the agent plays both sides: two samples each
 LONG = 40  # steps of the jobs that must still run while the test acts on them
+LATENCY_S = 1.0  # seconds each episode waits on its environment (see job())
+
+
+def job(steps: int = STEPS) -> dict[str, Any]:
+    """The selfplay job whose episodes wait LATENCY_S on their environment. Without it a step takes
+    ~40 ms and, on a loaded machine, a job can end before the operator has acted on it; with it, as
+    episodes of at most maxStaleness + 1 = 2 versions are in flight, a step takes at least
+    LATENCY_S / 2 (LONG steps: at least 20 s)."""
+    doc = selfplay(training={"totalSteps": steps, "episodesPerStep": EPISODES, "seed": 3})
+    doc["spec"]["workflow"]["args"]["latency_s"] = LATENCY_S
+    return doc
 
 
 def trained_exactly_once(counters: dict[str, Any], steps: int = STEPS) -> None:
@@ -30,8 +41,7 @@ def trained_exactly_once(counters: dict[str, Any], steps: int = STEPS) -> None:
 def test_raising_min_adds_a_rollout_that_joins_at_the_current_version(e2e: E2E, namespace: str) -> None:
     e2e.start_operator(autoscale={"backlogHigh": 1e9, "utilisationLow": 0})
     # far longer than the test: training must still be going when the new node has joined
-    job = selfplay(training={"totalSteps": 50 * LONG, "episodesPerStep": EPISODES, "seed": 3})
-    e2e.apply(job, namespace)  # rollout replicas min 1, max 2: one engine to begin with
+    e2e.apply(job(50 * LONG), namespace)  # rollout replicas min 1, max 2: one engine to begin with
     e2e.eventually(lambda: e2e.step(JOB, namespace) >= 3, timeout=240, what="step 3 on one engine")
     joined_at = e2e.step(JOB, namespace)
     replicas = "/spec/policies/0/rollout/replicas"
@@ -65,9 +75,9 @@ def test_raising_min_adds_a_rollout_that_joins_at_the_current_version(e2e: E2E, 
 def test_lowering_max_drains_a_rollout_and_deletes_it_without_loss(e2e: E2E, namespace: str) -> None:
     # only the spec's bounds move replicas here: no autoscaling on backlog or utilisation
     e2e.start_operator(autoscale={"backlogHigh": 1e9, "utilisationLow": 0})
-    job = selfplay(training={"totalSteps": LONG, "episodesPerStep": EPISODES, "seed": 3})
-    job["spec"]["policies"][0]["rollout"]["replicas"] = {"min": 2, "max": 2}
-    e2e.apply(job, namespace)
+    doc = job(LONG)
+    doc["spec"]["policies"][0]["rollout"]["replicas"] = {"min": 2, "max": 2}
+    e2e.apply(doc, namespace)
     gone = f"{JOB}-agent-rollout-1"
 
     def both_serving() -> bool:
@@ -98,7 +108,7 @@ def test_lowering_max_drains_a_rollout_and_deletes_it_without_loss(e2e: E2E, nam
 
 def test_a_trainer_crash_restarts_training_from_the_last_checkpoint(e2e: E2E, namespace: str) -> None:
     e2e.start_operator()
-    e2e.apply(selfplay(), namespace)
+    e2e.apply(job(), namespace)
     e2e.eventually(lambda: e2e.step(JOB, namespace) >= 7, timeout=300, what="step 7 (checkpoint at 6)")
     e2e.kubelet.kill(namespace, f"{JOB}-agent-trainer-0")
     e2e.wait(JOB, namespace, "Succeeded", timeout=400)
@@ -115,7 +125,7 @@ def test_a_trainer_crash_restarts_training_from_the_last_checkpoint(e2e: E2E, na
 
 def test_an_operator_restart_mid_run_changes_nothing(e2e: E2E, namespace: str) -> None:
     e2e.start_operator()
-    e2e.apply(selfplay(), namespace)
+    e2e.apply(job(), namespace)
     e2e.eventually(lambda: e2e.step(JOB, namespace) >= 3, timeout=240, what="step 3")
     e2e.kill_operator()
     e2e.eventually(lambda: e2e.step(JOB, namespace) >= 6, timeout=120, what="training on without an operator")
@@ -129,7 +139,7 @@ def test_an_operator_restart_mid_run_changes_nothing(e2e: E2E, namespace: str) -
 
 def test_suspend_and_resume_continue_from_the_checkpoint(e2e: E2E, namespace: str) -> None:
     e2e.start_operator()
-    e2e.apply(selfplay(training={"totalSteps": LONG, "episodesPerStep": EPISODES, "seed": 3}), namespace)
+    e2e.apply(job(LONG), namespace)
     e2e.eventually(lambda: e2e.step(JOB, namespace) >= 4, timeout=240, what="step 4")
     e2e.kubectl("patch", "rljob", JOB, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
     e2e.wait(JOB, namespace, "Suspended", timeout=180)

@@ -145,6 +145,17 @@ def health(obj: dict[str, Any]) -> tuple[str, str]:
     return str(result["status"]), str(result["message"])
 
 
+def _writes(proxy: RecordingProxy) -> int:
+    return sum(1 for r in proxy.snapshot() if r.method not in ("GET", "HEAD"))
+
+
+def _settled(proxy: RecordingProxy, quiet_s: float = 3.0) -> bool:
+    """No write through the proxy for ``quiet_s`` (longer than a resync period of the test settings)."""
+    before = _writes(proxy)
+    time.sleep(quiet_s)
+    return _writes(proxy) == before
+
+
 def reconciles(port: int) -> float:
     """polyrl_reconciles_total (all results) from the operator's metrics endpoint."""
     try:
@@ -331,7 +342,10 @@ def _drive(
     run.secret = children[("Secret", naming.secret(name))]
     run.tokens.append(base64.b64decode(run.secret["data"][naming.TOKEN_KEY]).decode())
 
-    # GitOps: the same manifest applied again (client-side and server-side) changes nothing.
+    # GitOps: the same manifest applied again (client-side and server-side) changes nothing. First the
+    # operator settles: on a loaded machine its last write for the Ready job can land after Ready shows.
+    d.wait(lambda: _settled(proxy), "the operator to stop writing")
+    children = d.children(kinds, name)
     before_requests = len(proxy.snapshot())
     before_count = reconciles(metrics_port)
     d.kubectl("apply", "-f", str(manifest))

@@ -8,6 +8,7 @@ both policies agree on a code: neither can learn it alone.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import string
 from typing import Any
@@ -26,6 +27,8 @@ class SignalGame(Workflow):
         length: int = 1,
         tail_tokens: int = 0,
         tail_alpha: float = 1.2,
+        *,
+        latency_s: float = 0.0,
         **args: Any,
     ) -> None:
         super().__init__(**args)
@@ -35,6 +38,8 @@ class SignalGame(Workflow):
             raise ValueError(f"vocab must be in 2..{len(LETTERS)}, got {vocab}")
         if vocab**length < symbols:
             raise ValueError(f"vocab**length ({vocab}**{length}) must be at least symbols ({symbols})")
+        if latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
         self.symbols = list(DIGITS[:symbols])
         self.letters = list(LETTERS[:vocab])
         self.length = length
@@ -42,6 +47,10 @@ class SignalGame(Workflow):
         # distributed number of tokens (at most tail_tokens): a few episodes take far longer.
         self.tail_tokens = tail_tokens
         self.tail_alpha = tail_alpha
+        # Seconds each episode waits on its environment (a tool call, a simulator) before it is
+        # scored, without using CPU: episodes overlap as they do with real environments. Tests use
+        # it to keep a job running for a known minimum time while they act on it.
+        self.latency_s = latency_s
 
     async def run_episode(self, ctx: EpisodeContext) -> Outcome:
         target = ctx.rng.choice(self.symbols)
@@ -58,6 +67,8 @@ class SignalGame(Workflow):
             # The listener then rambles: generation time (a long tail of episode lengths) without
             # learning noise (one allowed token: its logprob is 0 and has no gradient).
             await ctx.agent("listener").generate(f"guess:{guess.text}", max_new_tokens=extra, allowed=["."])
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
         success = float(guess.text == target)
         return Outcome(
             {"speaker": success, "listener": success},

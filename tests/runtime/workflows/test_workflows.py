@@ -83,6 +83,22 @@ def test_signal_game_rewards_agreement_and_records_constrained_turns() -> None:
     assert asyncio.run(game.run_episode(_ctx(wrong))).rewards == {"speaker": 0.0, "listener": 0.0}
 
 
+def test_signal_game_latency_waits_without_blocking_and_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    waits: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:  # records the wait: a yield, not CPU
+        waits.append(seconds)
+
+    monkeypatch.setattr("polyrl_runtime.workflows.signal.asyncio.sleep", fake_sleep)
+    routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
+    out = asyncio.run(SignalGame(vocab=8, symbols=4, latency_s=0.25).run_episode(_ctx(routes)))
+    assert waits == [0.25] and out.rewards["listener"] == 1.0
+    asyncio.run(SignalGame(vocab=8, symbols=4).run_episode(_ctx(routes)))
+    assert waits == [0.25]  # no latency by default
+    with pytest.raises(ValueError, match="latency_s must be >= 0"):
+        SignalGame(latency_s=-1)
+
+
 def test_agents_can_share_one_policy() -> None:
     both = FakeEngine(
         lambda p, s: speaker_code(p, s) if TOK.decode(p).startswith("target") else listener_decode(p, s)
