@@ -98,6 +98,12 @@ class Algorithm(ApiModel):
     kl_coef: float = Field(
         0.0, ge=0, le=100.0, description="Weight of a KL penalty to the initial policy (0: off)."
     )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        le=10.0,
+        description="Weight of an entropy bonus that keeps the policy exploring (0: off).",
+    )
 
 
 class Sampling(ApiModel):

@@ -8,7 +8,9 @@ trainer's weights when the step began) and the policy being optimised pi_theta. 
 
 so the PPO trust region is taken around the current weights while w corrects for the staleness of
 the data, truncated at `is_cap` (truncated IS) to bound variance. An optional KL penalty to the
-reference (initial) policy uses the k3 estimator exp(ref - logp) - (ref - logp) - 1.
+reference (initial) policy uses the k3 estimator exp(ref - logp) - (ref - logp) - 1, and an optional
+entropy bonus (the entropy of each token's distribution over its allowed ids) keeps a policy exploring:
+in games where agents must agree on a convention, a policy that commits early can settle on a poor one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class LossConfig:
     clip_eps: float = 0.2
     is_cap: float = 2.0
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class LossStats:
     is_weight_mean: float
     is_truncated_frac: float
     kl: float
+    entropy: float
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,9 @@ class TokenBatch:
         return cls(ids, mask, targets, rmask, index, list(allowed))
 
 
-def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-    """[B, R] log-probabilities of the response tokens (engine convention: logits / temperature,
-    restricted to each row's allowed ids)."""
+def _response_log_softmax(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
+    """[B, R, V] log-probabilities of every vocabulary id at each response position (engine convention:
+    logits / temperature, ids outside a row's allowed ids at -inf)."""
     device = next(model.parameters()).device
     logits = model_logits(model, batch.input_ids.to(device), batch.attention_mask.to(device))
     idx = batch.gather_index.to(device)
@@ -91,11 +95,36 @@ def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: fl
                 row[torch.from_numpy(a.astype(np.int64)).to(device)] = 0.0
                 bias[i] = row
         picked = picked + bias
-    logp = torch.log_softmax(picked, dim=-1)
-    out = logp.gather(2, batch.targets.to(device)[..., None])[..., 0]
+    return torch.log_softmax(picked, dim=-1)
+
+
+def _real(batch: TokenBatch, values: torch.Tensor) -> torch.Tensor:
     # Padding positions may hold -inf (the pad id is outside a row's allowed ids): select, never
     # multiply, or -inf * 0 turns the whole loss into NaN.
-    return torch.where(batch.response_mask.to(device) > 0, out, torch.zeros_like(out))
+    mask = batch.response_mask.to(values.device) > 0
+    return torch.where(mask, values, torch.zeros_like(values))
+
+
+def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+    """[B, R] log-probabilities of the response tokens (engine convention: logits / temperature,
+    restricted to each row's allowed ids)."""
+    logp = _response_log_softmax(model, batch, temperature)
+    return _real(batch, logp.gather(2, batch.targets.to(logp.device)[..., None])[..., 0])
+
+
+def sequence_logprobs_and_entropy(
+    model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sequence_logprobs and [B, R] the entropy of each response position's distribution (over its
+    allowed ids), both from one forward pass."""
+    logp = _response_log_softmax(model, batch, temperature)
+    picked = logp.gather(2, batch.targets.to(logp.device)[..., None])[..., 0]
+    # p log p is 0 where p is 0 (an id outside the allowed ones). Replace -inf before the product as
+    # well as after it: exp(-inf) * -inf is NaN, and its gradient would be NaN even where not selected.
+    allowed = torch.isfinite(logp)
+    safe = torch.where(allowed, logp, torch.zeros_like(logp))
+    plogp = torch.where(allowed, safe.exp() * safe, torch.zeros_like(safe))
+    return _real(batch, picked), _real(batch, -plogp.sum(-1))
 
 
 def policy_loss(
@@ -107,8 +136,10 @@ def policy_loss(
     *,
     cfg: LossConfig,
     ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Sum over real tokens of the per-token loss ([B, R] inputs, `adv` per row [B])."""
+    """Sum over real tokens of the per-token loss ([B, R] inputs, `adv` per row [B]); `entropy` (per
+    token, with gradient) is rewarded with weight `cfg.entropy_coef`."""
     a = adv[:, None].to(logp.dtype)
     ratio = torch.exp(logp - prox_logp.detach())
     clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
@@ -120,6 +151,8 @@ def policy_loss(
         d = ref_logp.detach() - logp
         kl = torch.exp(d) - d - 1
         per_token = per_token + cfg.kl_coef * kl
+    if entropy is not None and cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * entropy
     m = mask.to(logp.dtype)
     n = int(m.sum().item())
     denom = max(n, 1)
@@ -129,5 +162,6 @@ def policy_loss(
         is_weight_mean=float((w * m).sum()) / denom,
         is_truncated_frac=float(((raw_w > cfg.is_cap).float() * m).sum()) / denom,
         kl=float((kl.detach() * m).sum()) / denom,
+        entropy=float((entropy.detach() * m).sum()) / denom if entropy is not None else 0.0,
     )
     return torch.where(m > 0, per_token, torch.zeros_like(per_token)).sum(), stats

@@ -372,6 +372,7 @@ class Driver:
             is_truncated_frac=sum(r.is_truncated_frac for r in results) / world,
             clip_frac=sum(r.clip_frac for r in results) / world,
             kl=sum(r.kl for r in results) / world,
+            entropy=sum(r.entropy for r in results) / world,
             grad_norm=results[0].grad_norm,
             train_s=t1 - t0,
             sync_s=sync_s,

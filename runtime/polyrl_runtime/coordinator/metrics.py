@@ -24,6 +24,7 @@ class StepRecord:
     is_truncated_frac: float
     clip_frac: float
     kl: float
+    entropy: float
     grad_norm: float
     train_s: float
     sync_s: float

@@ -19,6 +19,7 @@ class StepResult:
     is_weight_mean: float = 1.0
     is_truncated_frac: float = 0.0
     kl: float = 0.0
+    entropy: float = 0.0  # mean per-token entropy (computed only when algorithm.entropyCoef > 0)
     staleness_mean: float = 0.0
     staleness_max: int = 0
     signal_mean: float = 0.0

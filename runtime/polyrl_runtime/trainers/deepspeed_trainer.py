@@ -28,7 +28,13 @@ import torch
 
 from polyrl_operator.api import Policy
 from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages
-from polyrl_runtime.algorithms.losses import LossConfig, TokenBatch, policy_loss, sequence_logprobs
+from polyrl_runtime.algorithms.losses import (
+    LossConfig,
+    TokenBatch,
+    policy_loss,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
 from polyrl_runtime.experience.types import Sample, SampleBatch
 from polyrl_runtime.models import load_model
 from polyrl_runtime.netmap import free_port
@@ -79,7 +85,9 @@ class DeepSpeedTrainer(TrainerWeights):
         self.buffer = buffer
         self.temperature = temperature
         self.algo = self.spec.algorithm
-        self.loss_cfg = LossConfig(self.algo.clip_eps, self.algo.is_cap, self.algo.kl_coef)
+        self.loss_cfg = LossConfig(
+            self.algo.clip_eps, self.algo.is_cap, self.algo.kl_coef, self.algo.entropy_coef
+        )
         self.version = 0
         self.cuda = self.spec.trainer.gpus > 0 and torch.cuda.is_available()
         seed = policy_seed(job_seed, self.spec.name)
@@ -170,7 +178,11 @@ class DeepSpeedTrainer(TrainerWeights):
     def _forward_loss(
         self, tb: TokenBatch, behav: torch.Tensor, adv: torch.Tensor, prox: torch.Tensor | None
     ) -> tuple[torch.Tensor, Any]:
-        logp = sequence_logprobs(self.engine, tb, self.temperature)
+        entropy = None
+        if self.loss_cfg.entropy_coef > 0:
+            logp, entropy = sequence_logprobs_and_entropy(self.engine, tb, self.temperature)
+        else:
+            logp = sequence_logprobs(self.engine, tb, self.temperature)
         device = logp.device
         mask = tb.response_mask.to(device)
         ref = None
@@ -179,7 +191,14 @@ class DeepSpeedTrainer(TrainerWeights):
                 ref = sequence_logprobs(self.ref, tb, self.temperature)
         prox_logp = logp.detach() if prox is None else prox.to(device)
         return policy_loss(
-            logp, prox_logp, behav.to(device), adv.to(device), mask, cfg=self.loss_cfg, ref_logp=ref
+            logp,
+            prox_logp,
+            behav.to(device),
+            adv.to(device),
+            mask,
+            cfg=self.loss_cfg,
+            ref_logp=ref,
+            entropy=entropy,
         )
 
     def train_step(self, step: int, share: int, n_micro: int, global_std: float | None = None) -> StepResult:
@@ -211,7 +230,7 @@ class DeepSpeedTrainer(TrainerWeights):
                         )
         # Each rank's micro loss is scaled so the optimizer sees the mean over all tokens of the step.
         scale = self.world * n_micro / max(tokens, 1.0)
-        loss_total, acc = 0.0, {"clip": 0.0, "isw": 0.0, "trunc": 0.0, "kl": 0.0, "tok": 0}
+        loss_total, acc = 0.0, {"clip": 0.0, "isw": 0.0, "trunc": 0.0, "kl": 0.0, "ent": 0.0, "tok": 0}
         for k, rows in enumerate(micro_rows):
             if rows:
                 assert batch is not None
@@ -222,6 +241,7 @@ class DeepSpeedTrainer(TrainerWeights):
                     ("isw", ls.is_weight_mean),
                     ("trunc", ls.is_truncated_frac),
                     ("kl", ls.kl),
+                    ("ent", ls.entropy),
                 ):
                     acc[key] += v * ls.tokens
                 acc["tok"] += ls.tokens
@@ -249,6 +269,7 @@ class DeepSpeedTrainer(TrainerWeights):
             is_weight_mean=acc["isw"] / tok,
             is_truncated_frac=acc["trunc"] / tok,
             kl=acc["kl"] / tok,
+            entropy=acc["ent"] / tok,
             staleness_mean=float(lag.mean()) if len(lag) else 0.0,
             staleness_max=int(lag.max()) if len(lag) else 0,
             signal_mean=float(signals.mean()) if n else 0.0,

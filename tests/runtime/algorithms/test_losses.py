@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl_runtime.algorithms.losses import LossConfig, TokenBatch, policy_loss, sequence_logprobs
+from polyrl_runtime.algorithms.losses import (
+    LossConfig,
+    TokenBatch,
+    policy_loss,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
 from polyrl_runtime.engines.api import SamplingParams
 from polyrl_runtime.engines.torch_engine import TorchEngine
 
@@ -117,3 +123,34 @@ def test_constrained_rows_of_different_lengths_give_finite_loss_and_gradients() 
     loss.backward()
     assert torch.isfinite(loss) and stats.tokens == 5
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_entropy_is_over_the_allowed_ids_and_the_bonus_pushes_towards_uniform() -> None:
+    from polyrl_runtime.models import build_tiny
+
+    model = build_tiny("tiny", 64, seed=4)
+    tb = TokenBatch.build(
+        [np.array([1, 10], dtype=np.int32), np.array([1, 11, 12], dtype=np.int32)],
+        [np.array([40, 41], dtype=np.int32), np.array([40], dtype=np.int32)],
+        [np.array([40, 41, 42, 43], dtype=np.int32), np.array([40], dtype=np.int32)],
+    )
+    logp, entropy = sequence_logprobs_and_entropy(model, tb)
+    assert torch.equal(logp, sequence_logprobs(model, tb))  # the same logprobs, one forward pass
+    # four allowed ids: 0 < H <= ln 4; one allowed id: H = 0; padding: 0
+    assert 0 < entropy[0, 0] <= np.log(4) + 1e-6 and 0 < entropy[0, 1] <= np.log(4) + 1e-6
+    assert entropy[1].abs().max() == 0 and torch.isfinite(entropy).all()
+    # with zero advantages only the bonus acts: a gradient step raises the entropy
+    cfg = LossConfig(entropy_coef=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = float(entropy[0].sum())
+    loss, stats = policy_loss(
+        logp, logp.detach(), logp.detach(), torch.zeros(2), tb.response_mask, cfg=cfg, entropy=entropy
+    )
+    assert stats.entropy == pytest.approx(float(entropy.sum()) / 3, rel=1e-5)
+    loss.backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    opt.step()
+    assert float(sequence_logprobs_and_entropy(model, tb)[1][0].sum()) > before
+    # off (coefficient 0): the entropy is reported but adds nothing to the loss
+    off, _ = policy_loss(logp, logp, logp, torch.zeros(2), tb.response_mask, cfg=CFG, entropy=entropy)
+    assert float(off) == 0.0

@@ -198,9 +198,9 @@ def test_an_engine_that_dies_mid_run_does_not_stop_the_job(ray_local: Any, tmp_p
     assert summary.steps == {"agent": 6} and "engine_lost" in events
 
 
-def test_zero3_two_ranks_ppo_with_kl(ray_local: Any, tmp_path: Path) -> None:
+def test_zero3_two_ranks_ppo_with_kl_and_entropy(ray_local: Any, tmp_path: Path) -> None:
     p = policy(
-        algorithm={"name": "ppo", "groupSize": 1, "lr": 1e-3, "klCoef": 0.1},
+        algorithm={"name": "ppo", "groupSize": 1, "lr": 1e-3, "klCoef": 0.1, "entropyCoef": 0.01},
         trainer={"zeroStage": 3, "replicas": 2, "microBatchSize": 4},
     )
     job = make_job(
@@ -210,6 +210,7 @@ def test_zero3_two_ranks_ppo_with_kl(ray_local: Any, tmp_path: Path) -> None:
     assert summary.state == "done", summary.message
     assert all(r.samples == 16 for r in summary.records)  # 8 episodes x 2 turns, over two ranks
     assert any(r.kl > 0 for r in summary.records)  # later minibatches moved away from the reference
+    assert all(r.entropy > 0 for r in summary.records)  # sampled turns: the entropy is reported
     # the engines serve the version the (gathered) ZeRO-3 weights were published as
     assert [e.version for e in driver.progress().policies[0].engines] == [2]
     engine = next(iter(driver.fleet.engines["agent"].values()))  # type: ignore[union-attr]
