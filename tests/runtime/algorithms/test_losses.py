@@ -142,15 +142,15 @@ def test_entropy_is_over_the_allowed_ids_and_the_bonus_pushes_towards_uniform() 
     # with zero advantages only the bonus acts: a gradient step raises the entropy
     cfg = LossConfig(entropy_coef=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = float(entropy[0].sum())
+    before = float(entropy[0].sum().detach())
     loss, stats = policy_loss(
         logp, logp.detach(), logp.detach(), torch.zeros(2), tb.response_mask, cfg=cfg, entropy=entropy
     )
-    assert stats.entropy == pytest.approx(float(entropy.sum()) / 3, rel=1e-5)
+    assert stats.entropy == pytest.approx(float(entropy.sum().detach()) / 3, rel=1e-5)
     loss.backward()
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
     opt.step()
-    assert float(sequence_logprobs_and_entropy(model, tb)[1][0].sum()) > before
+    assert float(sequence_logprobs_and_entropy(model, tb)[1][0].sum().detach()) > before
     # off (coefficient 0): the entropy is reported but adds nothing to the loss
     off, _ = policy_loss(logp, logp, logp, torch.zeros(2), tb.response_mask, cfg=CFG, entropy=entropy)
-    assert float(off) == 0.0
+    assert float(off.detach()) == 0.0
