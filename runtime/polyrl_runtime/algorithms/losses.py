@@ -98,6 +98,11 @@ def _response_log_softmax(model: torch.nn.Module, batch: TokenBatch, temperature
     return torch.log_softmax(picked, dim=-1)
 
 
+def _of_targets(batch: TokenBatch, logp: torch.Tensor) -> torch.Tensor:
+    """[B, R] the entries of `logp` [B, R, V] at the response tokens, 0 at padding."""
+    return _real(batch, logp.gather(2, batch.targets.to(logp.device)[..., None])[..., 0])
+
+
 def _real(batch: TokenBatch, values: torch.Tensor) -> torch.Tensor:
     # Padding positions may hold -inf (the pad id is outside a row's allowed ids): select, never
     # multiply, or -inf * 0 turns the whole loss into NaN.
@@ -108,8 +113,7 @@ def _real(batch: TokenBatch, values: torch.Tensor) -> torch.Tensor:
 def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
     """[B, R] log-probabilities of the response tokens (engine convention: logits / temperature,
     restricted to each row's allowed ids)."""
-    logp = _response_log_softmax(model, batch, temperature)
-    return _real(batch, logp.gather(2, batch.targets.to(logp.device)[..., None])[..., 0])
+    return _of_targets(batch, _response_log_softmax(model, batch, temperature))
 
 
 def sequence_logprobs_and_entropy(
@@ -118,13 +122,12 @@ def sequence_logprobs_and_entropy(
     """sequence_logprobs and [B, R] the entropy of each response position's distribution (over its
     allowed ids), both from one forward pass."""
     logp = _response_log_softmax(model, batch, temperature)
-    picked = logp.gather(2, batch.targets.to(logp.device)[..., None])[..., 0]
     # p log p is 0 where p is 0 (an id outside the allowed ones). Replace -inf before the product as
     # well as after it: exp(-inf) * -inf is NaN, and its gradient would be NaN even where not selected.
     allowed = torch.isfinite(logp)
     safe = torch.where(allowed, logp, torch.zeros_like(logp))
     plogp = torch.where(allowed, safe.exp() * safe, torch.zeros_like(safe))
-    return _real(batch, picked), _real(batch, -plogp.sum(-1))
+    return _of_targets(batch, logp), _real(batch, -plogp.sum(-1))
 
 
 def policy_loss(

@@ -55,12 +55,10 @@ class EpisodeProducer:
     ) -> None:
         self.buffer, self.fleet, self.policies, self.group_size = buffer, fleet, policies, group_size
         self.seed, self.entrypoint, self.limits = seed, entrypoint, limits
-        self._still_training, self._on_episode, self._fail, self._emit = (
-            still_training,
-            on_episode,
-            fail,
-            emit,
-        )
+        self._still_training = still_training
+        self._on_episode = on_episode
+        self._fail = fail
+        self._emit = emit
         self.failures: Counter[str] = Counter()
         self.episodes_ok = 0
         self.in_flight = 0  # episodes dispatched and not yet reported
