@@ -84,3 +84,22 @@ def test_policy_scaling_benchmark_runs() -> None:
         "1",
         "2",
     ]
+
+
+@pytest.mark.slow
+def test_example_robustness_benchmark_runs() -> None:
+    out = _run(
+        "example_robustness.py",
+        "--runs",
+        "2",
+        "--set",
+        "training.totalSteps=3",
+        "--set",
+        "training.episodesPerStep=8",
+        "--set",
+        "policies.*.algorithm.lr=1.0e-4",
+    )
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
+    assert "of 2 runs at >= 0.9 for every policy" in out
+    assert "policies.*.algorithm.lr=1.0e-4" in out
