@@ -79,7 +79,11 @@ def run_job(job: RLJob, on_record: Callable[[Any], None] | None = None) -> RunSu
             place_by_resource=False,
             on_record=on_record,
         )
-        return asyncio.run(Driver(job, opts).run())
+        driver = Driver(job, opts)
+        try:
+            return asyncio.run(driver.run())
+        finally:
+            driver.close()  # the next job in this Ray session starts without this one's actors
 
 
 def stop_ray() -> None:

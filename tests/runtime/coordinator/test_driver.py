@@ -215,3 +215,7 @@ def test_zero3_two_ranks_ppo_with_kl_and_entropy(ray_local: Any, tmp_path: Path)
     assert [e.version for e in driver.progress().policies[0].engines] == [2]
     engine = next(iter(driver.fleet.engines["agent"].values()))  # type: ignore[union-attr]
     assert ray.get(engine.handle.weight_version.remote()) == 2
+    driver.close()  # every actor it started is stopped, not left to the garbage collector
+    for handle in (engine.handle, driver.buffer, *driver.runs["agent"].ranks):
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(handle.__ray_ready__.remote(), timeout=30)
