@@ -70,14 +70,31 @@ def start_ray() -> None:
     )
 
 
-def run_job(job: RLJob, on_record: Callable[[Any], None] | None = None) -> RunSummary:
-    """Train `job` in this process (actors placed without pod resources) in a scratch folder."""
+def split_cpus() -> dict[str, frozenset[int]]:
+    """Each role on its own cores, as pods have them: rollout engines and workflow workers on the first
+    half of this process's CPUs, trainers on the rest (on 2 cores: `rollout=0 workflow=0 trainer=1`)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("splitting cores between roles needs at least 2 CPUs")
+    gen, train = frozenset(cpus[: len(cpus) // 2]), frozenset(cpus[len(cpus) // 2 :])
+    return {"rollout": gen, "workflow": gen, "trainer": train}
+
+
+def run_job(
+    job: RLJob,
+    on_record: Callable[[Any], None] | None = None,
+    *,
+    cpu_sets: dict[str, frozenset[int]] | None = None,
+) -> RunSummary:
+    """Train `job` in this process (actors placed without pod resources) in a scratch folder;
+    `cpu_sets` pins each role's actors (`polyrl run --cpus`), None shares every core."""
     with tempfile.TemporaryDirectory() as tmp:
         opts = DriverOptions(
             out_dir=Path(tmp),
             checkpoint_root=Path(tmp) / "ckpt",
             place_by_resource=False,
             on_record=on_record,
+            cpu_sets=dict(cpu_sets or {}),
         )
         driver = Driver(job, opts)
         try:

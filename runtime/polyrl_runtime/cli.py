@@ -10,8 +10,14 @@ from typing import Any
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from polyrl_runtime.cpusets import CpuSetError, parse_cpu_sets
     from polyrl_runtime.local.run import run_local
 
+    try:
+        cpu_sets = parse_cpu_sets(args.cpus or [])
+    except CpuSetError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
     return run_local(
         args.file,
         args.out,
@@ -19,6 +25,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         port=args.port,
         quiet=args.quiet,
         live=False if args.plain else None,
+        cpu_sets=cpu_sets,
     )
 
 
@@ -35,6 +42,14 @@ def register(subparsers: Any) -> None:
     run.add_argument("--port", type=int, help="also serve /progress on 127.0.0.1:PORT")
     run.add_argument("--plain", action="store_true", help="plain progress lines instead of a live table")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the summary")
+    run.add_argument(
+        "--cpus",
+        action="append",
+        metavar="ROLE=CPUS",
+        help="pin a role's actors to CPUs, e.g. --cpus rollout=0 --cpus workflow=0 --cpus trainer=1 "
+        "(roles: rollout, workflow, trainer; Linux). Gives each role its own cores, as pods have; "
+        "by default every actor shares every core",
+    )
     run.set_defaults(func=_cmd_run)
 
 

@@ -68,11 +68,14 @@ def test_experience_benchmark_runs() -> None:
 def test_async_speedup_benchmark_runs() -> None:
     out = _run("async_speedup.py", "--steps", "5", "--episodes", "8", "--tail", "4", "--rounds", "1")
     table = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
-    assert [row.split("|")[1].strip() for row in table] == [
+    # One table per placement: every core shared, then roles on their own cores.
+    assert [row.split("|")[1].strip() for row in table] == 2 * [
         "sync (maxStaleness 0)",
         "async (maxStaleness 1)",
         "async (maxStaleness 2)",
     ]
+    assert "shared cores (every core)" in out and "split cores (rollout=" in out
+    assert "fastest async over fastest sync" in out
 
 
 @pytest.mark.slow

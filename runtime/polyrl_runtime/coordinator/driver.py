@@ -71,6 +71,7 @@ class DriverOptions:
     stall_timeout_s: float = 30.0
     unused_episodes: int = 2000  # episodes in a row without a turn of a policy before the job fails
     place_by_resource: bool = True  # False: ignore polyrl/<policy>/<role> resources (tests on a plain Ray)
+    cpu_sets: dict[str, frozenset[int]] = field(default_factory=dict)  # role -> CPUs (local mode's --cpus)
     on_record: Callable[[StepRecord], None] | None = None
     # Polled every poll_s: the id of a checkpoint request (the pod's checkpoint-request annotation).
     checkpoint_requests: Callable[[], str | None] | None = None
@@ -196,7 +197,9 @@ class Driver:
         ref = self.store.latest() if self.opts.resume else None
         cuda = any(p.trainer.gpus > 0 for p in spec.policies)
         transport = choose_transport(spec.weight_sync.transport, cuda=cuda, same_host=self.opts.same_host)
-        self.fleet = Fleet(self.job, transport, place_by_resource=self.opts.place_by_resource)
+        self.fleet = Fleet(
+            self.job, transport, place_by_resource=self.opts.place_by_resource, cpu_sets=self.opts.cpu_sets
+        )
         s = spec.effective_max_staleness
         configs = [PolicyConfig(p.name, self.E, s) for p in spec.policies]
         capacity = (s + 2) * self.E * len(configs) + 4 * self.group_size

@@ -14,6 +14,7 @@ import itertools
 import os
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import structlog
 
 from polyrl_operator.api import Policy, RLJob
 from polyrl_runtime.config import resource_name
+from polyrl_runtime.cpusets import role_env
 from polyrl_runtime.engines.api import EngineStats
 
 log = structlog.get_logger(__name__)
@@ -81,9 +83,11 @@ class Fleet:
         transport_kwargs: dict[str, Any] | None = None,
         *,
         place_by_resource: bool = True,
+        cpu_sets: Mapping[str, frozenset[int]] | None = None,
     ) -> None:
         self.job = job
         self.place_by_resource = place_by_resource
+        self.cpu_sets = dict(cpu_sets or {})
         self.spec = job.spec
         self.transport = transport
         self.transport_kwargs = transport_kwargs or {}
@@ -97,9 +101,10 @@ class Fleet:
     def _res(self, policy: str | None, role: str) -> dict[str, float]:
         return {resource_name(policy, role): 1} if self.place_by_resource else {}
 
-    def _env(self) -> dict[str, Any]:
+    def _env(self, role: str) -> dict[str, Any]:
         keep = ("OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PYTHONPATH")
-        return {"env_vars": {k: os.environ[k] for k in keep if k in os.environ}}
+        env = {k: os.environ[k] for k in keep if k in os.environ}
+        return {"env_vars": {**env, **role_env(self.cpu_sets, role)}}
 
     def new_engine(self, policy: Policy) -> Slot:
         name = f"{policy.name}-rollout-{next(self._ids)}"
@@ -109,7 +114,7 @@ class Fleet:
             num_cpus=0,
             num_gpus=policy.rollout.gpus,
             max_concurrency=4096,
-            runtime_env=self._env(),
+            runtime_env=self._env("rollout"),
         ).remote(
             name,
             policy.name,
@@ -133,7 +138,7 @@ class Fleet:
                 resources=self._res(None, "workflow"),
                 num_cpus=0,
                 max_concurrency=4096,
-                runtime_env=self._env(),
+                runtime_env=self._env("workflow"),
             )
             .remote(name, job_json, buffer, self.routes(), episode_timeout_s, routes_epoch=self.routes_epoch)
         )
@@ -152,7 +157,7 @@ class Fleet:
                 num_cpus=0,
                 num_gpus=policy.trainer.gpus,
                 max_concurrency=2,
-                runtime_env=self._env(),
+                runtime_env=self._env("trainer"),
             ).remote(
                 f"{policy.name}-trainer-{rank}",
                 policy.model_dump_json(by_alias=True),

@@ -27,6 +27,7 @@ import numpy as np
 import structlog
 import torch
 
+from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.models import KVCache, TinyCausalLM, load_model
@@ -96,6 +97,7 @@ class TorchEngine(EngineWeights):
         device: str = "cpu",
         dtype: str = "auto",
     ) -> None:
+        pin_from_env()
         torch.set_num_threads(1)
         self.name = name
         self.policy = policy

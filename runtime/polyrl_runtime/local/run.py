@@ -27,6 +27,7 @@ from polyrl_runtime.coordinator.checkpoint import CheckpointStore, checkpoint_ro
 from polyrl_runtime.coordinator.driver import Driver, DriverOptions
 from polyrl_runtime.coordinator.metrics import StepRecord
 from polyrl_runtime.coordinator.report import RunSummary
+from polyrl_runtime.cpusets import format_cpus
 from polyrl_runtime.local.display import ProgressDisplay
 from polyrl_runtime.local.plots import read_jsonl, reward_curves, write_csv
 
@@ -135,6 +136,7 @@ def run_local(
     port: int | None = None,
     quiet: bool = False,
     live: bool | None = None,
+    cpu_sets: dict[str, frozenset[int]] | None = None,
 ) -> int:
     set_env_defaults()
     try:
@@ -159,11 +161,13 @@ def run_local(
         metrics.flush()
         display.record(rec)
 
+    pinned = "".join(f", {role} on CPU {format_cpus(c)}" for role, c in (cpu_sets or {}).items())
+
     def on_event(kind: str, data: dict[str, Any]) -> None:
         if kind == "started":
             display.message(
                 f"running {job.metadata.name}: policies {', '.join(data['policies'])} "
-                f"({job.spec.mode}, maxStaleness {job.spec.effective_max_staleness}) -> {out_dir}"
+                f"({job.spec.mode}, maxStaleness {job.spec.effective_max_staleness}{pinned}) -> {out_dir}"
             )
         elif kind == "checkpoint" and data["reason"] != "periodic":
             display.message(f"checkpoint ({data['reason']}): {data['path']}")
@@ -171,7 +175,12 @@ def run_local(
             display.message(f"{kind}: {data}")
 
     opts = DriverOptions(
-        out_dir=out_dir, checkpoint_root=root, resume=resume, on_record=on_record, on_event=on_event
+        out_dir=out_dir,
+        checkpoint_root=root,
+        resume=resume,
+        on_record=on_record,
+        on_event=on_event,
+        cpu_sets=dict(cpu_sets or {}),
     )
     driver = Driver(job, opts)
     try:

@@ -35,6 +35,7 @@ from polyrl_runtime.algorithms.losses import (
     sequence_logprobs,
     sequence_logprobs_and_entropy,
 )
+from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.experience.types import Sample, SampleBatch
 from polyrl_runtime.models import load_model
 from polyrl_runtime.netmap import free_port
@@ -77,6 +78,7 @@ class DeepSpeedTrainer(TrainerWeights):
         buffer: Any,
         temperature: float = 1.0,
     ) -> None:
+        pin_from_env()
         torch.set_num_threads(1)
         self.name = name
         self.spec = Policy.model_validate_json(policy_json)

@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 
 from polyrl_operator.api import RLJob
+from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.buffer import Ticket
@@ -77,6 +78,7 @@ class WorkflowWorker:
         *,
         routes_epoch: int = 0,
     ) -> None:
+        pin_from_env()
         self.name = name
         self.routes_epoch = routes_epoch
         self.job = RLJob.model_validate_json(job_json)

@@ -1,11 +1,14 @@
-"""The fleet's drain bookkeeping, with stand-in actor handles: an engine is reported drained only when
-no worker can still send it work and none waits on a request to it, not merely when its own count is 0."""
+"""The fleet. Drain bookkeeping, with stand-in actor handles: an engine is reported drained only when
+no worker can still send it work and none waits on a request to it, not merely when its own count is 0.
+CPU sets per role, with real actors."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
+import ray
 from driver_harness import make_job, policy
 
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
@@ -96,3 +99,33 @@ def test_a_workflow_worker_ignores_routes_older_than_the_ones_it_holds() -> None
     worker.set_routes({"agent": {"new": 1}}, 5)
     worker.set_routes({"agent": {"old": 1}}, 4)  # overtaken on its way: must not win
     assert installed == [{"agent": {"new": 1}}] and worker.routes_epoch == 5
+
+
+def _thread_masks(actor: Any) -> set[frozenset[int]]:
+    """The distinct CPU masks of every thread of an actor's process."""
+
+    def masks(_self: Any) -> set[frozenset[int]]:
+        return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+
+    return set(ray.get(actor.__ray_call__.remote(masks)))
+
+
+def test_each_role_runs_on_its_cpu_set(ray_local: Any) -> None:
+    """`--cpus`: engines, workflow workers and trainers each start pinned (every thread) to their CPUs."""
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    job = make_job()
+    sets = {"rollout": frozenset({first}), "workflow": frozenset({last}), "trainer": frozenset({last})}
+    fleet = Fleet(job, "objectstore", place_by_resource=False, cpu_sets=sets)
+    plain = Fleet(job, "objectstore", place_by_resource=False)
+    engine = fleet.new_engine(job.spec.policies[0]).handle
+    worker = fleet.new_worker(job.model_dump_json(by_alias=True), None, 30.0).handle
+    (trainer,) = fleet.new_trainers(job.spec.policies[0], None)
+    unpinned = plain.new_engine(job.spec.policies[0]).handle
+    try:
+        assert _thread_masks(engine) == {sets["rollout"]}
+        assert _thread_masks(worker) == {sets["workflow"]}
+        assert _thread_masks(trainer) == {sets["trainer"]}
+        assert _thread_masks(unpinned) == {frozenset(os.sched_getaffinity(0))}
+    finally:
+        for h in (engine, worker, trainer, unpinned):
+            ray.kill(h)

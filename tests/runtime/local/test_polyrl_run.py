@@ -53,6 +53,8 @@ def test_bad_job_files_give_a_clear_message(tmp_path: Path) -> None:
     assert r.returncode == 2 and "spec.training.totalSteps" in r.stderr
     r = _run(str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "cannot read" in r.stderr
+    r = _run(str(_job(tmp_path)), "--cpus", "gpu=0")
+    assert r.returncode == 2 and "--cpus gpu=0: unknown role 'gpu'" in r.stderr
 
 
 @pytest.mark.slow
@@ -68,8 +70,14 @@ def test_run_writes_results_and_resume_continues(tmp_path: Path) -> None:
     assert json.loads((out / "summary.json").read_text())["state"] == "done"
     assert (out / "checkpoints" / "step-000003" / "state.json").is_file()
 
-    r = _run(str(_job(tmp_path, "longer.yaml", totalSteps=5)), "--out", str(out), "--plain", "--resume")
+    # The resumed run also takes --cpus (each role pinned; test_fleet checks the actors' masks).
+    cpu = max(os.sched_getaffinity(0))
+    pins = [a for role in ("rollout", "workflow", "trainer") for a in ("--cpus", f"{role}={cpu}")]
+    r = _run(
+        str(_job(tmp_path, "longer.yaml", totalSteps=5)), "--out", str(out), "--plain", "--resume", *pins
+    )
     assert r.returncode == 0, r.stdout + r.stderr
+    assert f"rollout on CPU {cpu}, workflow on CPU {cpu}, trainer on CPU {cpu}" in r.stdout
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
     assert (out / "checkpoints" / "step-000005").is_dir()
