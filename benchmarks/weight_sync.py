@@ -1,6 +1,6 @@
 """Weight-sync throughput of each transport next to this machine's own bounds, measured in one run.
 
-    .venv/bin/python benchmarks/weight_sync.py [--sizes 64,256,1024] [--bucket-mb 256] [--repeats 3]
+    .venv/bin/python benchmarks/weight_sync.py [--sizes 64,256,1024] [--bucket-mb 256] [--repeats 10]
 
 Trainer and engine are separate Ray actor processes. Every figure is end to end as seen from the
 driver (publish -> the engine has applied the version); the bounds are measured the same way:
@@ -8,6 +8,9 @@ driver (publish -> the engine has applied the version); the bounds are measured 
   gloo   raw broadcast of one flat uint8 tensor between two processes (what collective is compared with)
   ray    raw Ray transfer: ray.put of one numpy array in one actor, ray.get + copy into a
          preallocated array in another (what objectstore is compared with)
+Each transport and its bound run in turns (bound, transport, bound, ...; best of `--repeats` each), so
+a slow phase of this shared machine lands on both: measured one after the other, the raw gloo bound
+alone moved between 2.7 and 4.3 GB/s from run to run at 64 MiB.
 A second table shows that control messages per sync do not grow with the number of tensors.
 The engine holds its weights in an nn.Module, as the torch engine does, so transports that can apply
 a version by swapping the module's tensors do (`--target dict`: tensors that must be overwritten in
@@ -89,6 +92,9 @@ class Worker(TrainerWeights, EngineWeights):
                 delattr(self, name)
         self.tensors = {}
         self.module: Any = None
+        self.reset_raw()
+
+    def reset_raw(self) -> None:
         self.raw_buf: Any = None
         self.pg: Any = None
         self.store: Any = None
@@ -145,82 +151,103 @@ class Counting:
         return _M()
 
 
-def best(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: first-touch page faults, group rendezvous, worker start
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+Timed = Callable[[], None]
+
+
+def timed(fn: Timed) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def best(fns: list[Timed], repeats: int) -> list[float]:
+    """The best time of each of `fns`, run in turns (a, b, a, b, ...) so that a slow phase of this
+    shared machine hits them alike; each is warmed up twice first (first-touch page faults, group
+    rendezvous, worker start; transports alternate between two buffers or objects)."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times, strict=True):
+            ts.append(timed(fn))
+    return [min(ts) for ts in times]
 
 
-def copy_bound(nbytes: int, repeats: int) -> float:
+def copy_bound(a: Any, b: Any, nbytes: int) -> tuple[Timed, Timed]:
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
 
     def one() -> None:
         dst.copy_(src)
 
-    return best(one, repeats)
+    return one, lambda: None
 
 
-def gloo_bound(a: Any, b: Any, nbytes: int, repeats: int) -> float:
+def gloo_bound(a: Any, b: Any, nbytes: int) -> tuple[Timed, Timed]:
     port = ray.get(a.gloo_host.remote())
     ray.get([a.gloo_join.remote(0, port, nbytes, 0), b.gloo_join.remote(1, port, nbytes, 0)])
 
     def one() -> None:
         ray.get([a.bcast.remote(), b.bcast.remote()])
 
-    t = best(one, repeats)
-    ray.get([a.reset.remote(), b.reset.remote()])
-    return t
+    return one, lambda: ray.get([a.reset_raw.remote(), b.reset_raw.remote()])
 
 
-def ray_bound(a: Any, b: Any, nbytes: int, repeats: int) -> float:
+def ray_bound(a: Any, b: Any, nbytes: int) -> tuple[Timed, Timed]:
     ray.get([a.ray_setup.remote(nbytes), b.ray_setup.remote(nbytes)])
-    t = best(lambda: ray.get(b.get.remote(a.put.remote())), repeats)
-    ray.get([a.reset.remote(), b.reset.remote()])
-    return t
-
-
-def transport_time(
-    a: Any, b: Any, transport: str, nbytes: int, *, n_tensors: int, bucket: int, repeats: int
-) -> tuple[float, float, int]:
-    """(best seconds per sync, engine pause of that sync, control messages per sync)."""
-    kwargs: dict[str, Any] = {"num_receivers": 1, "host": "127.0.0.1"} if transport == "collective" else {}
-    ray.get(
-        [
-            a.trainer.remote(transport, nbytes, n_tensors, bucket, kwargs),
-            b.engine.remote(transport, nbytes, n_tensors, TARGET[0]),
-        ]
+    return lambda: ray.get(b.get.remote(a.put.remote())), lambda: ray.get(
+        [a.reset_raw.remote(), b.reset_raw.remote()]
     )
-    counter = [0]
-    wsync = PolicyWeightSync(
-        "bench", Counting(a, counter), {"e0": Counting(b, counter)}, VersionRegistry(), transport=transport
-    )
-    version = [0]
-    pauses: list[float] = []
 
-    def one() -> None:
-        counter[0] = 0
-        result = wsync.sync(version[0])
-        version[0] += 1
+
+BOUNDS = {"copy": copy_bound, "gloo": gloo_bound, "ray": ray_bound}
+
+
+class Sync:
+    """One transport between trainer `a` and engine `b`: `one()` syncs the next version end to end."""
+
+    def __init__(self, a: Any, b: Any, transport: str, nbytes: int, *, n_tensors: int, bucket: int) -> None:
+        kwargs: dict[str, Any] = (
+            {"num_receivers": 1, "host": "127.0.0.1"} if transport == "collective" else {}
+        )
+        ray.get(
+            [
+                a.trainer.remote(transport, nbytes, n_tensors, bucket, kwargs),
+                b.engine.remote(transport, nbytes, n_tensors, TARGET[0]),
+            ]
+        )
+        self.a, self.b, self.transport = a, b, transport
+        self.counter = [0]
+        self.wsync = PolicyWeightSync(
+            "bench",
+            Counting(a, self.counter),
+            {"e0": Counting(b, self.counter)},
+            VersionRegistry(),
+            transport=transport,
+        )
+        self.version = 0
+        self.pauses: list[float] = []
+        self.messages = 0
+
+    def one(self) -> None:
+        self.counter[0] = 0
+        result = self.wsync.sync(self.version)
+        self.version += 1
         assert not result.failures, result.failures
-        pauses.append(result.reports["e0"].pause_s)
+        self.pauses.append(result.reports["e0"].pause_s)
+        self.messages = self.counter[0]
 
-    t = best(one, repeats)
-    messages = counter[0]
-    assert ray.get(b.check.remote()), f"{transport}: engine weights differ from the trainer's"
-    ray.get([a.reset.remote(), b.reset.remote()])
-    return t, min(pauses), messages
+    def close(self) -> None:
+        assert ray.get(self.b.check.remote()), f"{self.transport}: engine weights differ from the trainer's"
+        ray.get([self.a.reset.remote(), self.b.reset.remote()])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="64,256,1024", help="MiB of fp32 weights, comma separated")
     ap.add_argument("--bucket-mb", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--tensors", type=int, default=16, help="tensors in the model for the main table")
     ap.add_argument("--tensor-counts", default="10,1000", help="tensor counts for the control-message table")
     ap.add_argument("--target", choices=["module", "dict"], default="module", help="the engine's weights")
@@ -246,18 +273,15 @@ def main() -> None:
     )
     for mib in sizes:
         n = mib * MiB
-        bounds = {
-            "copy": copy_bound(n, args.repeats),
-            "gloo": gloo_bound(a, b, n, args.repeats),
-            "ray": ray_bound(a, b, n, args.repeats),
-        }
         for transport, bound in (("shm", "copy"), ("collective", "gloo"), ("objectstore", "ray")):
-            t, pause, _ = transport_time(
-                a, b, transport, n, n_tensors=args.tensors, bucket=bucket, repeats=args.repeats
-            )
+            bound_one, bound_close = BOUNDS[bound](a, b, n)
+            sync = Sync(a, b, transport, n, n_tensors=args.tensors, bucket=bucket)
+            t_bound, t = best([bound_one, sync.one], args.repeats)
+            bound_close()
+            sync.close()
             print(
-                f"{mib:>6} {bound:>6} {gb(n, bounds[bound]):>10.2f} {transport:>12} {gb(n, t):>6.2f} "
-                f"{bounds[bound] / t:>6.2f} {pause * 1e3:>9.1f}"
+                f"{mib:>6} {bound:>6} {gb(n, t_bound):>10.2f} {transport:>12} {gb(n, t):>6.2f} "
+                f"{t_bound / t:>6.2f} {min(sync.pauses) * 1e3:>9.1f}"
             )
 
     size = min(sizes) * MiB
@@ -265,10 +289,10 @@ def main() -> None:
     print(f"{'transport':>12} {'tensors':>8} {'messages':>9} {'GB/s':>6}")
     for transport in ("shm", "collective", "objectstore"):
         for n_tensors in (int(c) for c in args.tensor_counts.split(",")):
-            t, _, messages = transport_time(
-                a, b, transport, size, n_tensors=n_tensors, bucket=bucket, repeats=args.repeats
-            )
-            print(f"{transport:>12} {n_tensors:>8} {messages:>9} {gb(size, t):>6.2f}")
+            sync = Sync(a, b, transport, size, n_tensors=n_tensors, bucket=bucket)
+            (t,) = best([sync.one], args.repeats)
+            sync.close()
+            print(f"{transport:>12} {n_tensors:>8} {sync.messages:>9} {gb(size, t):>6.2f}")
     ray.shutdown()
 
 

@@ -7,6 +7,15 @@ engine's parameters). Torch tensors would go through the much slower torch pickl
 `RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`; numpy views need no such switch. The manifest carries the
 object references; the sender keeps the latest version's references alive so a late-joining engine
 can still fetch it, and drops them when the next version is published.
+
+An engine whose target may swap its tensors (every `TensorTarget.from_module` on the CPU: the torch
+engine) serves straight from the fetched object: each tensor becomes a typed view of the read-only
+plasma buffer that holds it, so applying a version copies nothing and pauses the engine for O(1) per
+tensor (shm and collective do the same with their staging buffers). The views keep that object
+pinned in the store until the next version replaces them; engines of the policy on one node share
+it. A tensor the layout split across two buckets, or one whose bytes are not aligned for its dtype,
+is assembled into a private tensor instead. Targets that must be written in place (and GPU engines)
+get the copy.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ from polyrl_runtime.weights.api import (
     check_manifest,
     make_report,
 )
-from polyrl_runtime.weights.buckets import byte_view, copy_pairs, layout_for, ordered_tensors
+from polyrl_runtime.weights.buckets import BucketLayout, byte_view, copy_pairs, layout_for, ordered_tensors
+from polyrl_runtime.weights.staging import swappable
 
 log = structlog.get_logger(__name__)
 
@@ -83,18 +93,49 @@ class ObjectStoreReceiver(WeightReceiver):
             return make_report(manifest, start, 0.0, applied=False)
         # Fetch every bucket before touching the engine: a failed fetch leaves the old version intact.
         buckets: list[list[np.ndarray[Any, np.dtype[np.uint8]]]] = ray.get(list(manifest.handle))
-        own = target.named_tensors()
-        ordered = [own[s.name] for s in layout.specs]
-        pairs = []
         with warnings.catch_warnings():
             # Plasma buffers are read-only; we only ever read from these tensors.
             warnings.simplefilter("ignore", UserWarning)
-            for bucket, arrays in zip(layout.buckets, buckets, strict=True):
-                for seg, arr in zip(bucket.segments, arrays, strict=True):
+            arrays = [[torch.from_numpy(a) for a in bucket] for bucket in buckets]
+        if _serves_from_store(target):
+            new = _tensors_of(layout, arrays)
+            pause_start = time.perf_counter()
+            with target.paused(manifest.version):
+                target.swap(new)  # type: ignore[attr-defined]  # swappable() checked it is a TensorTarget
+        else:
+            own = target.named_tensors()
+            ordered = [own[s.name] for s in layout.specs]
+            pairs = []
+            for bucket, segs in zip(layout.buckets, arrays, strict=True):
+                for seg, src in zip(bucket.segments, segs, strict=True):
                     dst = byte_view(ordered[seg.tensor])[seg.src_offset : seg.src_offset + seg.nbytes]
-                    pairs.append((dst, torch.from_numpy(arr)))
-        pause_start = time.perf_counter()
-        with target.paused(manifest.version):
-            copy_pairs(pairs)
+                    pairs.append((dst, src))
+            pause_start = time.perf_counter()
+            with target.paused(manifest.version):
+                copy_pairs(pairs)
         pause = time.perf_counter() - pause_start
         return make_report(manifest, start, pause, applied=True)
+
+
+def _serves_from_store(target: WeightTarget) -> bool:
+    return swappable(target) and all(t.device.type == "cpu" for t in target.named_tensors().values())
+
+
+def _tensors_of(layout: BucketLayout, arrays: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each tensor of the version: a typed view of the one fetched buffer that holds it whole, else
+    (split across buckets, misaligned, or no bytes) a private tensor assembled from its pieces."""
+    pieces: list[list[tuple[int, torch.Tensor]]] = [[] for _ in layout.specs]
+    for bucket, segs in zip(layout.buckets, arrays, strict=True):
+        for seg, src in zip(bucket.segments, segs, strict=True):
+            pieces[seg.tensor].append((seg.src_offset, src))
+    out: dict[str, torch.Tensor] = {}
+    for spec, parts in zip(layout.specs, pieces, strict=True):
+        if len(parts) == 1 and parts[0][1].data_ptr() % spec.dtype.itemsize == 0:
+            out[spec.name] = parts[0][1].view(spec.dtype).view(spec.shape)
+            continue
+        t = torch.empty(spec.shape, dtype=spec.dtype)
+        flat = byte_view(t)
+        for offset, src in parts:
+            flat[offset : offset + src.numel()].copy_(src)
+        out[spec.name] = t
+    return out

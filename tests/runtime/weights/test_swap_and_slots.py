@@ -1,4 +1,5 @@
-"""Versions applied by swapping the engine's tensors, and the `shm` slots engines serve from.
+"""Versions applied by swapping the engine's tensors, the `shm` slots engines serve from, and the
+object-store objects `objectstore` engines serve from.
 
 The trainer never waits for an engine; an engine waits for a slot being packed at most `timeout_s`,
 and in every failure keeps serving its old version, bit-exact.
@@ -167,8 +168,10 @@ class _Tied(torch.nn.Module):
         return out
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective"])
-def test_module_target_swaps_parameters_and_buffers(transport: str) -> None:
+@pytest.mark.parametrize("transport", ["shm", "collective", "objectstore"])
+def test_module_target_swaps_parameters_and_buffers(transport: str, request: pytest.FixtureRequest) -> None:
+    if transport == "objectstore":
+        request.getfixturevalue("ray_session")
     torch.manual_seed(0)
     trainer, engine = _Tied(), _Tied()
     for p in engine.parameters():
@@ -207,8 +210,10 @@ def test_module_target_swaps_parameters_and_buffers(transport: str) -> None:
         receiver.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "collective"])
-def test_a_receiver_never_writes_buffers_another_target_serves_from(transport: str) -> None:
+@pytest.mark.parametrize("transport", ["shm", "collective", "objectstore"])
+def test_a_receiver_never_writes_buffers_another_target_serves_from(transport: str, request: pytest.FixtureRequest) -> None:
+    if transport == "objectstore":
+        request.getfixturevalue("ray_session")
     # One receiver, targets taking turns: each swapped target keeps the bytes of its version.
     kwargs: dict[str, Any] = {"num_receivers": 1, "host": "127.0.0.1"} if transport == "collective" else {}
     sender = make_sender(transport, "p", 256, **kwargs)
@@ -231,3 +236,27 @@ def test_a_receiver_never_writes_buffers_another_target_serves_from(transport: s
         receiver.close()
     for v, target in enumerate(targets):
         assert all(bit_equal(target.named_tensors()[k], x) for k, x in versions[v].items()), v
+
+
+def test_objectstore_engines_serve_from_the_fetched_object(ray_session: Any) -> None:
+    """Whole tensors become views of the object (engines on one node share its memory, nothing is
+    copied); a tensor split across buckets is assembled privately; every byte is exact either way."""
+    versions = [random_tensors(MANY, seed=s) for s in range(2)]
+    nbytes = {k: t.numel() * t.element_size() for k, t in versions[0].items()}
+    for bucket_bytes, shared in ((1 << 20, True), (999, False)):
+        sender, receivers = make_sender("objectstore", "p", bucket_bytes), [make_receiver("objectstore")] * 2
+        targets = [zeros_like_all(versions[0], swappable=True) for _ in receivers]
+        try:
+            for v, tensors in enumerate(versions):
+                manifest = sender.publish(v, tensors)
+                reports = [r.receive(manifest, t) for r, t in zip(receivers, targets, strict=True)]
+                assert all(r.applied for r in reports)
+                for target in targets:
+                    assert all(bit_equal(target.named_tensors()[k], x) for k, x in tensors.items())
+                a, b = (t.named_tensors() for t in targets)
+                same = {k for k in a if nbytes[k] and a[k].data_ptr() == b[k].data_ptr()}
+                # 1 MiB buckets: one object holds every tensor whole. 999 bytes: each w* (4000+ bytes)
+                # spans buckets, so only the small ones can be views.
+                assert same == ({k for k in a if nbytes[k]} if shared else {"bf", "mask"}), same
+        finally:
+            sender.close()
