@@ -211,7 +211,9 @@ def test_module_target_swaps_parameters_and_buffers(transport: str, request: pyt
 
 
 @pytest.mark.parametrize("transport", ["shm", "collective", "objectstore"])
-def test_a_receiver_never_writes_buffers_another_target_serves_from(transport: str, request: pytest.FixtureRequest) -> None:
+def test_a_receiver_never_writes_buffers_another_target_serves_from(
+    transport: str, request: pytest.FixtureRequest
+) -> None:
     if transport == "objectstore":
         request.getfixturevalue("ray_session")
     # One receiver, targets taking turns: each swapped target keeps the bytes of its version.
