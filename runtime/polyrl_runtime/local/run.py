@@ -80,17 +80,42 @@ def _prepare_out(out: Path, resume: bool, job: RLJob) -> tuple[Path, list[dict[s
     return root, rows
 
 
-def _print_summary(display: ProgressDisplay, s: RunSummary, out: Path, pngs: list[Path]) -> None:
+TAIL_STEPS = 10  # the summary's "last steps" mean: one step's 64 episodes are a noisy reading
+
+
+def tail_means(rows: list[dict[str, Any]], policy: str, n: int = TAIL_STEPS) -> dict[str, Any]:
+    """Mean reward and success of `policy` over its last `n` steps (fewer if it has fewer)."""
+    tail = [r for r in rows if r["policy"] == policy][-n:]
+    out: dict[str, Any] = {"steps": len(tail)}
+    for key in ("reward_mean", "success_mean"):
+        vals = [float(r[key]) for r in tail if r.get(key) is not None]
+        out[key] = sum(vals) / len(vals) if vals else None
+    return out
+
+
+def _with_tail(text: str, tail: dict[str, Any], key: str, fmt: str) -> str:
+    value = tail.get(key)
+    if tail["steps"] > 1 and value is not None:
+        return f"{text} (mean of the last {tail['steps']} steps: {value:{fmt}})"
+    return text
+
+
+def _print_summary(
+    display: ProgressDisplay, s: RunSummary, out: Path, pngs: list[Path], tails: dict[str, dict[str, Any]]
+) -> None:
     w = display.message
     w("")
     w(f"== {s.state}: {s.message} ({s.wall_s:.0f}s, {s.episodes} episodes)")
     for p, step in s.steps.items():
         first, last = display.first.get(p), display.latest.get(p)
+        tail = tails.get(p, {"steps": 0})
         f = "-" if first is None or first.reward_mean is None else f"{first.reward_mean:.3f}"
         lst = "-" if last is None or last.reward_mean is None else f"{last.reward_mean:.3f}"
+        lst = _with_tail(lst, tail, "reward_mean", ".3f")
         succ = ""
         if first and last and first.success_mean is not None and last.success_mean is not None:
             succ = f", success {first.success_mean:.2f} -> {last.success_mean:.2f}"
+            succ = _with_tail(succ, tail, "success_mean", ".2f")
         dropped = ", ".join(f"{k} {v}" for k, v in s.dropped.get(p, {}).items() if v) or "none"
         w(f"   {p}: {step} steps, reward {f} -> {lst}{succ}; dropped samples: {dropped}")
     if s.failed:
@@ -191,10 +216,12 @@ def run_local(
         ray.shutdown()
     write_csv(out_dir / "metrics.csv", rows)
     pngs = reward_curves(out_dir, rows)
+    tails = {p: tail_means(rows, p) for p in summary.steps}
     doc = asdict(summary)
     doc.pop("records")
+    doc["last_steps_mean"] = tails
     (out_dir / "summary.json").write_text(json.dumps(doc, indent=1, default=str))
-    _print_summary(display, summary, out_dir, pngs)
+    _print_summary(display, summary, out_dir, pngs, tails)
     if summary.state == "failed":
         sys.stderr.write(f"error: {summary.message}\n")
         return 1

@@ -65,6 +65,11 @@ def test_run_writes_results_and_resume_continues(tmp_path: Path) -> None:
     assert "== done" in r.stdout and "agent: 3 steps" in r.stdout
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3]
+    # The summary also gives the mean of the last (up to 10) steps, a steadier reading than one step.
+    tail = json.loads((out / "summary.json").read_text())["last_steps_mean"]["agent"]
+    assert tail["steps"] == 3
+    assert tail["reward_mean"] == pytest.approx(sum(x["reward_mean"] for x in rows) / 3)
+    assert f"(mean of the last 3 steps: {tail['reward_mean']:.3f})" in r.stdout
     assert (out / "metrics.csv").read_text().count("\n") == 4
     assert (out / "reward_agent.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "summary.json").read_text())["state"] == "done"
@@ -80,6 +85,7 @@ def test_run_writes_results_and_resume_continues(tmp_path: Path) -> None:
     assert f"rollout on CPU {cpu}, workflow on CPU {cpu}, trainer on CPU {cpu}" in r.stdout
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
+    assert json.loads((out / "summary.json").read_text())["last_steps_mean"]["agent"]["steps"] == 5
     assert (out / "checkpoints" / "step-000005").is_dir()
 
 
@@ -112,3 +118,13 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
     steps = summary["steps"]["agent"]
     assert 2 <= steps < 500
     assert (out / "checkpoints" / f"step-{steps:06d}" / "state.json").is_file()
+
+
+def test_tail_means_cover_the_last_steps_of_each_policy() -> None:
+    from polyrl_runtime.local.run import tail_means
+
+    rows = [{"policy": p, "reward_mean": float(i), "success_mean": None} for i in range(15) for p in "ab"]
+    rows.append({"policy": "a", "reward_mean": None, "success_mean": 1.0})
+    assert tail_means(rows, "a") == {"steps": 10, "reward_mean": sum(range(6, 15)) / 9, "success_mean": 1.0}
+    assert tail_means(rows, "b", n=2) == {"steps": 2, "reward_mean": 13.5, "success_mean": None}
+    assert tail_means(rows, "c") == {"steps": 0, "reward_mean": None, "success_mean": None}
