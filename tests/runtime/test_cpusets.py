@@ -107,7 +107,8 @@ def test_pinning_covers_every_thread_of_the_process() -> None:
     pinned, masks = r.stdout.splitlines()[-2:]  # after the "cpus.pinned" log line
     assert pinned == f"[{cpu}]"
     n_threads, _, rest = masks.partition(" ")
-    assert int(n_threads) == 4  # main and the three late threads (the early ones have exited)
+    # main and the three late threads; an early thread can linger in /proc for a moment after join()
+    assert int(n_threads) >= 4
     assert rest == f"[[{cpu}]]"
 
 
