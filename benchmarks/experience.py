@@ -29,6 +29,7 @@ import ray
 
 from polyrl_runtime.experience import Episode, PolicyConfig, Turn
 from polyrl_runtime.experience.actor import create_experience_actor
+from polyrl_runtime.experience.wire import EpisodeBatch
 
 POLICIES = ("a", "b")
 
@@ -86,7 +87,7 @@ class Producer:
         while True:
             t = time.perf_counter()
             tickets, versions = ray.get(
-                buf.exchange.remote(items, POLICIES, min(batch, episodes - done), None)
+                buf.exchange.remote(EpisodeBatch(items), POLICIES, min(batch, episodes - done), None)
             )
             self.blocked_s += time.perf_counter() - t
             if not tickets:

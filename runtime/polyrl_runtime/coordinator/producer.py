@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import structlog
 
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.experience.buffer import UnknownTicketError
+from polyrl_runtime.experience.wire import TicketBatch
 from polyrl_runtime.workflows.runner import GroupReport
 
 log = structlog.get_logger(__name__)
@@ -102,7 +103,11 @@ class EpisodeProducer:
             groups = []
             for i in range(0, len(tickets), self.group_size):
                 groups.append(
-                    (f"g{self.group_seq}", self._rng.randrange(2**31), tickets[i : i + self.group_size])
+                    (
+                        f"g{self.group_seq}",
+                        self._rng.randrange(2**31),
+                        TicketBatch(tickets[i : i + self.group_size]),
+                    )
                 )
                 self.group_seq += 1
             worker.in_flight += len(tickets)
@@ -113,7 +118,7 @@ class EpisodeProducer:
         for t in pending:
             t.cancel()
 
-    async def _run_groups(self, worker: Slot, groups: list[tuple[str, int, list[Any]]]) -> None:
+    async def _run_groups(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any]]]) -> None:
         n = sum(len(t) for _, _, t in groups)
         try:
             results: list[GroupReport | str] = await worker.handle.run_groups.remote(groups)

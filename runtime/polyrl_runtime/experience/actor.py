@@ -21,6 +21,7 @@ from polyrl_runtime.experience.buffer import (
     Ticket,
 )
 from polyrl_runtime.experience.types import Episode
+from polyrl_runtime.experience.wire import TicketBatch
 
 
 class ExperienceService:
@@ -40,14 +41,14 @@ class ExperienceService:
 
     def acquire(self, policies: Sequence[str], n: int = 1, timeout: float | None = 0.0) -> list[Ticket]:
         """Up to `n` tickets; waits (up to `timeout`) only for the first."""
-        return self.buffer.acquire_many(policies, n, timeout)
+        return TicketBatch(self.buffer.acquire_many(policies, n, timeout))
 
     def release(self, tickets: Sequence[Ticket]) -> None:
         for t in tickets:
             self.buffer.release(t)
 
     def put(self, items: Sequence[tuple[Ticket, Episode]]) -> None:
-        """Put a batch of finished episodes, all or none."""
+        """Put a batch of finished episodes, all or none (callers send an `EpisodeBatch`: see wire.py)."""
         self.buffer.put_many(items)
 
     def pull(
@@ -80,7 +81,7 @@ class ExperienceService:
         """A workflow worker's one call per batch: put finished episodes, take credit for the next ones,
         and learn each policy's current version (which its engines should be serving)."""
         self.put(items)
-        tickets = self.acquire(policies, n, timeout) if n > 0 else []
+        tickets = self.acquire(policies, n, timeout) if n > 0 else TicketBatch()
         return tickets, self.versions()
 
     def ack(self, lease_ids: Sequence[int]) -> None:

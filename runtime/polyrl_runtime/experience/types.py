@@ -108,18 +108,69 @@ class Episode:
         ]
 
     def __reduce__(self) -> Any:
-        # On the wire an episode is one flat int32 array (every turn's prompt, response, versions and
-        # allowed ids, then every turn's logprobs as raw float32 bits) plus lengths, not five small
-        # arrays per turn: Ray handles each numpy buffer separately, and per-buffer overhead, not
-        # bytes, dominates episode transfer.
-        parts = [a for t in self.turns for a in (t.prompt_ids, t.response_ids, t.versions, t.allowed_ids)]
-        parts += [t.logprobs.view(np.int32) for t in self.turns]
-        flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        heads = tuple(
-            (t.agent, t.policy, len(t.prompt_ids), len(t.response_ids), len(t.allowed_ids))
-            for t in self.turns
+        return _rebuild_episode, pack_episodes([self])
+
+
+# One head per episode: (episode id, per-turn (agent, policy, prompt, response, allowed lengths), rewards,
+# metadata). Builtins only: Ray's pickler runs a Python hook for every other object it meets.
+EpisodeHead = tuple[str, tuple[tuple[str, str, int, int, int], ...], dict[str, float], dict[str, Any]]
+
+
+def pack_episodes(episodes: Sequence[Episode]) -> tuple[list[EpisodeHead], IntArray]:
+    """Episodes as builtin heads plus one flat int32 array: each episode's prompts, responses, versions
+    and allowed ids, then its logprobs as raw float32 bits. Ray handles each numpy buffer separately,
+    and per-object overhead, not bytes, dominates episode transfer."""
+    heads: list[EpisodeHead] = []
+    parts: list[npt.NDArray[Any]] = []
+    for e in episodes:
+        parts += [a for t in e.turns for a in (t.prompt_ids, t.response_ids, t.versions, t.allowed_ids)]
+        parts += [t.logprobs.view(np.int32) for t in e.turns]
+        turns = tuple(
+            (t.agent, t.policy, len(t.prompt_ids), len(t.response_ids), len(t.allowed_ids)) for t in e.turns
         )
-        return _rebuild_episode, (self.episode_id, heads, flat, dict(self.rewards), dict(self.metadata))
+        heads.append((e.episode_id, turns, dict(e.rewards), dict(e.metadata)))
+    return heads, np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episode]:
+    """The inverse of `pack_episodes`; every array is a view into `flat`."""
+    # The layout was written by `pack_episodes` from validated turns, so the turns are rebuilt
+    # unchecked: re-validating five arrays per turn was most of the buffer's deserialisation time.
+    out, i = [], 0
+    for episode_id, heads_of_turns, rewards, metadata in heads:
+        turns = []
+        f = i + sum(n_prompt + 2 * n_resp + n_allowed for _, _, n_prompt, n_resp, n_allowed in heads_of_turns)
+        for agent, policy, n_prompt, n_resp, n_allowed in heads_of_turns:
+            r, v, a = i + n_prompt, i + n_prompt + n_resp, i + n_prompt + 2 * n_resp
+            turns.append(
+                _unchecked(
+                    Turn,
+                    agent=agent,
+                    policy=policy,
+                    prompt_ids=flat[i:r],
+                    response_ids=flat[r:v],
+                    logprobs=flat[f : f + n_resp].view(np.float32),
+                    versions=flat[v:a],
+                    allowed_ids=flat[a : a + n_allowed],
+                )
+            )
+            i = a + n_allowed
+            f += n_resp
+        i = f  # past this episode's logprobs
+        out.append(
+            _unchecked(
+                Episode,
+                episode_id=episode_id,
+                turns=tuple(turns),
+                rewards=MappingProxyType(rewards),
+                metadata=metadata,
+            )
+        )
+    return out
+
+
+def _rebuild_episode(heads: list[EpisodeHead], flat: IntArray) -> Episode:
+    return unpack_episodes(heads, flat)[0]
 
 
 def _unchecked(cls: type[_T], **fields: Any) -> _T:
@@ -128,42 +179,6 @@ def _unchecked(cls: type[_T], **fields: Any) -> _T:
     obj = object.__new__(cls)
     obj.__dict__.update(fields)
     return obj
-
-
-def _rebuild_episode(
-    episode_id: str,
-    heads: tuple[tuple[str, str, int, int, int], ...],
-    flat: IntArray,
-    rewards: dict[str, float],
-    metadata: dict[str, Any],
-) -> Episode:
-    # The layout was written by `Episode.__reduce__` from validated turns, so the turns are rebuilt
-    # unchecked: re-validating five arrays per turn was most of the buffer's deserialisation time.
-    turns, i = [], 0
-    f = sum(n_prompt + 2 * n_resp + n_allowed for _, _, n_prompt, n_resp, n_allowed in heads)
-    for agent, policy, n_prompt, n_resp, n_allowed in heads:
-        r, v, a = i + n_prompt, i + n_prompt + n_resp, i + n_prompt + 2 * n_resp
-        turns.append(
-            _unchecked(
-                Turn,
-                agent=agent,
-                policy=policy,
-                prompt_ids=flat[i:r],
-                response_ids=flat[r:v],
-                logprobs=flat[f : f + n_resp].view(np.float32),
-                versions=flat[v:a],
-                allowed_ids=flat[a : a + n_allowed],
-            )
-        )
-        i = a + n_allowed
-        f += n_resp
-    return _unchecked(
-        Episode,
-        episode_id=episode_id,
-        turns=tuple(turns),
-        rewards=MappingProxyType(rewards),
-        metadata=metadata,
-    )
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,6 +26,7 @@ from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.buffer import Ticket
 from polyrl_runtime.experience.types import Episode
+from polyrl_runtime.experience.wire import EpisodeBatch
 from polyrl_runtime.models import Tokenizer, load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, load_workflow
 
@@ -189,7 +190,7 @@ class WorkflowWorker:
             for (t, _, e), s in zip(done, signals, strict=True)
         ]
         if items:
-            await self.buffer.put.remote(items)
+            await self.buffer.put.remote(EpisodeBatch(items))
         if failed:
             await self.buffer.release.remote(failed)
         return GroupReport(group_id, [r for r, _ in results], self.pool.take_dead(), time.monotonic() - start)

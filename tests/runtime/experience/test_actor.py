@@ -7,6 +7,7 @@ from typing import Any
 
 from polyrl_runtime.experience import Episode, PolicyConfig, Turn
 from polyrl_runtime.experience.actor import create_experience_actor
+from polyrl_runtime.experience.wire import EpisodeBatch, TicketBatch
 
 
 def _episode(i: int) -> Episode:
@@ -29,9 +30,11 @@ def test_actor_streams_and_redelivers_after_trainer_crash(ray_session: Any) -> N
     buf = create_experience_actor(configs, 16)
 
     @ray.remote(num_cpus=0)
-    def workflow(buf: Any, start: int, n: int) -> int:
+    def workflow(buf: Any, start: int, n: int, wire: bool = True) -> int:
         tickets = ray.get(buf.acquire.remote(["speaker", "listener"], n, None))
-        ray.get(buf.put.remote([(t, _episode(start + k)) for k, t in enumerate(tickets)]))
+        assert isinstance(tickets, TicketBatch)
+        items = [(t, _episode(start + k)) for k, t in enumerate(tickets)]
+        ray.get(buf.put.remote(EpisodeBatch(items) if wire else items))  # both forms are accepted
         return len(tickets)
 
     @ray.remote(num_cpus=0)
@@ -42,7 +45,9 @@ def test_actor_streams_and_redelivers_after_trainer_crash(ray_session: Any) -> N
         return list(lease.batch.sample_ids)
 
     try:
-        assert sum(ray.get([workflow.remote(buf, 0, 4), workflow.remote(buf, 100, 4)], timeout=120)) == 8
+        assert (
+            sum(ray.get([workflow.remote(buf, 0, 4), workflow.remote(buf, 100, 4, False)], timeout=120)) == 8
+        )
         # A trainer takes 3 speaker samples and dies before acking; they come back first.
         lost = ray.get(trainer.remote(buf, "speaker", "t-1", 3, False), timeout=120)
         assert ray.get(buf.consumer_failed.remote("t-1")) == 3

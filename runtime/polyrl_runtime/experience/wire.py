@@ -1,0 +1,49 @@
+"""Wire formats of the buffer actor's batched calls: a put of finished episodes, a batch of tickets.
+
+Ray serialises call arguments and results with cloudpickle, which runs a Python hook for every object
+that is not a builtin scalar or container. A 32-episode put as a list of `(Ticket, Episode)` pairs cost
+0.52 ms to serialise on this machine, one numpy array of the same bytes 0.015 ms. These list subclasses
+behave as the lists they are, and pickle as builtin lists plus one flat array for the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from polyrl_runtime.experience.buffer import Ticket
+from polyrl_runtime.experience.types import Episode, EpisodeHead, IntArray, pack_episodes, unpack_episodes
+
+
+class EpisodeBatch(list[tuple[Ticket, Episode]]):
+    """Finished episodes with the tickets they were played under: what a workflow worker puts."""
+
+    def __reduce__(self) -> Any:
+        heads, flat = pack_episodes([e for _, e in self])
+        return _rebuild_episode_batch, (
+            [t.ticket_id for t, _ in self],
+            [t.policies for t, _ in self],
+            heads,
+            flat,
+        )
+
+
+def _rebuild_episode_batch(
+    ticket_ids: list[int], policies: list[frozenset[str]], heads: list[EpisodeHead], flat: IntArray
+) -> EpisodeBatch:
+    tickets = (Ticket(i, p) for i, p in zip(ticket_ids, policies, strict=True))
+    return EpisodeBatch(zip(tickets, unpack_episodes(heads, flat), strict=True))
+
+
+class TicketBatch(list[Ticket]):
+    """Tickets as the buffer hands them out (one call, many tickets)."""
+
+    def __init__(self, tickets: Iterable[Ticket] = ()) -> None:
+        super().__init__(tickets)
+
+    def __reduce__(self) -> Any:
+        return _rebuild_tickets, ([t.ticket_id for t in self], [t.policies for t in self])
+
+
+def _rebuild_tickets(ticket_ids: list[int], policies: list[frozenset[str]]) -> TicketBatch:
+    return TicketBatch(Ticket(i, p) for i, p in zip(ticket_ids, policies, strict=True))
