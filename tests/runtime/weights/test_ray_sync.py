@@ -138,3 +138,60 @@ def test_a_catch_up_never_lands_after_a_newer_sync(ray_session: Any) -> None:
         ray.get(trainer.close_weights.remote())
         for a in (trainer, e0, late):
             ray.kill(a)
+
+
+class FlakyTrainer(Trainer):
+    """A trainer whose next gather fails once when told to; it records how each publish was asked."""
+
+    def __init__(self, transport: str, kwargs: dict[str, Any]) -> None:
+        super().__init__(transport, kwargs)
+        self.fail_next = False
+        self.calls: list[bool] = []
+
+    def break_next_gather(self) -> None:
+        self.fail_next = True
+
+    def publish_weights(self, version: int, *, announced: bool = False) -> WeightManifest:
+        self.calls.append(announced)
+        return TrainerWeights.publish_weights(self, version, announced=announced)
+
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("parameter gather failed")
+        return _model(self.step)
+
+    def announced(self) -> list[bool]:
+        return self.calls
+
+
+def test_collective_syncs_are_announced_and_a_failed_publish_releases_the_engines(ray_session: Any) -> None:
+    """After a sync every engine received, the next is announced to the engines as it is published.
+    A trainer that then fails to publish tells them (an aborted header): they return, keep their
+    version, and stay in the group, so the next sync needs no new group."""
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = ray.remote(num_cpus=0)(FlakyTrainer).remote(
+        "collective", {"num_receivers": 2, "timeout_s": 600.0}
+    )
+    engines = {f"e{i}": ray.remote(num_cpus=0)(Engine).remote("collective") for i in range(2)}
+    try:
+        wsync = PolicyWeightSync("alice", trainer, engines, VersionRegistry(), transport="collective")
+        for version in range(2):
+            ray.get(trainer.train_step.remote())
+            assert not wsync.sync(version).failures
+        ray.get(trainer.break_next_gather.remote())
+        with pytest.raises(Exception, match="parameter gather failed"):
+            wsync.sync(2)
+        assert ray.get([e.weight_version.remote() for e in engines.values()]) == [1, 1]
+        ray.get(trainer.train_step.remote())
+        result = wsync.sync(2)
+        assert not result.failures and all(r.applied for r in result.reports.values())
+        for e in engines.values():
+            assert ray.get(e.fingerprint.remote()) == _expected(3)
+        # The first sync and the one after the failure are plain; the others were announced.
+        assert ray.get(trainer.announced.remote()) == [False, True, True, False]
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in (trainer, *engines.values()):
+            ray.kill(a)

@@ -251,3 +251,84 @@ def test_large_round_trip(transport: str) -> None:
         sender.close()
     assert report.nbytes > 280 << 20
     assert all(bit_equal(target.named_tensors()[k], t) for k, t in tensors.items())
+
+
+def _receive_in_threads(receivers: list[Any], manifest: Any, targets: list[Any]) -> tuple[list[Any], Any]:
+    import threading
+
+    out: list[Any] = [None] * len(receivers)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = receivers[i].receive(manifest, targets[i])
+        except BaseException as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(receivers))]
+    for t in threads:
+        t.start()
+    return out, threads
+
+
+def test_collective_receivers_size_the_data_from_the_broadcast_not_the_manifest() -> None:
+    """An announced sync hands engines a guess (the last manifest, next version). The header of the
+    broadcast carries the real version and, when it changed, the layout: a wrong guess never
+    desynchronises the group."""
+    from dataclasses import replace
+
+    tensors = random_tensors(MIXED)
+    sender, receivers = make_pair("collective", 2, 256)
+    targets = [zeros_like_all(tensors) for _ in receivers]
+    try:
+        _ok(sync(sender, receivers, targets, 0, tensors))
+        first = sender.latest
+        assert first is not None
+        # Version 1 has one tensor more than the engines: they drain it and reject it by name.
+        extra = {**random_tensors(MIXED, seed=1), "zz.extra": torch.ones(1000)}
+        out, threads = _receive_in_threads(receivers, replace(first, version=1), targets)
+        sender.publish(1, extra)
+        for t in threads:
+            t.join()
+        sender.wait()
+        assert all(isinstance(e, WeightMismatchError) and e.name == "zz.extra" for e in out)
+        assert all(t.version == 0 for t in targets)
+        # Version 2 is back to the engines' layout, while the guess still names version 1's layout.
+        later = random_tensors(MIXED, seed=2)
+        guess = replace(first, version=2, layout=replace(first.layout, buckets=first.layout.buckets[:1]))
+        out, threads = _receive_in_threads(receivers, guess, targets)
+        sender.publish(2, later)
+        for t in threads:
+            t.join()
+        sender.wait()
+    finally:
+        sender.close()
+    assert all(isinstance(r, SyncReport) and r.applied and r.version == 2 for r in out), out
+    for target in targets:
+        assert target.version == 2
+        assert all(bit_equal(target.named_tensors()[k], t) for k, t in later.items())
+
+
+def test_collective_abort_releases_announced_receivers_and_keeps_the_group() -> None:
+    from dataclasses import replace
+
+    tensors = random_tensors(MIXED)
+    sender, receivers = make_pair("collective", 2, 512)
+    targets = [zeros_like_all(tensors) for _ in receivers]
+    try:
+        _ok(sync(sender, receivers, targets, 0, tensors))
+        assert sender.latest is not None
+        generation, ranks = sender.latest.handle.generation, [r.rank for r in receivers]  # type: ignore[attr-defined]
+        out, threads = _receive_in_threads(receivers, replace(sender.latest, version=1), targets)
+        sender.abort(1)  # e.g. the trainer's parameter gather failed after the sync was announced
+        for t in threads:
+            t.join()
+        assert all(isinstance(e, WeightSyncError) and "could not publish version 1" in str(e) for e in out)
+        assert all(t.version == 0 for t in targets)
+        later = random_tensors(MIXED, seed=5)
+        reports = _ok(sync(sender, receivers, targets, 1, later))  # the same group, no rebuild
+        assert sender.latest.handle.generation == generation
+        assert [r.rank for r in receivers] == ranks  # type: ignore[attr-defined]
+    finally:
+        sender.close()
+    assert all(r.applied for r in reports)
+    assert all(bit_equal(t.named_tensors()[k], v) for t in targets for k, v in later.items())
