@@ -61,6 +61,14 @@ class Turn:
         if not self.agent or not self.policy:
             raise ValueError("agent and policy names must be non-empty")
 
+    @cached_property
+    def min_version(self) -> int:
+        """The oldest policy version among the response tokens (set in bulk by `unpack_episodes`)."""
+        return int(self.versions.min())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _without_row(self.__dict__)
+
 
 @dataclass(frozen=True, eq=False)
 class Episode:
@@ -88,7 +96,8 @@ class Episode:
         """One sample per turn; they share the episode id and carry the turn's agent reward."""
         eid, rewards = self.episode_id, self.rewards
         # Built unchecked: every field comes from this (validated) episode, and the buffer makes
-        # one sample per turn of every episode it takes in.
+        # one sample per turn of every episode it takes in. A turn unpacked from the wire passes on
+        # where its row sits in its policy's columns (see `_Rows`).
         return [
             _unchecked(
                 Sample,
@@ -103,6 +112,8 @@ class Episode:
                 versions=t.versions,
                 reward=rewards[t.agent],
                 allowed_ids=t.allowed_ids,
+                min_version=t.min_version,
+                _row=t.__dict__.get("_row"),
             )
             for i, t in enumerate(self.turns)
         ]
@@ -117,46 +128,105 @@ EpisodeHead = tuple[str, tuple[tuple[str, str, int, int, int], ...], dict[str, f
 
 
 def pack_episodes(episodes: Sequence[Episode]) -> tuple[list[EpisodeHead], IntArray]:
-    """Episodes as builtin heads plus one flat int32 array: each episode's prompts, responses, versions
-    and allowed ids, then its logprobs as raw float32 bits. Ray handles each numpy buffer separately,
-    and per-object overhead, not bytes, dominates episode transfer."""
+    """Episodes as builtin heads plus one flat int32 array, column by column for each policy: all its
+    turns' prompts, then responses, versions, allowed ids and logprobs (as raw float32 bits).
+
+    One array: Ray handles each numpy buffer separately, and per-object overhead, not bytes, dominates
+    episode transfer. Columns: a trainer's batch of consecutive samples is then a slice of them."""
     heads: list[EpisodeHead] = []
-    parts: list[npt.NDArray[Any]] = []
+    by_policy: dict[str, list[Turn]] = {}
     for e in episodes:
-        parts += [a for t in e.turns for a in (t.prompt_ids, t.response_ids, t.versions, t.allowed_ids)]
-        parts += [t.logprobs.view(np.int32) for t in e.turns]
+        for t in e.turns:
+            by_policy.setdefault(t.policy, []).append(t)
         turns = tuple(
             (t.agent, t.policy, len(t.prompt_ids), len(t.response_ids), len(t.allowed_ids)) for t in e.turns
         )
         heads.append((e.episode_id, turns, dict(e.rewards), dict(e.metadata)))
+    parts: list[npt.NDArray[Any]] = []
+    for turns_of_policy in by_policy.values():
+        for column in ("prompt_ids", "response_ids", "versions", "allowed_ids"):
+            parts += [getattr(t, column) for t in turns_of_policy]
+        parts += [t.logprobs.view(np.int32) for t in turns_of_policy]
     return heads, np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class _Rows:
+    """One policy's columns from one unpacked batch. A turn (and its sample) knows its row, so a
+    batch of consecutive rows is built from slices, not by copying every sample."""
+
+    prompt_ids: IntArray
+    prompt_offsets: npt.NDArray[np.int64]
+    response_ids: IntArray
+    response_offsets: npt.NDArray[np.int64]
+    logprobs: FloatArray
+    versions: IntArray
+    allowed_ids: IntArray
+    allowed_offsets: npt.NDArray[np.int64]
+
+
+def _columns(flat: IntArray, start: int, lengths: list[tuple[int, int, int]]) -> tuple[_Rows, int]:
+    n_prompt, n_resp, n_allowed = (sum(x) for x in zip(*lengths, strict=True))
+    r = start + n_prompt
+    v = r + n_resp
+    a = v + n_resp
+    lp = a + n_allowed
+    rows = _Rows(
+        prompt_ids=flat[start:r],
+        prompt_offsets=_offsets([x[0] for x in lengths]),
+        response_ids=flat[r:v],
+        response_offsets=_offsets([x[1] for x in lengths]),
+        logprobs=flat[lp : lp + n_resp].view(np.float32),
+        versions=flat[v:a],
+        allowed_ids=flat[a:lp],
+        allowed_offsets=_offsets([x[2] for x in lengths]),
+    )
+    return rows, lp + n_resp
 
 
 def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episode]:
     """The inverse of `pack_episodes`; every array is a view into `flat`."""
+    lengths: dict[str, list[tuple[int, int, int]]] = {}
+    for _, turns_of_episode, _, _ in heads:
+        for _, policy, n_prompt, n_resp, n_allowed in turns_of_episode:
+            lengths.setdefault(policy, []).append((n_prompt, n_resp, n_allowed))
+    columns: dict[str, tuple[_Rows, list[int], list[int], list[int], list[int]]] = {}
+    end = 0
+    for policy, lens in lengths.items():
+        rows, end = _columns(flat, end, lens)
+        # Every turn's oldest version in one call (the buffer checks staleness against it).
+        mins = np.minimum.reduceat(rows.versions, rows.response_offsets[:-1]).tolist()
+        columns[policy] = (
+            rows,
+            rows.prompt_offsets.tolist(),
+            rows.response_offsets.tolist(),
+            rows.allowed_offsets.tolist(),
+            mins,
+        )
     # The layout was written by `pack_episodes` from validated turns, so the turns are rebuilt
     # unchecked: re-validating five arrays per turn was most of the buffer's deserialisation time.
-    out, i = [], 0
-    for episode_id, heads_of_turns, rewards, metadata in heads:
+    taken = dict.fromkeys(lengths, 0)
+    out = []
+    for episode_id, turns_of_episode, rewards, metadata in heads:
         turns = []
-        f = i + sum(n_prompt + 2 * n_resp + n_allowed for _, _, n_prompt, n_resp, n_allowed in heads_of_turns)
-        for agent, policy, n_prompt, n_resp, n_allowed in heads_of_turns:
-            r, v, a = i + n_prompt, i + n_prompt + n_resp, i + n_prompt + 2 * n_resp
+        for agent, policy, _, _, _ in turns_of_episode:
+            rows, po, ro, ao, mins = columns[policy]
+            i = taken[policy]
+            taken[policy] = i + 1
             turns.append(
                 _unchecked(
                     Turn,
                     agent=agent,
                     policy=policy,
-                    prompt_ids=flat[i:r],
-                    response_ids=flat[r:v],
-                    logprobs=flat[f : f + n_resp].view(np.float32),
-                    versions=flat[v:a],
-                    allowed_ids=flat[a : a + n_allowed],
+                    prompt_ids=rows.prompt_ids[po[i] : po[i + 1]],
+                    response_ids=rows.response_ids[ro[i] : ro[i + 1]],
+                    logprobs=rows.logprobs[ro[i] : ro[i + 1]],
+                    versions=rows.versions[ro[i] : ro[i + 1]],
+                    allowed_ids=rows.allowed_ids[ao[i] : ao[i + 1]],
+                    min_version=mins[i],
+                    _row=(rows, i),
                 )
             )
-            i = a + n_allowed
-            f += n_resp
-        i = f  # past this episode's logprobs
         out.append(
             _unchecked(
                 Episode,
@@ -171,6 +241,10 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
 
 def _rebuild_episode(heads: list[EpisodeHead], flat: IntArray) -> Episode:
     return unpack_episodes(heads, flat)[0]
+
+
+def _without_row(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k != "_row"}
 
 
 def _unchecked(cls: type[_T], **fields: Any) -> _T:
@@ -204,11 +278,30 @@ class Sample:
         Cached: the buffer checks it on put, on every version advance and on ack."""
         return int(self.versions.min())
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A snapshot keeps this sample's own arrays, not the whole batch its row was unpacked from.
+        return _without_row(self.__dict__)
+
     @property
     def nbytes(self) -> int:
         return int(
             self.prompt_ids.nbytes + self.response_ids.nbytes + self.logprobs.nbytes + self.versions.nbytes
         )
+
+
+def _consecutive_rows(samples: Sequence[Sample]) -> tuple[_Rows, int, int] | None:
+    """(columns, first row, end row) when the samples are consecutive rows of one unpacked batch."""
+    if not samples:
+        return None
+    first = samples[0].__dict__.get("_row")
+    if first is None:
+        return None
+    rows, start = first
+    for k, s in enumerate(samples):
+        row = s.__dict__.get("_row")
+        if row is None or row[0] is not rows or row[1] != start + k:
+            return None
+    return rows, start, start + len(samples)
 
 
 def _offsets(lengths: list[int]) -> npt.NDArray[np.int64]:
@@ -243,6 +336,9 @@ class SampleBatch:
 
     @classmethod
     def from_samples(cls, policy: str, samples: Sequence[Sample]) -> SampleBatch:
+        rows = _consecutive_rows(samples)
+        if rows is not None:
+            return cls._from_rows(policy, samples, *rows)
         responses = [s.response_ids for s in samples]
         # Logprobs and versions share the response offsets; the allowed-ids column is only built
         # when some sample is constrained (the common case is none: one offsets array of zeros).
@@ -263,6 +359,28 @@ class SampleBatch:
             versions=_flat([s.versions for s in samples], np.int32),
             allowed_ids=_flat(allowed, np.int32) if any(a_len) else np.zeros(0, dtype=np.int32),
             allowed_offsets=_offsets(a_len),
+        )
+
+    @classmethod
+    def _from_rows(cls, policy: str, samples: Sequence[Sample], rows: _Rows, i: int, j: int) -> SampleBatch:
+        """Rows i..j-1 of one unpacked batch's columns: slices (views), not a copy of every sample."""
+        po, ro, ao = rows.prompt_offsets, rows.response_offsets, rows.allowed_offsets
+        constrained = ao[j] > ao[i]
+        return cls(
+            policy=policy,
+            sample_ids=tuple(s.sample_id for s in samples),
+            episode_ids=tuple(s.episode_id for s in samples),
+            agents=tuple(s.agent for s in samples),
+            turn_index=np.array([s.turn_index for s in samples], dtype=np.int32),
+            rewards=np.array([s.reward for s in samples], dtype=np.float32),
+            prompt_ids=rows.prompt_ids[po[i] : po[j]],
+            prompt_offsets=po[i : j + 1] - po[i],
+            response_ids=rows.response_ids[ro[i] : ro[j]],
+            response_offsets=ro[i : j + 1] - ro[i],
+            logprobs=rows.logprobs[ro[i] : ro[j]],
+            versions=rows.versions[ro[i] : ro[j]],
+            allowed_ids=rows.allowed_ids[ao[i] : ao[j]] if constrained else np.zeros(0, dtype=np.int32),
+            allowed_offsets=ao[i : j + 1] - ao[i],
         )
 
     def allowed(self, i: int) -> IntArray:
