@@ -109,7 +109,7 @@ class ExperienceService:
 
     def versions(self) -> dict[str, int]:
         """Each policy's trainer version: what a workflow stamps on the tokens it generates next."""
-        return {p: self.buffer.stats(p).version for p in self.buffer.policies}
+        return self.buffer.versions()
 
     def stats(self, wait_for: tuple[str, int] | None = None, timeout: float = 0.0) -> dict[str, PolicyStats]:
         """Every policy's stats; with `wait_for` (policy, n), first wait up to `timeout` for n samples

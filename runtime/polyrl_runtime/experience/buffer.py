@@ -379,6 +379,11 @@ class ExperienceBuffer:
     def policies(self) -> list[str]:
         return list(self._p)
 
+    def versions(self) -> dict[str, int]:
+        """Each policy's trainer version (what `stats` reports, without the counting)."""
+        with self._cond:
+            return {name: p.version for name, p in self._p.items()}
+
     def stats(self, policy: str) -> PolicyStats:
         p = self._policy(policy)
         with self._cond:
