@@ -8,14 +8,6 @@ the store, so no rank assignment has to be planned ahead. When the set of engine
 a restarted engine) the sender bumps the group *generation*; the next manifest names it and everyone
 builds the new group lazily.
 
-Every broadcast starts with a header: the version, whether it was aborted, and the byte length of
-the pickled bucket layout that follows (sent on the first broadcast of a group generation and when the
-layout changes, else 0: the receivers keep the last one). Receivers size the data from the header, not
-from the manifest they were handed, so the driver may *announce* a sync: hand the engines the previous
-manifest with the next version while the trainer still packs (one concurrent Ray round trip instead of
-two in a row, as the raw broadcast needs). A trainer that fails to publish an announced version
-broadcasts an aborted header, so the waiting engines return instead of hanging.
-
 Data: the version is cut into chunks of at most `CHUNK` bytes (smaller than a bucket, so that even a
 one-bucket model pipelines) and the sender packs chunk i+1 while chunk i is being broadcast (the
 broadcast runs on the backend's threads / NCCL's stream). It packs into a persistent flat buffer that
@@ -28,9 +20,7 @@ on its old version.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import pickle
 import threading
 import time
 from collections.abc import Mapping
@@ -114,15 +104,6 @@ def _broadcast(group: Any, t: torch.Tensor) -> Any:
     return group.broadcast([t], opts)
 
 
-# The header of every broadcast (int64): version, 1 if aborted (nothing follows), pickled layout bytes
-# that follow (0: unchanged since the last broadcast of this group generation).
-_VERSION, _ABORTED, _LAYOUT_BYTES = range(3)
-
-
-def _header(version: int, *, aborted: bool = False, layout_bytes: int = 0) -> torch.Tensor:
-    return torch.tensor([version, int(aborted), layout_bytes], dtype=torch.int64)
-
-
 class CollectiveSender(WeightSender):
     transport: ClassVar[str] = "collective"
 
@@ -151,7 +132,6 @@ class CollectiveSender(WeightSender):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pairs = PairCache()
-        self._layout_sent: tuple[int, BucketLayout] | None = None  # (group generation, layout)
 
     @property
     def address(self) -> GroupAddress:
@@ -184,21 +164,8 @@ class CollectiveSender(WeightSender):
         if self._flat is None or self._flat.numel() < layout.total_bytes:
             self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
         self.latest = WeightManifest(self.policy, version, self.transport, layout, handle=self.address)
-        self._start(self.latest, ordered)
+        self._start(layout, ordered)
         return self.latest
-
-    def abort(self, version: int) -> None:
-        """Tell engines that were announced `version` that it will not come (the publish failed)."""
-        with contextlib.suppress(WeightSyncError):  # that broadcast failed; publish raised it already
-            self.wait()
-        if self._group is None:
-            return  # no group yet: nobody can be waiting in one
-        try:
-            # Into the group the announced engines joined (the driver announces only while the group
-            # is unchanged since a sync every engine received); a broken one just fails here.
-            _broadcast(self._group, _header(version, aborted=True).to(self.device)).wait()
-        except Exception as e:
-            log.warning("weights.abort_not_delivered", policy=self.policy, version=version, error=str(e))
 
     def resend(self) -> WeightManifest:
         """Broadcast the latest version again (to a group that now includes new engines)."""
@@ -206,34 +173,22 @@ class CollectiveSender(WeightSender):
         if self.latest is None:
             raise WeightSyncError(f"{self.policy}: nothing published yet")
         self.latest = replace(self.latest, handle=self.address)
-        self._start(self.latest, None)
+        self._start(self.latest.layout, None)
         return self.latest
 
-    def _start(self, manifest: WeightManifest, ordered: list[torch.Tensor] | None) -> None:
+    def _start(self, layout: BucketLayout, ordered: list[torch.Tensor] | None) -> None:
         self._error = None
         self._thread = threading.Thread(
-            target=self._send, args=(manifest, ordered), name=f"polyrl-wsync-{self.policy}", daemon=True
+            target=self._send, args=(layout, ordered), name=f"polyrl-wsync-{self.policy}", daemon=True
         )
         self._thread.start()
 
-    def _send(self, manifest: WeightManifest, ordered: list[torch.Tensor] | None) -> None:
-        layout = manifest.layout
+    def _send(self, layout: BucketLayout, ordered: list[torch.Tensor] | None) -> None:
         try:
             group = self._ensure_group()
             flat = self._flat
             assert flat is not None
             works = []
-            sent = self._layout_sent
-            if sent is None or sent[0] != self._group_generation or sent[1] != layout:
-                blob = pickle.dumps(layout)
-                header = _header(manifest.version, layout_bytes=len(blob))
-                works.append(_broadcast(group, header.to(self.device)))
-                works.append(
-                    _broadcast(group, torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device))
-                )
-                self._layout_sent = (self._group_generation, layout)
-            else:
-                works.append(_broadcast(group, _header(manifest.version).to(self.device)))
             per_bucket = (
                 self._pairs.per_bucket(layout, ordered, flat, into_flat=True) if ordered is not None else None
             )
@@ -267,10 +222,6 @@ class CollectiveSender(WeightSender):
             self.latest = None
 
 
-class _Aborted(Exception):
-    """The sender broadcast an aborted header: the version will not come, the group stays usable."""
-
-
 class CollectiveReceiver(WeightReceiver):
     transport: ClassVar[str] = "collective"
 
@@ -282,7 +233,6 @@ class CollectiveReceiver(WeightReceiver):
         self._store: Any = None
         self.rank = -1
         self._staging = Staging()
-        self._layout: BucketLayout | None = None  # the last layout the sender broadcast in this group
 
     def _ensure_group(self, address: GroupAddress) -> Any:
         key = (address.host, address.port, address.generation)
@@ -299,48 +249,25 @@ class CollectiveReceiver(WeightReceiver):
                 )
             self._group = build_group(self._store, address, self.rank, self.timeout)
             self._key = key
-            self._layout = None
         return self._group
-
-    def _receive_header(self, group: Any, manifest: WeightManifest, device: torch.device) -> WeightManifest:
-        """The version and layout the sender is actually broadcasting (the manifest may be a guess)."""
-        header = _header(0).to(device)
-        _broadcast(group, header).wait()
-        version, aborted, layout_bytes = (int(x) for x in header.tolist())
-        if aborted:
-            raise _Aborted(f"{manifest.policy}: the trainer could not publish version {version}")
-        if layout_bytes:
-            blob = torch.empty(layout_bytes, dtype=torch.uint8, device=device)
-            _broadcast(group, blob).wait()
-            self._layout = pickle.loads(blob.cpu().numpy().tobytes())
-        if self._layout is None:
-            raise WeightSyncError(f"{manifest.policy}: the broadcast of version {version} carries no layout")
-        return replace(manifest, version=version, layout=self._layout)
 
     def receive(self, manifest: WeightManifest, target: WeightTarget) -> SyncReport:
         start = time.perf_counter()
         address: GroupAddress = manifest.handle
-        device = self._device or torch.device("cuda" if address.backend == "nccl" else "cpu")
+        layout = manifest.layout
         rejected: Exception | None = None
         try:
+            check_manifest(manifest, target)
+        except WeightSyncError as e:
+            # Still take part in the broadcast: leaving would hang the sender and the other engines.
+            rejected = e
+        device = self._device or torch.device("cuda" if address.backend == "nccl" else "cpu")
+        staging = self._staging.buffer(layout, target, device)
+        try:
             group = self._ensure_group(address)
-            announced, manifest = manifest, self._receive_header(group, manifest, device)
-            if manifest.version != announced.version:
-                rejected = WeightSyncError(
-                    f"{manifest.policy}: expected version {announced.version}, the trainer sent {manifest.version}"
-                )
-            try:
-                check_manifest(manifest, target)
-            except WeightSyncError as e:
-                # Still take part in the broadcast: leaving would hang the sender and the other engines.
-                rejected = rejected or e
-            layout = manifest.layout
-            staging = self._staging.buffer(layout, target, device)
             works = [_broadcast(group, staging[b.offset : b.offset + b.nbytes]) for b in layout.buckets]
             for w in works:
                 w.wait()
-        except _Aborted as e:
-            raise WeightSyncError(str(e)) from None  # the group is intact: nothing was sent after the header
         except WeightSyncError:
             self._key = None
             raise

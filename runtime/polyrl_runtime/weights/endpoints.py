@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -33,16 +33,8 @@ class TrainerWeights:
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
         raise NotImplementedError
 
-    def publish_weights(self, version: int, *, announced: bool = False) -> WeightManifest:
-        """Publish `version`; `announced`: engines were already told to expect it (collective), so a
-        failure to publish must tell them it will not come."""
-        try:
-            return self._weight_sender.publish(version, self.weight_tensors())
-        except BaseException:
-            abort = getattr(self._weight_sender, "abort", None)
-            if announced and abort is not None:
-                abort(version)
-            raise
+    def publish_weights(self, version: int) -> WeightManifest:
+        return self._weight_sender.publish(version, self.weight_tensors())
 
     def wait_weights(self) -> None:
         self._weight_sender.wait()
@@ -113,21 +105,14 @@ class PolicyWeightSync:
         self.transport = transport
         self._collective = transport == "collective"
         self._lock = threading.Lock()
-        # Collective only: the manifest of the last sync that every engine received, while the group is
-        # unchanged since. The next sync is then announced to the engines as it is published.
-        self._announceable: WeightManifest | None = None
         for name in self.engines:
             registry.join(policy, name)
         if self._collective:
             ray.get(trainer.set_weight_receivers.remote(len(self.engines)))
 
     def _deliver(self, manifest: WeightManifest, engines: Mapping[str, Any]) -> SyncResult:
-        return self._collect(
-            manifest, {name: h.receive_weights.remote(manifest) for name, h in engines.items()}
-        )
-
-    def _collect(self, manifest: WeightManifest, futures: Mapping[str, Any]) -> SyncResult:
         result = SyncResult(manifest)
+        futures = {name: h.receive_weights.remote(manifest) for name, h in engines.items()}
         for name, fut in futures.items():
             try:
                 report: SyncReport = ray.get(fut)
@@ -144,34 +129,13 @@ class PolicyWeightSync:
             # so the extra round trip is needed only when some engine did not (its next publish
             # joins the finished sender thread anyway).
             ray.get(self.trainer.wait_weights.remote())
-        if self._collective:
-            complete = not result.failures and set(result.reports) == set(self.engines)
-            self._announceable = manifest if complete else None
         return result
 
     def sync(self, version: int) -> SyncResult:
         with self._lock:
-            if self._announceable is not None:
-                return self._announced_sync(version, self._announceable)
             manifest: WeightManifest = ray.get(self.trainer.publish_weights.remote(version))
             self.registry.publish(manifest)
             return self._deliver(manifest, self.engines)
-
-    def _announced_sync(self, version: int, last: WeightManifest) -> SyncResult:
-        """Collective: the engines join the broadcast while the trainer packs, instead of one Ray round
-        trip after `publish` returned. They learn the version's real layout from the broadcast itself;
-        `last` only names the group, which is unchanged since every engine received `last`."""
-        published = self.trainer.publish_weights.remote(version, announced=True)
-        guess = replace(last, version=version)
-        futures = {name: h.receive_weights.remote(guess) for name, h in self.engines.items()}
-        try:
-            manifest: WeightManifest = ray.get(published)
-        except Exception:
-            self._collect(guess, futures)  # the trainer told them the version will not come
-            self._announceable = None
-            raise
-        self.registry.publish(manifest)
-        return self._collect(manifest, futures)
 
     def add_engine(self, name: str, handle: Any) -> SyncResult | None:
         """Admit a new engine and bring it to the latest version before it gets any work."""
@@ -183,7 +147,6 @@ class PolicyWeightSync:
             return self._admit(name, handle)
 
     def _admit(self, name: str, handle: Any) -> SyncResult | None:
-        self._announceable = None
         self.engines[name] = handle
         self.registry.join(self.policy, name)
         if self.registry.latest(self.policy) is None:
@@ -203,7 +166,6 @@ class PolicyWeightSync:
 
     def remove_engine(self, name: str) -> None:
         with self._lock:
-            self._announceable = None
             self.engines.pop(name, None)
             self.registry.forget(self.policy, name)
             if self._collective:
