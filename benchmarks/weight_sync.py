@@ -10,7 +10,7 @@ driver (publish -> the engine has applied the version); the bounds are measured 
          preallocated array in another (what objectstore is compared with)
 Each transport and its bound run in turns (bound, transport, bound, ...; best of `--repeats` each), so
 a slow phase of this shared machine lands on both: measured one after the other, the raw gloo bound
-alone moved between 2.7 and 4.3 GB/s from run to run at 64 MiB.
+alone moved between 2.3 and 4.3 GB/s from run to run at 64 MiB.
 A second table shows that control messages per sync do not grow with the number of tensors.
 The engine holds its weights in an nn.Module, as the torch engine does, so transports that can apply
 a version by swapping the module's tensors do (`--target dict`: tensors that must be overwritten in

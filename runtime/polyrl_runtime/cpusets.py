@@ -29,16 +29,13 @@ class CpuSetError(ValueError):
 
 def format_cpus(cpus: Iterable[int]) -> str:
     """`{0, 1, 2, 5}` -> `0-2,5` (the kernel's cpu-list format)."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []
     for c in sorted(cpus):
-        if run and c != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(c)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def parse_cpus(text: str) -> frozenset[int]:

@@ -304,6 +304,17 @@ def _consecutive_rows(samples: Sequence[Sample]) -> tuple[_Rows, int, int] | Non
     return rows, start, start + len(samples)
 
 
+def _per_sample(samples: Sequence[Sample]) -> dict[str, Any]:
+    """The one-value-per-sample columns of a `SampleBatch` (the ragged token columns vary by path)."""
+    return {
+        "sample_ids": tuple(s.sample_id for s in samples),
+        "episode_ids": tuple(s.episode_id for s in samples),
+        "agents": tuple(s.agent for s in samples),
+        "turn_index": np.array([s.turn_index for s in samples], dtype=np.int32),
+        "rewards": np.array([s.reward for s in samples], dtype=np.float32),
+    }
+
+
 def _offsets(lengths: list[int]) -> npt.NDArray[np.int64]:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -346,11 +357,7 @@ class SampleBatch:
         a_len = [len(a) for a in allowed]
         return cls(
             policy=policy,
-            sample_ids=tuple(s.sample_id for s in samples),
-            episode_ids=tuple(s.episode_id for s in samples),
-            agents=tuple(s.agent for s in samples),
-            turn_index=np.array([s.turn_index for s in samples], dtype=np.int32),
-            rewards=np.array([s.reward for s in samples], dtype=np.float32),
+            **_per_sample(samples),
             prompt_ids=_flat([s.prompt_ids for s in samples], np.int32),
             prompt_offsets=_offsets([len(s.prompt_ids) for s in samples]),
             response_ids=_flat(responses, np.int32),
@@ -368,11 +375,7 @@ class SampleBatch:
         constrained = ao[j] > ao[i]
         return cls(
             policy=policy,
-            sample_ids=tuple(s.sample_id for s in samples),
-            episode_ids=tuple(s.episode_id for s in samples),
-            agents=tuple(s.agent for s in samples),
-            turn_index=np.array([s.turn_index for s in samples], dtype=np.int32),
-            rewards=np.array([s.reward for s in samples], dtype=np.float32),
+            **_per_sample(samples),
             prompt_ids=rows.prompt_ids[po[i] : po[j]],
             prompt_offsets=po[i : j + 1] - po[i],
             response_ids=rows.response_ids[ro[i] : ro[j]],

@@ -8,7 +8,6 @@ behave as the lists they are, and pickle as builtin lists plus one flat array fo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from polyrl_runtime.experience.buffer import Ticket
@@ -37,9 +36,6 @@ def _rebuild_episode_batch(
 
 class TicketBatch(list[Ticket]):
     """Tickets as the buffer hands them out (one call, many tickets)."""
-
-    def __init__(self, tickets: Iterable[Ticket] = ()) -> None:
-        super().__init__(tickets)
 
     def __reduce__(self) -> Any:
         return _rebuild_tickets, ([t.ticket_id for t in self], [t.policies for t in self])

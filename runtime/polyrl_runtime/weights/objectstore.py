@@ -3,8 +3,9 @@
 Design for Ray's fast path: a bucket is put as a list of *numpy* uint8 views of its tensor segments.
 Ray serialises numpy buffers out of band and lays them back to back in one plasma object, so the
 flattening copy is the put itself (one copy on the sender, none for a same-node reader, and one into
-the engine's parameters only for targets that cannot serve from the object, below). Torch tensors would go through the much slower torch pickling path unless
-`RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`; numpy views need no such switch. The manifest carries the
+the engine's parameters only for targets that cannot serve from the object, below). Torch tensors
+would go through the much slower torch pickling path unless `RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1`;
+numpy views need no such switch. The manifest carries the
 object references; the sender keeps the latest version's references alive so a late-joining engine
 can still fetch it, and drops them when the next version is published.
 
