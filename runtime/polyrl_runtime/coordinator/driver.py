@@ -138,6 +138,9 @@ class Driver:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             self._stop.set()
             await asyncio.gather(*trainers, return_exceptions=True)
+            for run in self.runs.values():  # no publish follows: release engines waiting for one
+                if run.sync is not None:
+                    run.sync.close()
             for t in side:
                 t.cancel()
             await asyncio.gather(*side, return_exceptions=True)
@@ -419,6 +422,8 @@ class Driver:
             log.warning("weights.engine_failed", policy=name, engine=engine, error=str(err))
             if isinstance(err, ray.exceptions.RayActorError):
                 self.fleet.mark_dead({engine})
+                if engine not in run.sync.engines:  # the sync dropped it; housekeeping will not see it
+                    self._emit("engine_lost", engine=engine, policy=name)
 
     def elapsed(self) -> float:
         return self._elapsed_before + time.monotonic() - self.started

@@ -233,6 +233,7 @@ class DeepSpeedTrainer(TrainerWeights):
         # Each rank's micro loss is scaled so the optimizer sees the mean over all tokens of the step.
         scale = self.world * n_micro / max(tokens, 1.0)
         loss_total, acc = 0.0, {"clip": 0.0, "isw": 0.0, "trunc": 0.0, "kl": 0.0, "ent": 0.0, "tok": 0}
+        self.begin_weight_update()
         for k, rows in enumerate(micro_rows):
             if rows:
                 assert batch is not None
@@ -305,6 +306,7 @@ class DeepSpeedTrainer(TrainerWeights):
         self.engine.save_checkpoint(directory, tag=tag, client_state={"version": self.version})
 
     def load(self, directory: str, tag: str) -> None:
+        self.begin_weight_update()
         _, client = self.engine.load_checkpoint(directory, tag=tag)
         self.version = int((client or {}).get("version", self.version))
 

@@ -235,6 +235,13 @@ class WeightSender(ABC):
     def wait(self) -> None:  # noqa: B027 - a no-op default is right for store-based transports
         """Block until the data of the last publish has left this process (collective transports)."""
 
+    def release_source(self) -> None:  # noqa: B027 - store-based transports hold their own copy
+        """The caller is about to change the tensors it published: stop reading them.
+
+        Senders that send straight from the caller's tensors (collective) finish that send first;
+        until the next publish they can then no longer serve the latest version to late joiners.
+        """
+
     def close(self) -> None:  # noqa: B027 - nothing to free by default
         """Release transport resources (segments, groups, object references)."""
 

@@ -8,11 +8,15 @@ the store, so no rank assignment has to be planned ahead. When the set of engine
 a restarted engine) the sender bumps the group *generation*; the next manifest names it and everyone
 builds the new group lazily.
 
-Data: the version is cut into chunks of at most `CHUNK` bytes (smaller than a bucket, so that even a
-one-bucket model pipelines) and the sender packs chunk i+1 while chunk i is being broadcast (the
-broadcast runs on the backend's threads / NCCL's stream). It packs into a persistent flat buffer that
-keeps the latest version, so a late joiner can be served by `resend()` without the trainer's (by then
-changed) parameters. Receivers broadcast into a staging buffer and only then, after every chunk
+Data: sender and receivers cut the version into the same broadcasts, a pure function of the layout
+(`broadcast_ops`). A piece of a tensor of at least `DIRECT_MIN` bytes is broadcast straight from the
+trainer's tensor, with no copy; smaller tensors are packed into one of two chunk-sized buffers, the next
+while the previous is on the wire. The sender keeps no copy of the version: on two cores the packing
+copy alone cost a fifth of a sync, and on a GPU a full copy would take as much memory as the weights.
+So a late joiner is served by `resend()` from the published tensors themselves, for as long as the
+trainer has not begun changing them (`release_source()`, which a trainer calls before its optimizer
+step); after that `resend()` returns None and the joiner is brought in by the next publish, which
+follows every step. Receivers broadcast into a staging buffer and only then, after every byte
 arrived and the manifest matched, apply it (see `staging.py`: a swap of the engine's tensors to views
 of the buffer where the target allows, else a copy): a failed or mismatched transfer leaves the engine
 on its old version.
@@ -23,7 +27,8 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -44,14 +49,24 @@ from polyrl_runtime.weights.api import (
     check_manifest,
     make_report,
 )
-from polyrl_runtime.weights.buckets import BucketLayout, PairCache, copy_pairs, layout_for, ordered_tensors
+from polyrl_runtime.weights.buckets import (
+    BucketLayout,
+    Segment,
+    byte_view,
+    copy_pairs,
+    layout_for,
+    ordered_tensors,
+)
 from polyrl_runtime.weights.staging import ALIGN, Staging
 
 log = structlog.get_logger(__name__)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# Pipelining granularity (packing chunk i+1 overlaps broadcasting chunk i).
+# The layout's bucket size, so that no broadcast and no packing buffer exceeds it.
 CHUNK = 16 << 20
+# Pieces of at least this many bytes are broadcast straight from the tensor. Smaller ones are packed:
+# every broadcast is a round of messages between the processes.
+DIRECT_MIN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -98,10 +113,77 @@ def build_group(store: Store, address: GroupAddress, rank: int, timeout: datetim
     raise ValueError(f"unknown collective backend {address.backend!r}")
 
 
+@dataclass(frozen=True)
+class BroadcastOp:
+    """One broadcast: flat bytes [offset, offset + nbytes), holding `segments`.
+
+    Direct ops hold one large segment, sent from the tensor itself; the others hold small segments
+    (and any alignment padding between them), packed on the sender.
+    """
+
+    offset: int
+    nbytes: int
+    segments: tuple[Segment, ...]
+    direct: bool
+
+
+def broadcast_ops(layout: BucketLayout, direct_min: int = DIRECT_MIN) -> list[BroadcastOp]:
+    """The broadcasts of one version, in order; sender and receivers derive the same list.
+
+    Never spans buckets: a packing buffer of one bucket's size always suffices.
+    """
+    ops: list[BroadcastOp] = []
+    for bucket in layout.buckets:
+        run: list[Segment] = []
+        for seg in (*bucket.segments, None):
+            if seg is not None and seg.nbytes < direct_min:
+                run.append(seg)
+                continue
+            if run:
+                start, end = run[0].flat_offset, run[-1].flat_offset + run[-1].nbytes
+                ops.append(BroadcastOp(start, end - start, tuple(run), direct=False))
+                run = []
+            if seg is not None:
+                ops.append(BroadcastOp(seg.flat_offset, seg.nbytes, (seg,), direct=True))
+    return ops
+
+
 def _broadcast(group: Any, t: torch.Tensor) -> Any:
     opts = BroadcastOptions()
     opts.rootRank = 0
     return group.broadcast([t], opts)
+
+
+# How often a gloo member waiting for bytes checks whether the sync was aborted.
+_POLL = datetime.timedelta(seconds=0.1)
+
+
+def abort_key(generation: int) -> str:
+    """The store key the sender sets to abort the syncs of a group generation."""
+    return f"polyrl/weights/g{generation}/abort"
+
+
+def _wait(work: Any, aborted: Callable[[], bool], backend: str) -> None:
+    """Wait for one broadcast; on gloo, give up when `aborted()` says so.
+
+    gloo forwards a broadcast through its members, so one that died can leave the others waiting
+    for bytes that never come, until the group's timeout (minutes). They cannot tell; the driver
+    can (the dead engine's call fails) and asks the sender to abort. A wait with a timeout leaves
+    the operation running, and dropping the group afterwards closes it. NCCL waits on the GPU
+    stream, not here: its hangs are left to its own timeout.
+    """
+    if backend != "gloo":
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(_POLL)
+            return
+        except RuntimeError as e:
+            if work.is_completed() or "timed out" not in str(e):
+                raise  # the operation itself failed
+        if aborted():
+            raise WeightSyncError("the sync was aborted (an engine of the group died)")
 
 
 class CollectiveSender(WeightSender):
@@ -128,10 +210,16 @@ class CollectiveSender(WeightSender):
         self._num_receivers = num_receivers
         self._group: Any = None
         self._group_generation = -1
-        self._flat: torch.Tensor | None = None
+        # The tensors of the latest version, in layout order, while they still hold it (see module doc).
+        self._source: list[torch.Tensor] | None = None
+        self._pack: list[torch.Tensor] = []
+        self._plan_key: tuple[object, ...] | None = None
+        self._plan: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]] = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._pairs = PairCache()
+        # publish / resend / release_source run on different threads of a trainer actor.
+        self._lock = threading.Lock()
+        self._abort = threading.Event()
 
     @property
     def address(self) -> GroupAddress:
@@ -145,9 +233,11 @@ class CollectiveSender(WeightSender):
         Always starts a new group generation, even for an unchanged count: a replaced engine cannot
         rejoin the old group's rank numbering.
         """
-        self.wait()
-        self._num_receivers = num_receivers
-        self._generation += 1
+        with self._lock:
+            self.wait()
+            self._renew_if_aborted()
+            self._num_receivers = num_receivers
+            self._generation += 1
 
     def _ensure_group(self) -> Any:
         if self._group_generation != self._generation:
@@ -157,53 +247,131 @@ class CollectiveSender(WeightSender):
         return self._group
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> WeightManifest:
-        self.wait()
-        self._check_version(version)
-        layout = layout_for(tensors, min(self.bucket_bytes, CHUNK), align=ALIGN)
-        ordered = [t.to(self.device) for t in ordered_tensors(layout, tensors)]
-        if self._flat is None or self._flat.numel() < layout.total_bytes:
-            self._flat = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
-        self.latest = WeightManifest(self.policy, version, self.transport, layout, handle=self.address)
-        self._start(layout, ordered)
-        return self.latest
+        with self._lock:
+            self.wait()
+            self._renew_if_aborted()
+            self._check_version(version)
+            layout = layout_for(tensors, min(self.bucket_bytes, CHUNK), align=ALIGN)
+            self._source = [t.to(self.device) for t in ordered_tensors(layout, tensors)]
+            self.latest = WeightManifest(self.policy, version, self.transport, layout, handle=self.address)
+            self._start(layout, self._source)
+            return self.latest
 
-    def resend(self) -> WeightManifest:
-        """Broadcast the latest version again (to a group that now includes new engines)."""
-        self.wait()
-        if self.latest is None:
-            raise WeightSyncError(f"{self.policy}: nothing published yet")
-        self.latest = replace(self.latest, handle=self.address)
-        self._start(self.latest.layout, None)
-        return self.latest
+    def resend(self) -> WeightManifest | None:
+        """Broadcast the latest version again (to a group that now includes new engines).
 
-    def _start(self, layout: BucketLayout, ordered: list[torch.Tensor] | None) -> None:
+        None when the published tensors may have changed since (`release_source()`): the engines are
+        then brought in by the next publish.
+        """
+        with self._lock:
+            self.wait()
+            if self.latest is None:
+                raise WeightSyncError(f"{self.policy}: nothing published yet")
+            if self._source is None:
+                return None
+            self._renew_if_aborted()
+            self.latest = replace(self.latest, handle=self.address)
+            self._start(self.latest.layout, self._source)
+            return self.latest
+
+    def release_source(self) -> None:
+        """The caller is about to change the published tensors: finish sending them, then forget them.
+
+        A failed send keeps its error for the next `wait()` (the driver's, or the next publish's).
+        """
+        with self._lock:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            self._source = None
+
+    def abort(self) -> None:
+        """Abort the sync in flight, on this side and on every engine of its group (see `_wait`)."""
+        self._abort.set()
+        for generation in {self._generation, self._group_generation}:
+            if generation >= 0:
+                self._store.set(abort_key(generation), "1")
+
+    def _renew_if_aborted(self) -> None:
+        if self._abort.is_set():
+            self._abort.clear()
+            self._generation += 1  # the old group's abort key is set: it cannot be used again
+
+    def _start(self, layout: BucketLayout, ordered: list[torch.Tensor]) -> None:
         self._error = None
+        plan = self._plan_for(layout, ordered)
         self._thread = threading.Thread(
-            target=self._send, args=(layout, ordered), name=f"polyrl-wsync-{self.policy}", daemon=True
+            target=self._send, args=(plan,), name=f"polyrl-wsync-{self.policy}", daemon=True
         )
         self._thread.start()
 
-    def _send(self, layout: BucketLayout, ordered: list[torch.Tensor] | None) -> None:
+    def _plan_for(
+        self, layout: BucketLayout, ordered: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]]:
+        """Per broadcast: the bytes to send, the copies that pack them (none for a direct op), and
+        the packing buffer used (-1 for none). Cached: with a thousand tensors, building the slices
+        costs more than the copies, and trainers update their tensors in place."""
+        ops = broadcast_ops(layout)
+        need = max((op.nbytes for op in ops if not op.direct), default=0)
+        if self._pack and self._pack[0].numel() < need:
+            self._pack = []
+        if need and not self._pack:
+            self._pack = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        key = (layout, tuple(t.data_ptr() for t in ordered), tuple(b.data_ptr() for b in self._pack))
+        if key == self._plan_key:
+            return self._plan
+        plan: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]] = []
+        packed = 0
+        for op in ops:
+            views = [
+                byte_view(ordered[s.tensor])[s.src_offset : s.src_offset + s.nbytes] for s in op.segments
+            ]
+            if op.direct:
+                plan.append((views[0], [], -1))
+                continue
+            slot = packed % 2
+            packed += 1
+            buf = self._pack[slot]
+            pairs = [
+                (buf[s.flat_offset - op.offset : s.flat_offset - op.offset + s.nbytes], v)
+                for s, v in zip(op.segments, views, strict=True)
+            ]
+            plan.append((buf[: op.nbytes], pairs, slot))
+        self._plan_key, self._plan = key, plan
+        return plan
+
+    def _send(self, plan: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]]) -> None:
         try:
-            group = self._ensure_group()
-            flat = self._flat
-            assert flat is not None
-            works = []
-            per_bucket = (
-                self._pairs.per_bucket(layout, ordered, flat, into_flat=True) if ordered is not None else None
-            )
-            for bucket in layout.buckets:
-                if per_bucket is not None:
-                    copy_pairs(per_bucket[bucket.index])
-                works.append(_broadcast(group, flat[bucket.offset : bucket.offset + bucket.nbytes]))
-            for w in works:
-                w.wait()
-            if flat.device.type == "cuda":
-                torch.cuda.synchronize(flat.device)
+            self._broadcast_plan(plan)
         except BaseException as e:  # re-raised in wait(), on the caller's thread
+            # A traceback's frames keep their locals alive, the group and its pending work among them.
+            traceback.clear_frames(e.__traceback__)
             self._error = e
-            # A failed collective leaves the group unusable; the next sync builds a fresh one.
+            # Drop the failed group now, not at the next sync: that closes its sockets, so an engine
+            # still waiting for bytes (gloo stops at the first dead member) fails at once instead of
+            # at the timeout. The next sync builds a new generation.
+            self._group = None
             self._generation += 1
+
+    def _broadcast_plan(
+        self, plan: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]]
+    ) -> None:
+        group = self._ensure_group()
+        works = []
+        in_use: list[Any] = [None, None]  # the broadcast each packing buffer is on the wire with
+        for data, pairs, slot in plan:
+            if slot >= 0:
+                if in_use[slot] is not None:
+                    _wait(in_use[slot], self._abort.is_set, self.backend)
+                copy_pairs(pairs)
+            work = _broadcast(group, data)
+            works.append(work)
+            if slot >= 0:
+                in_use[slot] = work
+        for w in works:
+            _wait(w, self._abort.is_set, self.backend)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -218,7 +386,9 @@ class CollectiveSender(WeightSender):
             self.wait()
         finally:
             self._group = None
-            self._flat = None
+            self._source = None
+            self._pack = []
+            self._plan_key, self._plan = None, []
             self.latest = None
 
 
@@ -265,12 +435,15 @@ class CollectiveReceiver(WeightReceiver):
         staging = self._staging.buffer(layout, target, device)
         try:
             group = self._ensure_group(address)
-            works = [_broadcast(group, staging[b.offset : b.offset + b.nbytes]) for b in layout.buckets]
+            works = [
+                _broadcast(group, staging[op.offset : op.offset + op.nbytes]) for op in broadcast_ops(layout)
+            ]
+            key = abort_key(address.generation)
             for w in works:
-                w.wait()
-        except WeightSyncError:
+                _wait(w, lambda: bool(self._store.check([key])), address.backend)
+        except WeightSyncError as e:
             self._key = None
-            raise
+            raise WeightSyncError(f"{manifest.policy}: version {manifest.version}: {e}") from e
         except Exception as e:
             self._key = None
             raise WeightSyncError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import ray
 import structlog
 import torch
 
-from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest, WeightTarget
+from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest, WeightSyncError, WeightTarget
 from polyrl_runtime.weights.registry import make_receiver, make_sender
 from polyrl_runtime.weights.versions import VersionRegistry
 
@@ -39,15 +40,33 @@ class TrainerWeights:
     def wait_weights(self) -> None:
         self._weight_sender.wait()
 
+    def abort_weights(self) -> None:
+        """Abort the collective sync in flight (an engine of its group died)."""
+        abort = getattr(self._weight_sender, "abort", None)
+        if abort is not None:
+            abort()
+
+    def begin_weight_update(self) -> None:
+        """Call before changing the tensors `weight_tensors()` returns (an optimizer step, a load).
+
+        A transport that sends straight from them first finishes sending; engines joining after this
+        are brought to the new version by its publish instead of being sent the old one.
+        """
+        sender = getattr(self, "_weight_sender", None)
+        if sender is not None:
+            sender.release_source()
+
     def set_weight_receivers(self, n: int) -> None:
         set_receivers = getattr(self._weight_sender, "set_receivers", None)
         if set_receivers is not None:
             set_receivers(n)
 
-    def resend_weights(self) -> WeightManifest:
+    def resend_weights(self) -> WeightManifest | None:
+        """The latest version for engines that just joined; None when only the next publish can
+        bring it (collective, after `begin_weight_update`)."""
         resend = getattr(self._weight_sender, "resend", None)
         if resend is not None:
-            manifest: WeightManifest = resend()
+            manifest: WeightManifest | None = resend()
             return manifest
         latest = self._weight_sender.latest
         if latest is None:
@@ -79,6 +98,8 @@ class SyncResult:
     manifest: WeightManifest
     reports: dict[str, SyncReport] = field(default_factory=dict)
     failures: dict[str, BaseException] = field(default_factory=dict)
+    # Why the trainer's side of a collective failed, if it did (the engines' failures say the rest).
+    sender_error: BaseException | None = None
 
 
 class PolicyWeightSync:
@@ -97,14 +118,21 @@ class PolicyWeightSync:
         registry: VersionRegistry,
         *,
         transport: str,
+        admit_timeout_s: float = 600.0,
     ) -> None:
         self.policy = policy
         self.trainer = trainer
         self.engines = dict(engines)
         self.registry = registry
         self.transport = transport
+        self.admit_timeout_s = admit_timeout_s
         self._collective = transport == "collective"
         self._lock = threading.Lock()
+        # Signalled after every sync, and by close(): engines waiting to be brought in by a publish.
+        self._synced = threading.Condition(self._lock)
+        self._syncs = 0
+        self._last: SyncResult | None = None
+        self._closed = False
         for name in self.engines:
             registry.join(policy, name)
         if self._collective:
@@ -112,13 +140,25 @@ class PolicyWeightSync:
 
     def _deliver(self, manifest: WeightManifest, engines: Mapping[str, Any]) -> SyncResult:
         result = SyncResult(manifest)
-        futures = {name: h.receive_weights.remote(manifest) for name, h in engines.items()}
-        for name, fut in futures.items():
+        names = {h.receive_weights.remote(manifest): name for name, h in engines.items()}
+        pending, aborted = list(names), False
+        while pending:  # as they finish: a dead engine must be seen while the others still wait
+            ready, pending = ray.wait(pending, num_returns=1)
+            name = names[ready[0]]
             try:
-                report: SyncReport = ray.get(fut)
+                report: SyncReport = ray.get(ready[0])
             except Exception as e:  # one engine's failure must not stop the others' bookkeeping
                 result.failures[name] = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
                 log.warning("weights.sync.engine_failed", policy=self.policy, engine=name, error=str(e))
+                if (
+                    self._collective
+                    and pending
+                    and not aborted
+                    and isinstance(e, ray.exceptions.RayActorError)
+                ):
+                    # The others may wait for bytes the dead one was to forward (see collective._wait).
+                    ray.get(self.trainer.abort_weights.remote())
+                    aborted = True
                 continue
             result.reports[name] = report
             self.registry.record(self.policy, name, manifest.version)
@@ -128,17 +168,60 @@ class PolicyWeightSync:
             # every engine received the whole version, the sender has packed and sent every byte,
             # so the extra round trip is needed only when some engine did not (its next publish
             # joins the finished sender thread anyway).
-            ray.get(self.trainer.wait_weights.remote())
+            try:
+                ray.get(self.trainer.wait_weights.remote())
+            except Exception as e:
+                result.sender_error = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+                log.warning("weights.sync.sender_failed", policy=self.policy, error=str(e))
         return result
 
+    def _without_dead_engines(self, result: SyncResult) -> SyncResult:
+        """A collective with a dead member fails for every member: drop the dead engines and send the
+        version again to the others on a new group (the trainer has not changed its weights: the
+        driver trains the next step only after this sync). Without this, the survivors would serve
+        the old version until the next step, which in sync mode waits for their samples."""
+        dead = {n for n, e in result.failures.items() if isinstance(e, ray.exceptions.RayActorError)}
+        if not dead or set(result.failures) == dead:
+            return result
+        for name in dead:
+            self.engines.pop(name, None)
+            self.registry.forget(self.policy, name)
+        ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))
+        resent: WeightManifest | None = ray.get(self.trainer.resend_weights.remote())
+        if resent is None:
+            return result
+        log.info("weights.sync.resent", policy=self.policy, dead=sorted(dead), version=resent.version)
+        retry = self._deliver(resent, self.engines)
+        retry.failures.update({n: result.failures[n] for n in dead})  # the caller still sees them
+        return retry
+
     def sync(self, version: int) -> SyncResult:
+        """Publish `version` and bring every engine to it.
+
+        Engines that failed are in the result's `failures` (dead ones are dropped from this sync);
+        raises WeightSyncError only when the trainer's side failed and no engine got the version.
+        """
         with self._lock:
             manifest: WeightManifest = ray.get(self.trainer.publish_weights.remote(version))
             self.registry.publish(manifest)
-            return self._deliver(manifest, self.engines)
+            result = self._deliver(manifest, self.engines)
+            if self._collective and result.failures:
+                result = self._without_dead_engines(result)
+            if result.sender_error is not None and not result.reports and self.engines:
+                raise WeightSyncError(
+                    f"{self.policy}: no engine received version {version}: {result.sender_error}"
+                ) from result.sender_error
+            self._syncs += 1
+            self._last = result
+            self._synced.notify_all()
+            return result
 
     def add_engine(self, name: str, handle: Any) -> SyncResult | None:
-        """Admit a new engine and bring it to the latest version before it gets any work."""
+        """Admit a new engine and bring it to the latest version before it gets any work.
+
+        Returns the sync that brought it (its failures name the engine if it failed), or None when
+        nothing was published yet or `close()` was called while it waited for a publish.
+        """
         # A new actor may take seconds to start: wait for it outside the lock, not in a sync's way.
         # One that died starting fails in _deliver below, which reports it like any failed engine.
         with contextlib.suppress(ray.exceptions.RayError):
@@ -157,16 +240,43 @@ class PolicyWeightSync:
             # Everyone must join the new group generation; engines already current drain the resend
             # without applying it.
             ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))
-            manifest: WeightManifest = ray.get(self.trainer.resend_weights.remote())
-            self.registry.publish(manifest)
-            return self._deliver(manifest, self.engines)
+            resent: WeightManifest | None = ray.get(self.trainer.resend_weights.remote())
+            if resent is None:
+                return self._await_next_sync(name)
+            self.registry.publish(resent)
+            return self._deliver(resent, self.engines)
         latest = self.registry.latest(self.policy)
         assert latest is not None
         return self._deliver(latest, {name: handle})
+
+    def _await_next_sync(self, name: str) -> SyncResult | None:
+        """The trainer's weights are already changing, so the latest version is gone from it; the
+        publish that ends the step in progress (every step ends with one) goes to every engine, this
+        one included. Wait for it, releasing the lock, so the caller routes work here only after."""
+        seen = self._syncs
+        deadline = time.monotonic() + self.admit_timeout_s
+        while self._syncs == seen:
+            if self._closed or name not in self.engines:
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightSyncError(
+                    f"{self.policy}: engine {name} joined while the trainer's weights were changing, "
+                    f"and no sync brought it the new version within {self.admit_timeout_s:.0f} s"
+                )
+            self._synced.wait(left)
+        return self._last
+
+    def close(self) -> None:
+        """Release any `add_engine` waiting for a publish (the run is over; none will come)."""
+        with self._lock:
+            self._closed = True
+            self._synced.notify_all()
 
     def remove_engine(self, name: str) -> None:
         with self._lock:
             self.engines.pop(name, None)
             self.registry.forget(self.policy, name)
+            self._synced.notify_all()  # an add_engine waiting for this engine gives up
             if self._collective:
                 ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))

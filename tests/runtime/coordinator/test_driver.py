@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -181,8 +182,18 @@ def test_an_entrypoint_that_cannot_be_imported_is_not_retryable(ray_local: Any, 
     assert driver.progress().retryable is False
 
 
-def test_an_engine_that_dies_mid_run_does_not_stop_the_job(ray_local: Any, tmp_path: Path) -> None:
-    job = make_job(training={"totalSteps": 6}, policies=[policy(rollout={"replicas": {"min": 2, "max": 2}})])
+# The timeout is a hang guard, not a performance bound: a collective group with a dead member used
+# to hold the survivors for gloo's 600 s timeout; the run takes about 15 s.
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["objectstore", "collective"])
+def test_an_engine_that_dies_mid_run_does_not_stop_the_job(
+    ray_local: Any, tmp_path: Path, transport: str
+) -> None:
+    job = make_job(
+        training={"totalSteps": 6},
+        weightSync={"transport": transport},
+        policies=[policy(rollout={"replicas": {"min": 2, "max": 2}})],
+    )
     events: list[str] = []
     driver = new_driver(job, tmp_path, on_event=lambda kind, data: events.append(kind))
 
@@ -217,5 +228,15 @@ def test_zero3_two_ranks_ppo_with_kl_and_entropy(ray_local: Any, tmp_path: Path)
     assert ray.get(engine.handle.weight_version.remote()) == 2
     driver.close()  # every actor it started is stopped, not left to the garbage collector
     for handle in (engine.handle, driver.buffer, *driver.runs["agent"].ranks):
-        with pytest.raises(ray.exceptions.RayActorError):
+        assert _dies(handle), f"{handle} still answers 30 s after driver.close()"
+
+
+def _dies(handle: Any) -> bool:
+    """`ray.kill` returns before the actor is gone: a call made right after can still be answered."""
+    for _ in range(60):
+        try:
             ray.get(handle.__ray_ready__.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.5)
+    return False

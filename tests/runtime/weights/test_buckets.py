@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polyrl_runtime.weights.buckets import TensorSpec, byte_view, flatten, layout_for, plan_buckets, unflatten
+from polyrl_runtime.weights.collective import broadcast_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
 
@@ -37,6 +38,36 @@ def test_layout_covers_each_tensor_exactly_once(specs: list[TensorSpec], bucket_
     assert covered == {i: s.nbytes for i, s in enumerate(specs)}
     # Every bucket but the last is full: the bucket count is the minimum possible.
     assert all(b.nbytes == bucket_bytes for b in layout.buckets[:-1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    specs=specs_strategy,
+    bucket_bytes=st.integers(1, 600),
+    align=st.sampled_from([1, 8, 64]),
+    direct_min=st.integers(1, 200),
+)
+def test_collective_broadcasts_cover_each_piece_once(
+    specs: list[TensorSpec], bucket_bytes: int, align: int, direct_min: int
+) -> None:
+    """The collective's broadcasts: every piece of every tensor in exactly one, in flat order; large
+    pieces alone (sent from the tensor), small ones grouped within one bucket (packed)."""
+    layout = plan_buckets(specs, bucket_bytes, align)
+    ops = broadcast_ops(layout, direct_min)
+    assert [s for op in ops for s in op.segments] == [s for b in layout.buckets for s in b.segments]
+    bucket_of = {s: b for b in layout.buckets for s in b.segments}
+    end = 0
+    for op in ops:
+        first, last = op.segments[0], op.segments[-1]
+        assert op.offset == first.flat_offset >= end  # in order, no overlap
+        assert op.offset + op.nbytes == last.flat_offset + last.nbytes
+        end = op.offset + op.nbytes
+        if op.direct:
+            assert len(op.segments) == 1 and first.nbytes >= direct_min
+        else:
+            assert all(s.nbytes < direct_min for s in op.segments)
+            assert len({bucket_of[s].index for s in op.segments}) == 1
+            assert op.nbytes <= layout.bucket_bytes
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from polyrl_runtime.weights import VersionRegistry, WeightMismatchError
+from polyrl_runtime.weights import VersionRegistry, WeightMismatchError, WeightSyncError
 from polyrl_runtime.weights.api import SyncReport, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
 
@@ -137,4 +137,127 @@ def test_a_catch_up_never_lands_after_a_newer_sync(ray_session: Any) -> None:
     finally:
         ray.get(trainer.close_weights.remote())
         for a in (trainer, e0, late):
+            ray.kill(a)
+
+
+class LiveTrainer(TrainerWeights):
+    """Publishes its own tensors and changes them in place, as a DeepSpeed trainer (ZeRO 0-2) does."""
+
+    def __init__(self, transport: str, kwargs: dict[str, Any]) -> None:
+        self.weights = _model(0)
+        self.init_weight_sender(transport, "alice", 48, **kwargs)
+
+    def optimizer_step(self, seed: int) -> None:
+        self.begin_weight_update()
+        for k, v in _model(seed).items():
+            self.weights[k].copy_(v)
+
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        return self.weights
+
+
+@pytest.mark.parametrize("transport", ["objectstore", "shm", "collective"])
+def test_an_engine_joining_mid_step_gets_a_whole_version(ray_session: Any, transport: str) -> None:
+    """The trainer has begun its next step when an engine joins. Stores still hold version 0 and serve
+    it; the collective sender kept no copy, so the engine waits for the step's publish and gets no
+    work until then. Either way it never sees the half-changed tensors."""
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    kwargs: dict[str, Any] = {"num_receivers": 1, "timeout_s": 60.0} if transport == "collective" else {}
+    trainer = ray.remote(num_cpus=0)(LiveTrainer).remote(transport, kwargs)
+    e0 = ray.remote(num_cpus=0)(Engine).remote(transport)
+    late = ray.remote(num_cpus=0)(Engine).remote(transport)
+    try:
+        registry = VersionRegistry()
+        wsync = PolicyWeightSync("alice", trainer, {"e0": e0}, registry, transport=transport)
+        ray.get(trainer.optimizer_step.remote(1))
+        assert not wsync.sync(0).failures
+        ray.get(trainer.optimizer_step.remote(2))  # step 2 under way: version 0 is gone from the trainer
+        ray.get(late.weight_version.remote())  # started
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(wsync.add_engine, "late", late)
+            if transport == "collective":
+                time.sleep(0.5)
+                assert not joining.done() and ray.get(late.weight_version.remote()) == -1
+                result = wsync.sync(1)
+                caught_up = joining.result(60)
+                assert caught_up is result and set(result.reports) == {"e0", "late"}
+                assert ray.get(late.fingerprint.remote()) == _expected(2)
+            else:
+                caught_up = joining.result(60)
+                assert caught_up is not None and set(caught_up.reports) == {"late"}
+                assert ray.get(late.fingerprint.remote()) == _expected(1)
+                assert not wsync.sync(1).failures
+        assert ray.get(late.weight_version.remote()) == 1
+        assert ray.get(late.fingerprint.remote()) == _expected(2)
+        assert registry.ready("alice", "late") and registry.ready("alice", "e0")
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in (trainer, e0, late):
+            ray.kill(a)
+
+
+def test_close_releases_an_engine_waiting_for_a_publish(ray_session: Any) -> None:
+    """The run ended mid-step (a failed step publishes nothing): the admission must not hang."""
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = ray.remote(num_cpus=0)(LiveTrainer).remote(
+        "collective", {"num_receivers": 1, "timeout_s": 60.0}
+    )
+    e0 = ray.remote(num_cpus=0)(Engine).remote("collective")
+    late = ray.remote(num_cpus=0)(Engine).remote("collective")
+    try:
+        registry = VersionRegistry()
+        wsync = PolicyWeightSync("alice", trainer, {"e0": e0}, registry, transport="collective")
+        assert not wsync.sync(0).failures
+        ray.get(trainer.optimizer_step.remote(1))
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(wsync.add_engine, "late", late)
+            time.sleep(0.3)
+            wsync.close()
+            assert joining.result(30) is None
+        assert ray.get(late.weight_version.remote()) == -1
+        # With a timeout instead of a close, the caller is told which engine and why.
+        wsync2 = PolicyWeightSync(
+            "alice", trainer, {"e0": e0}, registry, transport="collective", admit_timeout_s=0.5
+        )
+        with pytest.raises(
+            WeightSyncError, match="engine late joined while the trainer's weights were changing"
+        ):
+            wsync2.add_engine("late", late)
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in (trainer, e0, late):
+            ray.kill(a)
+
+
+# A hang guard (gloo's own timeout is 600 s), not a performance bound: this takes a few seconds.
+@pytest.mark.timeout(90)
+def test_an_engine_dying_between_syncs_does_not_hold_back_the_others(ray_session: Any) -> None:
+    """gloo stops a broadcast at its first dead member, and the survivors would wait for bytes until
+    the timeout. The sender closes the failed group at once and the sync resends to the survivors."""
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = ray.remote(num_cpus=0)(LiveTrainer).remote(
+        "collective", {"num_receivers": 3, "timeout_s": 600.0}
+    )
+    engines = {f"e{i}": ray.remote(num_cpus=0)(Engine).remote("collective") for i in range(3)}
+    try:
+        registry = VersionRegistry()
+        wsync = PolicyWeightSync("alice", trainer, engines, registry, transport="collective")
+        assert not wsync.sync(0).failures
+        for victim in ("e0", "e2"):  # whichever rank gloo reaches first, one sync has it dead
+            ray.kill(engines[victim])
+            ray.get(trainer.optimizer_step.remote(int(victim[1]) + 1))
+            version = registry.latest("alice").version + 1  # type: ignore[union-attr]
+            result = wsync.sync(version)
+            assert set(result.failures) == {victim}
+            assert isinstance(result.failures[victim], ray.exceptions.RayActorError)
+            assert victim not in wsync.engines and result.reports
+            for name in result.reports:
+                assert ray.get(engines[name].weight_version.remote()) == version
+        assert ray.get(engines["e1"].fingerprint.remote()) == _expected(3)
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in (trainer, *engines.values()):
             ray.kill(a)

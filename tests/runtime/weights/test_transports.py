@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -182,8 +183,7 @@ def test_late_joiner_catches_up(transport: str) -> None:
             sender.set_receivers(2)
             joiner = CollectiveReceiver(timeout_s=60.0)
             manifest = sender.resend()
-            import threading
-
+            assert manifest is not None
             out: dict[str, Any] = {}
             t = threading.Thread(target=lambda: out.update(old=receivers[0].receive(manifest, first)))
             t.start()
@@ -198,6 +198,52 @@ def test_late_joiner_catches_up(transport: str) -> None:
         sender.close()
     assert report.applied and late.version == 2
     assert all(bit_equal(late.named_tensors()[k], t) for k, t in latest.items())
+
+
+@pytest.mark.parametrize("bucket_mib", [1, 4])
+def test_round_trip_with_pieces_sent_from_the_tensors(transport: str, bucket_mib: int) -> None:
+    """Tensors of a few MiB next to small ones: the collective sends pieces of at least DIRECT_MIN
+    straight from the trainer's tensors and packs the rest, in the same broadcasts on both sides."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "a.small": torch.randn(7, 3, generator=g),
+        "big": torch.randn(1000, 900, generator=g),  # 3.4 MiB: spans buckets, ends mid-bucket
+        "b.small": torch.randn(33, generator=g).to(torch.bfloat16),
+        "exact": torch.randn(256, 1024, generator=g),  # exactly 1 MiB
+        "c.small": torch.arange(5, dtype=torch.int64),
+        "tail": torch.randn(300, 1000, generator=g).to(torch.float16),
+    }
+    before = {k: v.clone() for k, v in tensors.items()}
+    sender, receivers = make_pair(transport, 2, bucket_mib << 20)
+    targets = [zeros_like_all(tensors) for _ in receivers]
+    try:
+        _ok(sync(sender, receivers, targets, 0, tensors))
+    finally:
+        sender.close()
+    for target in targets:
+        assert all(bit_equal(target.named_tensors()[k], t) for k, t in tensors.items())
+    assert all(bit_equal(before[k], t) for k, t in tensors.items())  # the sender only reads them
+
+
+def test_late_joiner_after_the_trainer_began_changing_its_weights(transport: str) -> None:
+    """A collective sender keeps no copy of the version: once the trainer releases its tensors,
+    `resend` declines (the next publish brings late joiners in). Stores keep serving the latest."""
+    tensors = random_tensors(MIXED)
+    sender, receivers = make_pair(transport, 1, 300)
+    target = zeros_like_all(tensors)
+    try:
+        _ok(sync(sender, receivers, [target], 0, tensors))
+        sender.release_source()
+        resend = getattr(sender, "resend", None)
+        if transport == "collective":
+            assert resend is not None and resend() is None
+        else:
+            assert resend is None and sender.latest is not None and sender.latest.version == 0
+        # The sender still works as before: the next version reaches everyone.
+        _ok(sync(sender, receivers, [target], 1, random_tensors(MIXED, seed=1)))
+    finally:
+        sender.close()
+    assert target.version == 1
 
 
 def test_shm_stale_manifest_is_rejected() -> None:
@@ -234,6 +280,27 @@ def test_collective_sender_failure_leaves_engine_intact() -> None:
         sender.close()
     assert target.version == 0
     assert all(bit_equal(target.named_tensors()[k], t) for k, t in tensors.items())
+
+
+def test_collective_abort_releases_an_engine_waiting_for_bytes() -> None:
+    """An engine that waits for bytes no member will send (a dead one was to forward them) gives up
+    when the sender aborts, long before the group's timeout; the next sync uses a new group."""
+    tensors = random_tensors(MIXED)
+    sender, (receiver,) = make_pair("collective", 1, 512)
+    target = zeros_like_all(tensors)
+    try:
+        _ok(sync(sender, [receiver], [target], 0, tensors))
+        assert sender.latest is not None
+        abort = threading.Timer(0.5, sender.abort)  # type: ignore[attr-defined]
+        abort.start()
+        with pytest.raises(WeightSyncError, match="aborted"):
+            receiver.receive(sender.latest, target)  # the sender sends nothing this time
+        abort.join()
+        _ok(sync(sender, [receiver], [target], 1, random_tensors(MIXED, seed=1)))
+    finally:
+        sender.close()
+    assert target.version == 1
+    assert all(bit_equal(target.named_tensors()[k], t) for k, t in random_tensors(MIXED, seed=1).items())
 
 
 @pytest.mark.slow
