@@ -180,7 +180,9 @@ def _wait(work: Any, aborted: Callable[[], bool], backend: str) -> None:
             work.wait(_POLL)
             return
         except RuntimeError as e:
-            if work.is_completed() or "timed out" not in str(e):
+            # Only the slice ran out (c10d's message for a wait's own timeout). The operation may
+            # have ended just after: the next wait returns at once, or raises its error.
+            if "Operation timed out!" not in str(e):
                 raise  # the operation itself failed
         if aborted():
             raise WeightSyncError("the sync was aborted (an engine of the group died)")

@@ -318,3 +318,33 @@ def test_large_round_trip(transport: str) -> None:
         sender.close()
     assert report.nbytes > 280 << 20
     assert all(bit_equal(target.named_tensors()[k], t) for k, t in tensors.items())
+
+
+class _Work:
+    """A gloo work whose waits run out of time `slices` times, then end with `error` (or succeed)."""
+
+    def __init__(self, slices: int, error: str | None = None) -> None:
+        self.slices, self.error, self.waits = slices, error, 0
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waits += 1
+        if self.waits <= self.slices:
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self) -> bool:  # the operation ended right after the slice ran out
+        return True
+
+
+def test_collective_wait_tells_a_slice_from_a_failure() -> None:
+    from polyrl_runtime.weights.collective import _wait
+
+    done = _Work(slices=3)
+    _wait(done, lambda: False, "gloo")  # slices that ran out, even as the op completed, are not errors
+    assert done.waits == 4
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        _wait(_Work(slices=1, error="Connection closed by peer"), lambda: False, "gloo")
+    with pytest.raises(WeightSyncError, match="aborted"):
+        _wait(_Work(slices=10**9), lambda: True, "gloo")
