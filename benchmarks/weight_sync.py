@@ -12,6 +12,8 @@ Each transport and its bound run in turns (bound, transport, bound, ...; best of
 a slow phase of this shared machine lands on both: measured one after the other, the raw gloo bound
 alone moved between 2.3 and 4.3 GB/s from run to run at 64 MiB.
 A second table shows that control messages per sync do not grow with the number of tensors.
+`--gloo-pieces 16,4,1` adds a third: raw gloo moving the smallest size in broadcasts of that many MiB,
+next to one broadcast of the whole (why collective sends pieces of 1 MiB or more as they are).
 The engine holds its weights in an nn.Module, as the torch engine does, so transports that can apply
 a version by swapping the module's tensors do (`--target dict`: tensors that must be overwritten in
 place, as before that change).
@@ -116,10 +118,17 @@ class Worker(TrainerWeights, EngineWeights):
         fill = torch.ones if rank == 0 else torch.zeros
         self.raw_buf = fill(nbytes, dtype=torch.uint8)
 
-    def bcast(self) -> None:
+    def bcast(self, piece: int = 0) -> None:
+        """One broadcast of the whole buffer, or (piece > 0) broadcasts of `piece` bytes, all in flight."""
         opts = BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([self.raw_buf], opts).wait()
+        step = piece or self.raw_buf.numel()
+        works = [
+            self.pg.broadcast([self.raw_buf[i : i + step]], opts)
+            for i in range(0, self.raw_buf.numel(), step)
+        ]
+        for w in works:
+            w.wait()
 
     # raw Ray transfer
     def ray_setup(self, nbytes: int) -> None:
@@ -251,6 +260,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=16, help="tensors in the model for the main table")
     ap.add_argument("--tensor-counts", default="10,1000", help="tensor counts for the control-message table")
     ap.add_argument("--target", choices=["module", "dict"], default="module", help="the engine's weights")
+    ap.add_argument("--gloo-pieces", default="", help="MiB per broadcast for the raw gloo pieces table")
     args = ap.parse_args()
     TARGET[0] = args.target
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -293,6 +303,18 @@ def main() -> None:
             (t,) = best([sync.one], args.repeats)
             sync.close()
             print(f"{transport:>12} {n_tensors:>8} {sync.messages:>9} {gb(size, t):>6.2f}")
+    if args.gloo_pieces:
+        print(f"\nraw gloo, {min(sizes)} MiB in broadcasts of N MiB, against one broadcast of the whole")
+        print(f"{'N MiB':>6} {'GB/s':>6} {'whole GB/s':>10} {'ratio':>6}")
+        whole, close = gloo_bound(a, b, size)
+        for piece in (int(p) for p in args.gloo_pieces.split(",")):
+
+            def pieces(piece: int = piece) -> None:
+                ray.get([a.bcast.remote(piece * MiB), b.bcast.remote(piece * MiB)])
+
+            t_whole, t = best([whole, pieces], args.repeats)
+            print(f"{piece:>6} {gb(size, t):>6.2f} {gb(size, t_whole):>10.2f} {t_whole / t:>6.2f}")
+        close()
     ray.shutdown()
 
 

@@ -188,6 +188,10 @@ def _wait(work: Any, aborted: Callable[[], bool], backend: str) -> None:
             raise WeightSyncError("the sync was aborted (an engine of the group died)")
 
 
+# Per broadcast: the bytes to send, the copies that pack them, the packing buffer (-1: none).
+_Plan = list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]]
+
+
 class CollectiveSender(WeightSender):
     transport: ClassVar[str] = "collective"
 
@@ -216,7 +220,7 @@ class CollectiveSender(WeightSender):
         self._source: list[torch.Tensor] | None = None
         self._pack: list[torch.Tensor] = []
         self._plan_key: tuple[object, ...] | None = None
-        self._plan: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]] = []
+        self._plan: _Plan = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         # publish / resend / release_source run on different threads of a trainer actor.
@@ -307,22 +311,20 @@ class CollectiveSender(WeightSender):
         )
         self._thread.start()
 
-    def _plan_for(
-        self, layout: BucketLayout, ordered: list[torch.Tensor]
-    ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]]:
-        """Per broadcast: the bytes to send, the copies that pack them (none for a direct op), and
-        the packing buffer used (-1 for none). Cached: with a thousand tensors, building the slices
-        costs more than the copies, and trainers update their tensors in place."""
+    def _plan_for(self, layout: BucketLayout, ordered: list[torch.Tensor]) -> _Plan:
+        """The broadcasts of one send. Cached: with a thousand tensors, building the slices
+        costs more than the copies, and trainers update their tensors in place. The packing buffers
+        change only with the plan."""
+        key = (layout, tuple(t.data_ptr() for t in ordered))
+        if key == self._plan_key:
+            return self._plan
         ops = broadcast_ops(layout)
         need = max((op.nbytes for op in ops if not op.direct), default=0)
         if self._pack and self._pack[0].numel() < need:
             self._pack = []
         if need and not self._pack:
             self._pack = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        key = (layout, tuple(t.data_ptr() for t in ordered), tuple(b.data_ptr() for b in self._pack))
-        if key == self._plan_key:
-            return self._plan
-        plan: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]] = []
+        plan: _Plan = []
         packed = 0
         for op in ops:
             views = [
@@ -342,7 +344,7 @@ class CollectiveSender(WeightSender):
         self._plan_key, self._plan = key, plan
         return plan
 
-    def _send(self, plan: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]]) -> None:
+    def _send(self, plan: _Plan) -> None:
         try:
             self._broadcast_plan(plan)
         except BaseException as e:  # re-raised in wait(), on the caller's thread
@@ -355,9 +357,7 @@ class CollectiveSender(WeightSender):
             self._group = None
             self._generation += 1
 
-    def _broadcast_plan(
-        self, plan: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]]
-    ) -> None:
+    def _broadcast_plan(self, plan: _Plan) -> None:
         group = self._ensure_group()
         works = []
         in_use: list[Any] = [None, None]  # the broadcast each packing buffer is on the wire with
