@@ -236,6 +236,17 @@ class RLJobSpec(ApiModel):
             check=lambda s: s.mode == "async" or not s.max_staleness,
             field=".maxStaleness",
         ),
+        Rule(
+            cel="self.policies.all(p, p.algorithm.name != 'grpo' || "
+            "self.training.episodesPerStep % p.algorithm.groupSize == 0)",
+            message="must be a multiple of every grpo policy's groupSize (episodes start, and steps "
+            "train, in whole groups)",
+            check=lambda s: all(
+                p.algorithm.name != "grpo" or s.training.episodes_per_step % p.algorithm.group_size == 0
+                for p in s.policies
+            ),
+            field=".training.episodesPerStep",
+        ),
     )
 
     image: str | None = Field(

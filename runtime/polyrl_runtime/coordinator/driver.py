@@ -2,7 +2,7 @@
 
 The loop, per policy p (all policies concurrently; the producer feeds them all):
 
-    producer:  ticket <- buffer.acquire(policies)            # staleness credit = back-pressure
+    producer:  tickets <- buffer.acquire(policies, group)    # staleness credit = back-pressure
                groups <- worker.run_groups(seeds, tickets)  # episodes -> buffer (worker puts them)
     trainer p: wait until the buffer holds one step of p's samples (episodesPerStep episodes)
                ranks.train_step()  -> buffer.ack(leases)     # each rank pulls its share, one optimizer step
@@ -204,7 +204,7 @@ class Driver:
             self.job, transport, place_by_resource=self.opts.place_by_resource, cpu_sets=self.opts.cpu_sets
         )
         s = spec.effective_max_staleness
-        configs = [PolicyConfig(p.name, self.E, s) for p in spec.policies]
+        configs = [PolicyConfig(p.name, self.E, s, final_version=self.total) for p in spec.policies]
         capacity = (s + 2) * self.E * len(configs) + 4 * self.group_size
         node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         snapshot = ref.buffer() if ref is not None else None
@@ -310,11 +310,12 @@ class Driver:
             if per_episode is not None:
                 if st.buffered >= need:
                     return need
-                if st.buffered and st.credit <= 0 and in_flight == 0:
+                # Credit for less than a group is not granted (episodes start in whole groups).
+                if st.buffered and st.credit < self.group_size and in_flight == 0:
                     return int(st.buffered)
             # No credit, nothing buffered, leased or on its way: nothing can ever change (credit only
             # grows when this policy trains). A bug, but the job must fail clearly, never hang.
-            if st.credit > 0 or st.buffered or st.leased or in_flight:
+            if st.credit >= self.group_size or st.buffered or st.leased or in_flight:
                 stalled_since = None
             elif stalled_since is None:
                 stalled_since = time.monotonic()

@@ -54,6 +54,11 @@ class EpisodeProducer:
         emit: Callable[..., None],
         signals: int,
     ) -> None:
+        if limits.max_in_flight_per_worker < group_size:
+            raise ValueError(
+                f"max_in_flight_per_worker ({limits.max_in_flight_per_worker}) must hold a whole group "
+                f"({group_size} episodes)"
+            )
         self.buffer, self.fleet, self.policies, self.group_size = buffer, fleet, policies, group_size
         self.seed, self.entrypoint, self.limits = seed, entrypoint, limits
         self._still_training = still_training
@@ -85,7 +90,7 @@ class EpisodeProducer:
 
     def _pick_worker(self) -> Slot | None:
         ok = [w for w in self.fleet.workers.values() if not w.dead and not w.draining]
-        ok = [w for w in ok if w.in_flight < self.limits.max_in_flight_per_worker]
+        ok = [w for w in ok if w.in_flight + self.group_size <= self.limits.max_in_flight_per_worker]
         return min(ok, key=lambda w: w.in_flight) if ok else None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -96,8 +101,8 @@ class EpisodeProducer:
                 await asyncio.sleep(0.05)
                 continue
             room = self.limits.max_in_flight_per_worker - worker.in_flight
-            want = min(self.limits.groups_per_call * self.group_size, room)
-            tickets = await self.buffer.acquire.remote(self.policies, want, 0.2)
+            want = min(self.limits.groups_per_call, room // self.group_size) * self.group_size
+            tickets = await self.buffer.acquire.remote(self.policies, want, 0.2, self.group_size)
             if not tickets:
                 continue
             groups = []

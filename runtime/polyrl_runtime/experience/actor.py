@@ -39,9 +39,11 @@ class ExperienceService:
             else ExperienceBuffer(policies, capacity_episodes)
         )
 
-    def acquire(self, policies: Sequence[str], n: int = 1, timeout: float | None = 0.0) -> list[Ticket]:
-        """Up to `n` tickets; waits (up to `timeout`) only for the first."""
-        return TicketBatch(self.buffer.acquire_many(policies, n, timeout))
+    def acquire(
+        self, policies: Sequence[str], n: int = 1, timeout: float | None = 0.0, group: int = 1
+    ) -> list[Ticket]:
+        """Up to `n` tickets in whole groups of `group`; waits (up to `timeout`) only for the first."""
+        return TicketBatch(self.buffer.acquire_many(policies, n, timeout, group=group))
 
     def release(self, tickets: Sequence[Ticket]) -> None:
         for t in tickets:

@@ -11,7 +11,8 @@ A sample leaves only by an ack (consumed) or a drop with a counted `DropReason`.
 Back-pressure, per policy p (AReaL's staleness control): the episodes admitted for p that have not been
 dropped never exceed (version_p + max_staleness + 1) * episodes_per_version, so in async mode producers
 run at most `max_staleness` versions ahead, and in sync mode (max_staleness=0) exactly one step's worth
-is generated per version. A job-wide bound on resident episodes (tickets out + episodes with samples
+is generated per version; nor, for a policy with a `final_version`, final_version * episodes_per_version
+(no episode is started that no step will train on). A job-wide bound on resident episodes (tickets out + episodes with samples
 not yet consumed or dropped) keeps memory bounded whatever the producer/consumer speed ratio.
 """
 
@@ -50,10 +51,17 @@ class PolicyConfig:
     name: str
     episodes_per_version: int  # episodes one trainer step consumes (spec.training.episodesPerStep)
     max_staleness: int = 0  # 0: sync mode
+    # The version the policy's training ends at (spec.training.totalSteps), None: open-ended. Credit
+    # never goes beyond the episodes its steps consume: in async mode the last steps would otherwise
+    # admit maxStaleness steps' worth of episodes that no step can train on (dropped as
+    # policy_finished: 112 samples per policy in the local example, a seventh of its last steps).
+    final_version: int | None = None
 
     def __post_init__(self) -> None:
         if self.episodes_per_version < 1 or self.max_staleness < 0:
             raise ValueError(f"{self.name}: episodes_per_version >= 1 and max_staleness >= 0 required")
+        if self.final_version is not None and self.final_version < 1:
+            raise ValueError(f"{self.name}: final_version >= 1 required (or None)")
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,10 @@ class _Policy:
     queue: deque[Sample] = field(default_factory=deque)
 
     def limit(self) -> int:
-        return (self.version + self.cfg.max_staleness + 1) * self.cfg.episodes_per_version
+        versions = self.version + self.cfg.max_staleness + 1
+        if self.cfg.final_version is not None:
+            versions = min(versions, self.cfg.final_version)
+        return versions * self.cfg.episodes_per_version
 
     def credit(self) -> int:
         return self.limit() - self.admitted
@@ -157,38 +168,53 @@ class ExperienceBuffer:
     def resident_episodes(self) -> int:
         return len(self._tickets) + len(self._live_episodes)
 
-    def _can_admit(self, policies: frozenset[str]) -> bool:
-        if self._cancelled or self.resident_episodes >= self.capacity_episodes:
+    def _can_admit(self, policies: frozenset[str], episodes: int = 1) -> bool:
+        if self._cancelled or self.resident_episodes + episodes > self.capacity_episodes:
             return False
-        # A finished policy takes no credit: its samples will be dropped (and counted) on arrival.
-        return all(self._p[n].finished or self._p[n].credit() > 0 for n in policies)
+        # A finished policy takes no credit: its samples will be dropped (and counted) on arrival. An
+        # episode only finished policies would play is not started at all: no step could train on it
+        # (the producer ran on between the last step and the job's end: 16-20 episodes, all dropped).
+        training = [n for n in policies if not self._p[n].finished]
+        return bool(training) and all(self._p[n].credit() >= episodes for n in training)
 
     def acquire(self, policies: Iterable[str], timeout: float | None = 0.0) -> Ticket | None:
         """Credit for one episode from each policy named (all or none); None if none came in time."""
         tickets = self.acquire_many(policies, 1, timeout)
         return tickets[0] if tickets else None
 
-    def acquire_many(self, policies: Iterable[str], n: int, timeout: float | None = 0.0) -> list[Ticket]:
-        """Up to `n` tickets, each as `acquire` gives one; waits (up to `timeout`) only for the first.
+    def acquire_many(
+        self, policies: Iterable[str], n: int, timeout: float | None = 0.0, *, group: int = 1
+    ) -> list[Ticket]:
+        """Up to `n` tickets, each as `acquire` gives one, in whole groups of `group` (GRPO's episodes
+        per prompt); waits (up to `timeout`) only for the first group.
 
-        One lock hold for the batch: a workflow asks for a batch's worth of credit per call.
+        One lock hold for the batch: a workflow asks for a batch's worth of credit per call. Whole
+        groups, because credit comes back one episode at a time (a failed episode, a stale sample):
+        granted as it came, it made groups of one, whose advantages are all zero, and a workflow
+        failing on a group's first episode then failed forever.
         """
         names = frozenset(policies)
         if not names:
             raise ValueError("an episode involves at least one policy")
+        if group < 1 or group > self.capacity_episodes:
+            raise ValueError(f"group must be 1..{self.capacity_episodes} (the capacity), not {group}")
         for name in names:
             self._policy(name)
         out: list[Ticket] = []
         with self._cond:
-            if n < 1 or not self._wait(lambda: self._can_admit(names), timeout):
+            if n < group or not self._wait(lambda: self._can_admit(names, group), timeout):
                 return out
-            while len(out) < n and self._can_admit(names):
-                for name in names:
-                    self._p[name].admitted += 1
-                ticket = Ticket(self._take_id(), names)
-                self._tickets[ticket.ticket_id] = ticket
-                out.append(ticket)
+            while len(out) + group <= n and self._can_admit(names, group):
+                for _ in range(group):
+                    out.append(self._issue(names))
         return out
+
+    def _issue(self, names: frozenset[str]) -> Ticket:
+        for name in names:
+            self._p[name].admitted += 1
+        ticket = Ticket(self._take_id(), names)
+        self._tickets[ticket.ticket_id] = ticket
+        return ticket
 
     def release(self, ticket: Ticket) -> None:
         """Give back an unused ticket (the episode was abandoned before it produced anything)."""

@@ -163,6 +163,34 @@ def abort_key(generation: int) -> str:
     return f"polyrl/weights/g{generation}/abort"
 
 
+def _rank_key(generation: int) -> str:
+    """The store counter engines take their ranks (1..n) from."""
+    return f"polyrl/weights/g{generation}/rank"
+
+
+def await_members(
+    store: Store, generation: int, receivers: int, aborted: Callable[[], bool], timeout: datetime.timedelta
+) -> None:
+    """Wait until all `receivers` engines of a generation have taken their ranks, giving up when
+    `aborted()` says so.
+
+    Building a group is a rendezvous that waits for every member, and cannot be interrupted: a member
+    that died before joining held everyone else there for the whole timeout (minutes), and the
+    sender's store client with them, so even the abort could not be sent. Members that have taken
+    their ranks are alive and joining; building the group then takes milliseconds.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while (joined := int(store.add(_rank_key(generation), 0))) < receivers:
+        if aborted():
+            raise WeightSyncError(f"the sync was aborted while engines joined group generation {generation}")
+        if time.monotonic() > deadline:
+            raise WeightSyncError(
+                f"{joined} of {receivers} engines joined group generation {generation} "
+                f"within {timeout.total_seconds():.0f} s"
+            )
+        time.sleep(0.002)
+
+
 def _wait(work: Any, aborted: Callable[[], bool], backend: str) -> None:
     """Wait for one broadcast; on gloo, give up when `aborted()` says so.
 
@@ -248,6 +276,9 @@ class CollectiveSender(WeightSender):
     def _ensure_group(self) -> Any:
         if self._group_generation != self._generation:
             self._group = None
+            await_members(
+                self._store, self._generation, self._num_receivers, self._abort.is_set, self.timeout
+            )
             self._group = build_group(self._store, self.address, 0, self.timeout)
             self._group_generation = self._generation
         return self._group
@@ -413,12 +444,20 @@ class CollectiveReceiver(WeightReceiver):
             if self._store is None or self._key is None or self._key[:2] != key[:2]:
                 self._store = TCPStore(address.host, address.port, None, False, self.timeout)
             # Ranks 1..n in arrival order; the sender is rank 0.
-            self.rank = int(self._store.add(f"polyrl/weights/g{address.generation}/rank", 1))
+            self.rank = int(self._store.add(_rank_key(address.generation), 1))
             if self.rank >= address.world_size:
                 raise WeightSyncError(
                     f"more engines joined group generation {address.generation} than its "
                     f"{address.world_size - 1} receivers; the sender must set_receivers() first"
                 )
+            abort = abort_key(address.generation)
+            await_members(
+                self._store,
+                address.generation,
+                address.world_size - 1,
+                lambda: bool(self._store.check([abort])),
+                self.timeout,
+            )
             self._group = build_group(self._store, address, self.rank, self.timeout)
             self._key = key
         return self._group

@@ -138,9 +138,31 @@ class PolicyWeightSync:
         if self._collective:
             ray.get(trainer.set_weight_receivers.remote(len(self.engines)))
 
-    def _deliver(self, manifest: WeightManifest, engines: Mapping[str, Any]) -> SyncResult:
+    def _deliver(
+        self, version: WeightManifest | ray.ObjectRef[WeightManifest], engines: Mapping[str, Any]
+    ) -> SyncResult:
+        """Bring `engines` to `version`: a manifest already published, or a publish still running
+        (its ref), whose manifest is then recorded in the registry here.
+
+        Engines are handed a publish's ref, not its result: Ray starts their calls as soon as the
+        manifest exists, instead of after it made a round trip through this thread. At 64 MiB that
+        hop was a twentieth of a collective sync.
+        """
+        names = {h.receive_weights.remote(version): name for name, h in engines.items()}
+        if isinstance(version, WeightManifest):
+            manifest = version
+        else:
+            try:
+                manifest = ray.get(version)
+            except BaseException:
+                # The engines' calls fail with the same error without running; collect them, or
+                # Ray reports each as an unhandled error.
+                for ref in names:
+                    with contextlib.suppress(Exception):
+                        ray.get(ref, timeout=10.0)
+                raise
+            self.registry.publish(manifest)
         result = SyncResult(manifest)
-        names = {h.receive_weights.remote(manifest): name for name, h in engines.items()}
         pending, aborted = list(names), False
         while pending:  # as they finish: a dead engine must be seen while the others still wait
             ready, pending = ray.wait(pending, num_returns=1)
@@ -176,17 +198,24 @@ class PolicyWeightSync:
         return result
 
     def _without_dead_engines(self, result: SyncResult) -> SyncResult:
-        """A collective with a dead member fails for every member: drop the dead engines and send the
-        version again to the others on a new group (the trainer has not changed its weights: the
-        driver trains the next step only after this sync). Without this, the survivors would serve
-        the old version until the next step, which in sync mode waits for their samples."""
+        """Drop the engines that died from the group at once, and, when the survivors failed with
+        them (a collective with a dead member usually fails for every member), send them the version
+        again on the new group (the trainer has not changed its weights: the driver trains the next
+        step only after this sync). Without the resend, the survivors would serve the old version
+        until the next step, which in sync mode waits for their samples.
+
+        Dropped here, not left to the driver's housekeeping: a sync that ran first would build the
+        next group with the dead engine in it, and a group's rendezvous waits for every member (it
+        held the trainer and the survivors until the transport's timeout)."""
         dead = {n for n, e in result.failures.items() if isinstance(e, ray.exceptions.RayActorError)}
-        if not dead or set(result.failures) == dead:
+        if not dead:
             return result
         for name in dead:
             self.engines.pop(name, None)
             self.registry.forget(self.policy, name)
         ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))
+        if set(result.failures) == dead:
+            return result  # every survivor has the version
         resent: WeightManifest | None = ray.get(self.trainer.resend_weights.remote())
         if resent is None:
             return result
@@ -202,9 +231,7 @@ class PolicyWeightSync:
         raises WeightSyncError only when the trainer's side failed and no engine got the version.
         """
         with self._lock:
-            manifest: WeightManifest = ray.get(self.trainer.publish_weights.remote(version))
-            self.registry.publish(manifest)
-            result = self._deliver(manifest, self.engines)
+            result = self._deliver(self.trainer.publish_weights.remote(version), self.engines)
             if self._collective and result.failures:
                 result = self._without_dead_engines(result)
             if result.sender_error is not None and not result.reports and self.engines:
@@ -275,8 +302,8 @@ class PolicyWeightSync:
 
     def remove_engine(self, name: str) -> None:
         with self._lock:
-            self.engines.pop(name, None)
+            known = self.engines.pop(name, None) is not None
             self.registry.forget(self.policy, name)
             self._synced.notify_all()  # an add_engine waiting for this engine gives up
-            if self._collective:
+            if self._collective and known:  # a sync that saw it die has already dropped it
                 ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))

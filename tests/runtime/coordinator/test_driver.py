@@ -41,6 +41,11 @@ def test_async_mode_overlaps_and_bounds_staleness(ray_local: Any, tmp_path: Path
     lags = [r.staleness_max for r in summary.records]
     assert max(lags) <= 1  # maxStaleness
     assert max(lags) == 1  # generation really ran ahead of training
+    dropped = summary.dropped["agent"]
+    if dropped["stale"] == 0:  # else credit came back mid-run, and a short step may leave samples
+        # Credit stops at the last step's episodes, and nothing starts once the policy is done: before,
+        # the last maxStaleness steps' worth of episodes were generated and then dropped.
+        assert dropped["policy_finished"] == 0, dropped
     ckpts = CheckpointStore(tmp_path / "ckpt", keep=2).all()
     assert [c.step for c in ckpts] == [2, 4]  # everySteps 2, keep 2, final at 4
 

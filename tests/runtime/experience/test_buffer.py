@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -149,6 +150,10 @@ def test_finished_policy_drops_late_arrivals_and_redeliveries() -> None:
     a, b = buf.stats("a"), buf.stats("b")
     assert a.dropped[DropReason.POLICY_FINISHED] == 2 and a.buffered == 0 and a.produced == 2
     assert b.buffered == 2 and b.dropped[DropReason.POLICY_FINISHED] == 0
+    # An episode for a finished policy alone is not started: nothing of it could be trained on.
+    assert buf.acquire(["a"]) is None and buf.acquire(["a", "b"]) is not None
+    buf.finish("b")
+    assert buf.acquire(["a", "b"]) is None
 
 
 def test_cancel_counts_everything_and_late_puts() -> None:
@@ -233,6 +238,24 @@ def test_acquire_many_takes_what_credit_allows() -> None:
     assert len(buf.acquire_many(["a"], 5)) == 1
 
 
+def test_credit_stops_at_the_final_versions_episodes() -> None:
+    """Async mode near the end: no episode is started that no step will train on, and a resumed job
+    with more steps (a higher final version) gets the credit for them."""
+    a = PolicyConfig("a", 2, 2, final_version=2)
+    buf = ExperienceBuffer([a, PolicyConfig("b", 2, 2)], 100)
+    tickets = buf.acquire_many(["a"], 10)
+    assert len(tickets) == 4  # 2 versions x 2 episodes, not (0 + 2 + 1) x 2
+    assert len(buf.acquire_many(["b"], 10)) == 6  # open-ended: the staleness bound only
+    for i, t in enumerate(tickets):
+        buf.put(t, episode(f"e{i}", turn("a")))
+    buf.advance("a", 1)
+    assert buf.stats("a").credit == 0 and not buf.acquire_many(["a"], 1)
+    resumed = ExperienceBuffer.restore(buf.snapshot(), [replace(a, final_version=5), PolicyConfig("b", 2, 2)])
+    assert resumed.stats("a").credit == 4  # (1 + 2 + 1) x 2, less the 4 episodes still buffered
+    with pytest.raises(ValueError, match="final_version"):
+        PolicyConfig("c", 2, final_version=0)
+
+
 def test_a_finished_policy_reopened_after_restore_gets_its_credit_back() -> None:
     """Resume with more steps: a policy that finished with every ticket taken must be able to produce
     again. Before the fix its credit stayed frozen at zero (finished policies kept no accounts), so the
@@ -251,9 +274,8 @@ def test_a_finished_policy_reopened_after_restore_gets_its_credit_back() -> None
     buf.put(more[0], episode("e2", turn("a")))
     buf.finish("a")  # drops e1 and e2 (nothing consumed: their credit comes back)
     buf.put(more[1], episode("e3", turn("a")))  # arrives after the end: dropped, credit back
-    late = buf.acquire(["a"])  # a finished policy takes no credit, but the ticket is still counted
-    assert late is not None
-    restored = ExperienceBuffer.restore(buf.snapshot())  # more[2:] and late die with the process
+    assert buf.acquire(["a"]) is None  # no episode is started for a finished policy alone
+    restored = ExperienceBuffer.restore(buf.snapshot())  # more[2:] die with the process
     restored.reopen("a")
     st_ = restored.stats("a")
     assert not st_.finished and st_.admitted == 1 and st_.credit == 5  # only e0 still holds credit

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -66,18 +66,22 @@ class BufferMachine(RuleBasedStateMachine):
         per_version=st.integers(1, 3),
         staleness=st.integers(0, 2),
         capacity=st.integers(1, 6),
+        final=st.one_of(st.none(), st.integers(1, 4)),
     )
-    def setup(self, per_version: int, staleness: int, capacity: int) -> None:
-        self.cfgs = [PolicyConfig(p, per_version, staleness) for p in POLICIES]
+    def setup(self, per_version: int, staleness: int, capacity: int, final: int | None) -> None:
+        self.cfgs = [PolicyConfig(p, per_version, staleness, final_version=final) for p in POLICIES]
         self.capacity = capacity
         self.buf = ExperienceBuffer(self.cfgs, capacity)
         self.model = Model(version={p: 0 for p in POLICIES})
         self.issued: dict[int, Ticket] = {}
-        self.saved: tuple[bytes, Model] | None = None
+        self.saved: tuple[bytes, Model, list[PolicyConfig]] | None = None
 
     def _limit(self, p: str) -> int:
         c = self.cfgs[POLICIES.index(p)]
-        return (self.model.version[p] + c.max_staleness + 1) * c.episodes_per_version
+        versions = self.model.version[p] + c.max_staleness + 1
+        if c.final_version is not None:
+            versions = min(versions, c.final_version)
+        return versions * c.episodes_per_version
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -86,6 +90,7 @@ class BufferMachine(RuleBasedStateMachine):
         return (
             not m.cancelled
             and m.resident() < self.capacity
+            and any(p not in m.finished for p in which)
             and all(p in m.finished or m.admitted(p) < self._limit(p) for p in which)
         )
 
@@ -302,22 +307,29 @@ class BufferMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.model.finished) and not self.model.cancelled)
     @rule()
     def resume_with_more_steps(self) -> None:
-        """Restart from a snapshot with more steps to train: finished policies take credit again."""
-        self.restart()
+        """Restart from a snapshot with more steps to train: finished policies take credit again, and
+        the job's new step count raises the final version's cap."""
+        self.cfgs = [
+            replace(c, final_version=None if c.final_version is None else c.final_version + 2)
+            for c in self.cfgs
+        ]
+        blob = pickle.dumps(self.buf.snapshot())
+        self.buf = ExperienceBuffer.restore(pickle.loads(blob), self.cfgs)
+        self.model = self._restored_model(self.model)
         for policy in sorted(self.model.finished):
             self.buf.reopen(policy)
         self.model.finished.clear()
 
     @rule()
     def save(self) -> None:
-        self.saved = (pickle.dumps(self.buf.snapshot()), self._restored_model(self.model))
+        self.saved = (pickle.dumps(self.buf.snapshot()), self._restored_model(self.model), list(self.cfgs))
 
     @precondition(lambda self: self.saved is not None)
     @rule()
     def rollback(self) -> None:
         """Resume from an older checkpoint: the state (and what counts as acknowledged) rolls back."""
         assert self.saved is not None
-        blob, m = self.saved
+        blob, m, self.cfgs = self.saved
         self.buf = ExperienceBuffer.restore(pickle.loads(blob))
         self.model = copy.deepcopy(m)
 

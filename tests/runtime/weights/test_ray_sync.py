@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from polyrl_runtime.weights import VersionRegistry, WeightMismatchError, WeightSyncError
+from polyrl_runtime.weights import VersionError, VersionRegistry, WeightMismatchError, WeightSyncError
 from polyrl_runtime.weights.api import SyncReport, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
 
@@ -95,6 +95,35 @@ def test_sync_and_scale_out_across_actors(ray_session: Any, transport: str) -> N
     finally:
         ray.get(trainer.close_weights.remote())
         for a in actors:
+            ray.kill(a)
+
+
+@pytest.mark.parametrize("transport", ["objectstore", "shm", "collective"])
+def test_a_failed_publish_raises_and_engines_keep_their_version(ray_session: Any, transport: str) -> None:
+    """Engines are handed the publish's ref before it finished: if the publish fails, sync raises its
+    error, no engine changes version, and the next publish goes through."""
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    kwargs: dict[str, Any] = {"num_receivers": 1, "timeout_s": 60.0} if transport == "collective" else {}
+    trainer = ray.remote(num_cpus=0)(Trainer).remote(transport, kwargs)
+    engine = ray.remote(num_cpus=0)(Engine).remote(transport)
+    try:
+        registry = VersionRegistry()
+        wsync = PolicyWeightSync("alice", trainer, {"e0": engine}, registry, transport=transport)
+        ray.get(trainer.train_step.remote())
+        wsync.sync(1)
+        ray.get(trainer.train_step.remote())
+        with pytest.raises(VersionError, match="version 1 is not newer than the published 1"):
+            wsync.sync(1)
+        assert ray.get(engine.weight_version.remote()) == 1
+        assert registry.latest_version("alice") == 1
+        assert ray.get(engine.fingerprint.remote()) == _expected(1)
+        result = wsync.sync(2)
+        assert not result.failures and ray.get(engine.fingerprint.remote()) == _expected(2)
+        assert ray.get(engine.weight_version.remote()) == 2
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in (trainer, engine):
             ray.kill(a)
 
 
@@ -257,6 +286,40 @@ def test_an_engine_dying_between_syncs_does_not_hold_back_the_others(ray_session
             for name in result.reports:
                 assert ray.get(engines[name].weight_version.remote()) == version
         assert ray.get(engines["e1"].fingerprint.remote()) == _expected(3)
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in (trainer, *engines.values()):
+            ray.kill(a)
+
+
+# A hang guard (the group's timeout is 600 s), not a performance bound: this takes a few seconds.
+@pytest.mark.timeout(90)
+def test_an_engine_dead_before_the_groups_rendezvous_does_not_hold_back_the_others(
+    ray_session: Any,
+) -> None:
+    """Building a group waits for every member. One that died before joining held the trainer and the
+    survivors there until the timeout, with the trainer's store client, so the abort could not be
+    sent either. Now members wait for each other's ranks, interruptibly, before building the group."""
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = ray.remote(num_cpus=0)(LiveTrainer).remote(
+        "collective", {"num_receivers": 2, "timeout_s": 600.0}
+    )
+    engines = {f"e{i}": ray.remote(num_cpus=0)(Engine).remote("collective") for i in range(2)}
+    try:
+        registry = VersionRegistry()
+        wsync = PolicyWeightSync("alice", trainer, engines, registry, transport="collective")
+        ray.get(engines["e1"].weight_version.remote())  # started
+        ray.kill(engines["e0"])  # dies before the first sync builds the group
+        result = wsync.sync(0)
+        assert set(result.failures) == {"e0"}
+        assert isinstance(result.failures["e0"], ray.exceptions.RayActorError)
+        assert list(wsync.engines) == ["e1"] and set(result.reports) == {"e1"}
+        assert ray.get(engines["e1"].weight_version.remote()) == 0
+        assert ray.get(engines["e1"].fingerprint.remote()) == _expected(0)
+        ray.get(trainer.optimizer_step.remote(1))
+        assert not wsync.sync(1).failures  # the next group is built without it
+        assert ray.get(engines["e1"].fingerprint.remote()) == _expected(1)
     finally:
         ray.get(trainer.close_weights.remote())
         for a in (trainer, *engines.values()):

@@ -171,6 +171,12 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].algorithm.groupSize", "grpo"),
     ),
     BadCase(
+        "episodes-per-step-not-whole-groups",
+        _set("spec.training.episodesPerStep", 66),
+        "spec.training.episodesPerStep",
+        ("spec.training.episodesPerStep", "groupSize"),
+    ),
+    BadCase(
         "staleness-in-sync-mode",
         _set("spec.mode", "sync"),
         "spec.maxStaleness",
