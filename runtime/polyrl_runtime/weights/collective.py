@@ -186,7 +186,7 @@ def await_members(
         if time.monotonic() > deadline:
             raise WeightSyncError(
                 f"{joined} of {receivers} engines joined group generation {generation} "
-                f"within {timeout.total_seconds():.0f} s"
+                f"within {timeout.total_seconds():g} s"
             )
         time.sleep(0.002)
 

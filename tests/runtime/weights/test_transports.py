@@ -348,3 +348,26 @@ def test_collective_wait_tells_a_slice_from_a_failure() -> None:
         _wait(_Work(slices=1, error="Connection closed by peer"), lambda: False, "gloo")
     with pytest.raises(WeightSyncError, match="aborted"):
         _wait(_Work(slices=10**9), lambda: True, "gloo")
+
+
+def test_collective_members_wait_for_each_other_interruptibly() -> None:
+    """Before a group is built, members wait for every rank to be taken; the wait ends when the last
+    engine joins, when the sync is aborted, or at the timeout, with how many had joined."""
+    import datetime
+
+    from torch._C._distributed_c10d import TCPStore
+
+    from polyrl_runtime.weights.collective import await_members
+
+    store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    short = datetime.timedelta(seconds=0.2)
+    await_members(store, 7, 0, lambda: False, short)  # no engines: nothing to wait for
+    store.add("polyrl/weights/g7/rank", 1)
+    with pytest.raises(WeightSyncError, match=r"1 of 2 engines joined group generation 7 within 0\.2 s"):
+        await_members(store, 7, 2, lambda: False, short)
+    with pytest.raises(WeightSyncError, match="aborted while engines joined group generation 7"):
+        await_members(store, 7, 2, lambda: True, datetime.timedelta(seconds=60))
+    joiner = threading.Timer(0.05, lambda: store.add("polyrl/weights/g7/rank", 1))
+    joiner.start()
+    await_members(store, 7, 2, lambda: False, datetime.timedelta(seconds=60))  # returns once it joins
+    joiner.join()
