@@ -25,17 +25,23 @@ def _err(line: str) -> None:
     sys.stderr.write(line + "\n")
 
 
+# Every committed copy of the CRD, relative to the repository root: the kustomize base and the chart
+# vendor it, so that each install is self-contained.
+CRD_DIRS = ("crds", "charts/polyrl/crds", "manifests/base/crds")
+
+
 def _cmd_crds(args: argparse.Namespace) -> int:
-    directory = Path(args.dir)
+    directories = [Path(d) for d in (args.dir or CRD_DIRS)]
     if args.action == "generate":
-        path = crdgen.generate(directory)
-        _out(f"wrote {path}")
+        for directory in directories:
+            _out(f"wrote {crdgen.generate(directory)}")
         return 0
-    problems = crdgen.check(directory)
+    problems = [problem for directory in directories for problem in crdgen.check(directory)]
     for problem in problems:
         _err(problem)
     if not problems:
-        _out(f"{directory / crdgen.CRD_FILENAME}: up to date")
+        for directory in directories:
+            _out(f"{directory / crdgen.CRD_FILENAME}: up to date")
     return 1 if problems else 0
 
 
@@ -67,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     crds = sub.add_parser("crds", help="generate or check the CRDs derived from the API models")
     crds.add_argument("action", choices=["generate", "check"])
-    crds.add_argument("--dir", default="crds", help="directory holding the CRD files (default: crds)")
+    crds.add_argument(
+        "--dir",
+        action="append",
+        help=f"a directory holding the CRD file; repeatable (default: {', '.join(CRD_DIRS)})",
+    )
     crds.set_defaults(func=_cmd_crds)
 
     validate = sub.add_parser("validate", help="validate RLJob manifests (files or directories)")

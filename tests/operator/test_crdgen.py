@@ -10,7 +10,7 @@ import pytest
 
 from polyrl_operator import crdgen
 from polyrl_operator.api import RLJob
-from polyrl_operator.cli import main
+from polyrl_operator.cli import CRD_DIRS, main
 from polyrl_testenv.bad_rljobs import REPO, base_job
 
 CRD = crdgen.build_crd()
@@ -29,6 +29,24 @@ def _walk(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str,
 
 def test_committed_crd_matches_models(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["crds", "check", "--dir", str(REPO / "crds")]) == 0, capsys.readouterr().err
+
+
+def test_every_committed_copy_is_checked_and_generated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The kustomize base and the chart vendor the CRD: `polyrl crds generate` (as `make crds` runs it,
+    at the repository root) writes every copy, and `make test`'s check covers every one (session 11
+    regenerated only crds/ and the install test caught the stale kustomize copy)."""
+    monkeypatch.chdir(REPO)
+    assert main(["crds", "check"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert all(f"{d}/{crdgen.CRD_FILENAME}: up to date" in out for d in CRD_DIRS)
+    monkeypatch.chdir(tmp_path)
+    assert main(["crds", "generate"]) == 0
+    assert main(["crds", "check"]) == 0
+    (tmp_path / CRD_DIRS[-1] / crdgen.CRD_FILENAME).write_text("stale\n")
+    assert main(["crds", "check"]) == 1
+    assert f"{CRD_DIRS[-1]}/{crdgen.CRD_FILENAME}: differs" in capsys.readouterr().err
 
 
 def test_check_reports_drift(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
