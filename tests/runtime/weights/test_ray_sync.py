@@ -260,17 +260,23 @@ def test_close_releases_an_engine_waiting_for_a_publish(ray_session: Any) -> Non
             ray.kill(a)
 
 
+def _collective_actors(ray: Any, n: int) -> tuple[Any, dict[str, Any]]:
+    """A `LiveTrainer` and `n` engines on the collective transport, with gloo's full timeout (the
+    tests that use this must not pass by timing out)."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    trainer = ray.remote(num_cpus=0)(LiveTrainer).remote(
+        "collective", {"num_receivers": n, "timeout_s": 600.0}
+    )
+    return trainer, {f"e{i}": ray.remote(num_cpus=0)(Engine).remote("collective") for i in range(n)}
+
+
 # A hang guard (gloo's own timeout is 600 s), not a performance bound: this takes a few seconds.
 @pytest.mark.timeout(90)
 def test_an_engine_dying_between_syncs_does_not_hold_back_the_others(ray_session: Any) -> None:
     """gloo stops a broadcast at its first dead member, and the survivors would wait for bytes until
     the timeout. The sender closes the failed group at once and the sync resends to the survivors."""
     ray = ray_session
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    trainer = ray.remote(num_cpus=0)(LiveTrainer).remote(
-        "collective", {"num_receivers": 3, "timeout_s": 600.0}
-    )
-    engines = {f"e{i}": ray.remote(num_cpus=0)(Engine).remote("collective") for i in range(3)}
+    trainer, engines = _collective_actors(ray, 3)
     try:
         registry = VersionRegistry()
         wsync = PolicyWeightSync("alice", trainer, engines, registry, transport="collective")
@@ -301,11 +307,7 @@ def test_an_engine_dead_before_the_groups_rendezvous_does_not_hold_back_the_othe
     survivors there until the timeout, with the trainer's store client, so the abort could not be
     sent either. Now members wait for each other's ranks, interruptibly, before building the group."""
     ray = ray_session
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    trainer = ray.remote(num_cpus=0)(LiveTrainer).remote(
-        "collective", {"num_receivers": 2, "timeout_s": 600.0}
-    )
-    engines = {f"e{i}": ray.remote(num_cpus=0)(Engine).remote("collective") for i in range(2)}
+    trainer, engines = _collective_actors(ray, 2)
     try:
         registry = VersionRegistry()
         wsync = PolicyWeightSync("alice", trainer, engines, registry, transport="collective")
