@@ -35,7 +35,7 @@ from polyrl_operator.api.progress import (
     Progress,
 )
 from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef, CheckpointStore
-from polyrl_runtime.coordinator.fleet import Fleet
+from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.producer import EpisodeProducer, ProducerLimits
 from polyrl_runtime.coordinator.report import RunSummary, progress_report, run_summary
@@ -422,9 +422,17 @@ class Driver:
         for engine, err in result.failures.items():
             log.warning("weights.engine_failed", policy=name, engine=engine, error=str(err))
             if isinstance(err, ray.exceptions.RayActorError):
-                self.fleet.mark_dead({engine})
-                if engine not in run.sync.engines:  # the sync dropped it; housekeeping will not see it
-                    self._emit("engine_lost", engine=engine, policy=name)
+                self._engines_lost(self.fleet.mark_dead({engine}))
+                if engine in run.sync.engines:  # out now: the next step's sync must not wait on it
+                    await asyncio.to_thread(run.sync.remove_engine, engine)
+
+    def _engines_lost(self, slots: list[Slot]) -> None:
+        """Report each engine once, when the fleet first marks it dead (whoever saw it die: the
+        weight sync, a workflow worker or the housekeeping poll)."""
+        assert self.fleet is not None
+        for slot in slots:
+            if slot.name in self.fleet.engines.get(slot.policy, {}):  # not a workflow worker
+                self._emit("engine_lost", engine=slot.name, policy=slot.policy)
 
     def elapsed(self) -> float:
         return self._elapsed_before + time.monotonic() - self.started
@@ -510,7 +518,9 @@ class Driver:
         request = self._pending_request()
         if request is not None:
             await self.checkpoint("request", request)
-        changed = bool(await self.fleet.poll())
+        newly_dead = await self.fleet.poll()
+        self._engines_lost(newly_dead)
+        changed = bool(newly_dead)
         for run in self.runs.values():
             assert run.sync is not None
             for name in list(run.sync.engines):
@@ -518,7 +528,6 @@ class Driver:
                 if slot is None or slot.dead:
                     await asyncio.to_thread(run.sync.remove_engine, name)
                     changed = True
-                    self._emit("engine_lost", engine=name, policy=run.name)
         for p in self.spec.policies:
             # A free unit of the role's resource is a pod (or a dead engine's slot) with no engine.
             room = p.rollout.replicas.max - len(self.fleet.live_engines(p.name))
