@@ -422,9 +422,12 @@ class Driver:
         for engine, err in result.failures.items():
             log.warning("weights.engine_failed", policy=name, engine=engine, error=str(err))
             if isinstance(err, ray.exceptions.RayActorError):
-                self._engines_lost(self.fleet.mark_dead({engine}))
+                lost = self.fleet.mark_dead({engine})
+                self._engines_lost(lost)
                 if engine in run.sync.engines:  # out now: the next step's sync must not wait on it
                     await asyncio.to_thread(run.sync.remove_engine, engine)
+                if lost:  # housekeeping will not see it in the sync, so the workers' routes change here
+                    await self.fleet.push_routes()
 
     def _engines_lost(self, slots: list[Slot]) -> None:
         """Report each engine once, when the fleet first marks it dead (whoever saw it die: the

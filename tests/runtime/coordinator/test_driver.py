@@ -224,6 +224,11 @@ def test_an_engine_that_dies_mid_run_does_not_stop_the_job(
     lost = [data for kind, data in events if kind == "engine_lost"]
     assert lost == [{"engine": victim[0], "policy": "agent"}]
     assert victim[0] not in driver.runs["agent"].sync.engines  # type: ignore[union-attr]
+    # and every workflow worker holds the newest routing table, which leaves it out
+    fleet = driver.fleet
+    assert fleet is not None and victim[0] not in fleet.routes()["agent"]
+    workers = [w.handle.stats.remote() for w in fleet.workers.values() if not w.dead]
+    assert workers and all(s["routes_epoch"] == fleet.routes_epoch for s in ray.get(workers))
 
 
 def test_zero3_two_ranks_ppo_with_kl_and_entropy(ray_local: Any, tmp_path: Path) -> None:
