@@ -423,19 +423,21 @@ class Driver:
             log.warning("weights.engine_failed", policy=name, engine=engine, error=str(err))
             if isinstance(err, ray.exceptions.RayActorError):
                 lost = self.fleet.mark_dead({engine})
-                self._engines_lost(lost)
+                self._report_lost(lost)
                 if engine in run.sync.engines:  # out now: the next step's sync must not wait on it
                     await asyncio.to_thread(run.sync.remove_engine, engine)
                 if lost:  # housekeeping will not see it in the sync, so the workers' routes change here
                     await self.fleet.push_routes()
 
-    def _engines_lost(self, slots: list[Slot]) -> None:
-        """Report each engine once, when the fleet first marks it dead (whoever saw it die: the
-        weight sync, a workflow worker or the housekeeping poll)."""
+    def _report_lost(self, slots: list[Slot]) -> None:
+        """Report each engine or workflow worker once, when the fleet first marks it dead (whoever
+        saw it die: the weight sync, a workflow worker, the producer or the housekeeping poll)."""
         assert self.fleet is not None
         for slot in slots:
-            if slot.name in self.fleet.engines.get(slot.policy, {}):  # not a workflow worker
+            if slot.name in self.fleet.engines.get(slot.policy, {}):
                 self._emit("engine_lost", engine=slot.name, policy=slot.policy)
+            else:
+                self._emit("worker_lost", worker=slot.name)
 
     def elapsed(self) -> float:
         return self._elapsed_before + time.monotonic() - self.started
@@ -522,7 +524,7 @@ class Driver:
         if request is not None:
             await self.checkpoint("request", request)
         newly_dead = await self.fleet.poll()
-        self._engines_lost(newly_dead)
+        self._report_lost(newly_dead)
         changed = bool(newly_dead)
         for run in self.runs.values():
             assert run.sync is not None
@@ -544,10 +546,11 @@ class Driver:
         live_workers = [w for w in self.fleet.workers.values() if not w.dead]
         free_w = self.fleet.free_units(None, "workflow")
         if free_w and len(live_workers) < self.spec.workflow.replicas.max:
-            self.fleet.new_worker(
+            slot = self.fleet.new_worker(
                 self.job.model_dump_json(by_alias=True), self.buffer, self.opts.episode_timeout_s
             )
             changed = True
+            self._emit("worker_added", worker=slot.name)
         if changed:
             await self.fleet.push_routes()
 

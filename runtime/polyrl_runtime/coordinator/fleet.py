@@ -95,6 +95,9 @@ class Fleet:
         self.workers: dict[str, Slot] = {}
         self._ids = itertools.count()
         self.routes_epoch = 0  # bumped by each push of routing tables to the workers
+        # Without placement resources (tests on a plain Ray), what Ray's resource accounting does
+        # otherwise: a dead actor's unit is free again, for housekeeping to start a replacement on.
+        self._vacated: Counter[tuple[str | None, str]] = Counter()
 
     # -- creation ------------------------------------------------------------------------------
 
@@ -125,6 +128,7 @@ class Fleet:
             dtype=policy.model.dtype,
         )
         slot = Slot(name, handle, policy=policy.name)
+        self._refill(policy.name, "rollout")
         self.engines[policy.name][name] = slot
         return slot
 
@@ -144,6 +148,7 @@ class Fleet:
         )
         slot = Slot(name, handle)
         self.workers[name] = slot
+        self._refill(None, "workflow")
         return slot
 
     def new_trainers(self, policy: Policy, buffer: Any) -> list[Any]:
@@ -198,7 +203,7 @@ class Fleet:
         results = await asyncio.gather(*(s.handle.stats.remote() for s in slots), return_exceptions=True)
         for s, r in zip(slots, results, strict=True):
             if isinstance(r, BaseException):
-                s.dead = True
+                self._died(s)
                 newly_dead.append(s)
                 continue
             assert isinstance(r, EngineStats)
@@ -211,7 +216,7 @@ class Fleet:
         wres = await asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True)
         for w, r in zip(workers, wres, strict=True):
             if isinstance(r, BaseException):
-                w.dead = True
+                self._died(w)
                 newly_dead.append(w)
                 continue
             w.observe(float(r["busy_s"]) / max(1.0, float(r.get("capacity", 1.0))), int(r["in_flight"]))
@@ -227,9 +232,25 @@ class Fleet:
         for p in self.engines.values():
             for n in names & set(p):
                 if not p[n].dead:
-                    p[n].dead = True
+                    self._died(p[n])
                     out.append(p[n])
         return out
+
+    def mark_worker_dead(self, worker: Slot) -> bool:
+        """A workflow worker's call failed because its actor died; True the first time."""
+        if worker.dead:
+            return False
+        self._died(worker)
+        return True
+
+    def _died(self, slot: Slot) -> None:
+        slot.dead = True
+        if not self.place_by_resource:
+            self._vacated[(slot.policy or None, "rollout" if slot.policy else "workflow")] += 1
+
+    def _refill(self, policy: str | None, role: str) -> None:
+        if self._vacated[(policy, role)] > 0:
+            self._vacated[(policy, role)] -= 1
 
     def set_draining(self, target: str, draining: bool) -> bool:
         """Drain (or undrain) the engine or worker named `target` (actor name or pod name)."""
@@ -242,7 +263,9 @@ class Fleet:
         return found
 
     def free_units(self, policy: str | None, role: str) -> int:
+        """Units of the role's placement resource with no actor on them: a pod that joined (or came
+        back), or a dead actor's."""
         if not self.place_by_resource:
-            return 0
+            return self._vacated[(policy, role)]
         api: Any = ray
         return int(api.available_resources().get(resource_name(policy, role), 0))

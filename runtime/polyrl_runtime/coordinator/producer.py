@@ -130,7 +130,8 @@ class EpisodeProducer:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            worker.dead = isinstance(e, ray.exceptions.RayActorError)
+            if isinstance(e, ray.exceptions.RayActorError) and self.fleet.mark_worker_dead(worker):
+                self._emit("worker_lost", worker=worker.name)
             results = [str(e).splitlines()[0]] * len(groups)
         finally:
             worker.in_flight = max(0, worker.in_flight - n)

@@ -196,7 +196,7 @@ def run_local(
             )
         elif kind == "checkpoint" and data["reason"] != "periodic":
             display.message(f"checkpoint ({data['reason']}): {data['path']}")
-        elif kind in ("engine_lost", "engine_added", "drain"):
+        elif kind in ("engine_lost", "engine_added", "worker_lost", "worker_added", "drain"):
             display.message(f"{kind}: {data}")
 
     opts = DriverOptions(

@@ -230,6 +230,38 @@ def test_an_engine_that_dies_mid_run_does_not_stop_the_job(
     assert _workers_reach(fleet, fleet.routes_epoch), fleet.routes_epoch
 
 
+@pytest.mark.timeout(300)
+def test_a_workflow_worker_that_dies_is_replaced_and_its_episodes_are_released(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    # The job's only workflow worker: before its replacement, the job hung with credit to spare
+    # and no worker to run an episode on.
+    job = make_job(training={"totalSteps": 6})
+    events: list[tuple[str, dict[str, Any]]] = []
+    driver = new_driver(job, tmp_path, on_event=lambda kind, data: events.append((kind, data)))
+    victim: list[str] = []
+
+    async def scenario() -> Any:
+        task = asyncio.create_task(driver.run())
+        await until(task, lambda: "agent" in driver.runs and driver.runs["agent"].step >= 2, "step 2")
+        assert driver.fleet is not None and len(driver.fleet.workers) == 1
+        slot = next(iter(driver.fleet.workers.values()))
+        victim.append(slot.name)
+        ray.kill(slot.handle)
+        return await task
+
+    summary = asyncio.run(scenario())
+    assert summary.state == "done", summary.message
+    assert summary.steps == {"agent": 6}
+    lost = [data for kind, data in events if kind == "worker_lost"]
+    added = [data["worker"] for kind, data in events if kind == "worker_added"]
+    assert lost == [{"worker": victim[0]}] and len(added) == 1 and added[0] != victim[0]
+    # The episodes it held were released (their credit came back, so every step was full) and
+    # counted as failed, not trained on.
+    assert [r.samples for r in summary.records] == [16 * 2] * 6  # 16 episodes of two turns
+    assert summary.buffers["agent"]["consumed"] == 6 * 16 * 2 and summary.buffers["agent"]["leased"] == 0
+
+
 def test_zero3_two_ranks_ppo_with_kl_and_entropy(ray_local: Any, tmp_path: Path) -> None:
     p = policy(
         algorithm={"name": "ppo", "groupSize": 1, "lr": 1e-3, "klCoef": 0.1, "entropyCoef": 0.01},

@@ -129,3 +129,18 @@ def test_each_role_runs_on_its_cpu_set(ray_local: Any) -> None:
     finally:
         for h in (engine, worker, trainer, unpinned):
             ray.kill(h)
+
+
+def test_without_placement_resources_a_dead_actors_unit_is_free_once() -> None:
+    """What Ray's resource accounting gives housekeeping otherwise: one free unit per dead actor of
+    the role, however many parts report the death, until a replacement takes it."""
+    fleet, _, _ = _fleet()
+    assert fleet.free_units("agent", "rollout") == 0 and fleet.free_units(None, "workflow") == 0
+    assert [s.name for s in fleet.mark_dead({"agent-rollout-0"})] == ["agent-rollout-0"]
+    assert fleet.mark_dead({"agent-rollout-0"}) == []  # reported again (a worker, the sync): no new unit
+    assert fleet.free_units("agent", "rollout") == 1 and fleet.free_units(None, "workflow") == 0
+    slot = fleet.workers["workflow-0"]
+    assert fleet.mark_worker_dead(slot) and not fleet.mark_worker_dead(slot)
+    assert fleet.free_units(None, "workflow") == 1
+    fleet._refill("agent", "rollout")  # what new_engine does once its actor is started
+    assert fleet.free_units("agent", "rollout") == 0
