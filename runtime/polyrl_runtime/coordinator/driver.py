@@ -275,6 +275,7 @@ class Driver:
             on_episode=on_episode,
             fail=lambda message, retryable: self._fail(message, retryable=retryable),
             emit=self._emit,
+            lost=self._report_lost,
             signals=8 * self.E,
         )
 

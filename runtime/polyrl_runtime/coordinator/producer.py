@@ -52,6 +52,7 @@ class EpisodeProducer:
         on_episode: EpisodeCallback,
         fail: Callable[[str, bool], None],
         emit: Callable[..., None],
+        lost: Callable[[list[Slot]], None],
         signals: int,
     ) -> None:
         if limits.max_in_flight_per_worker < group_size:
@@ -65,6 +66,7 @@ class EpisodeProducer:
         self._on_episode = on_episode
         self._fail = fail
         self._emit = emit
+        self._lost = lost  # engines and workers this producer saw die first (the driver reports them)
         self.failures: Counter[str] = Counter()
         self.episodes_ok = 0
         self.in_flight = 0  # episodes dispatched and not yet reported
@@ -131,7 +133,7 @@ class EpisodeProducer:
             raise
         except Exception as e:
             if isinstance(e, ray.exceptions.RayActorError) and self.fleet.mark_worker_dead(worker):
-                self._emit("worker_lost", worker=worker.name)
+                self._lost([worker])
             results = [str(e).splitlines()[0]] * len(groups)
         finally:
             worker.in_flight = max(0, worker.in_flight - n)
@@ -175,8 +177,7 @@ class EpisodeProducer:
                 )
             self.signals.extend(ep.rewards.values())
         if report.dead_engines:
-            for slot in self.fleet.mark_dead(report.dead_engines):
-                self._emit("engine_lost", engine=slot.name, policy=slot.policy)
+            self._lost(self.fleet.mark_dead(report.dead_engines))
 
     def _check_used(self, samples: dict[str, int]) -> None:
         """A policy the workflow never calls would wait for samples forever: after `unused_episodes`

@@ -8,6 +8,7 @@ import json
 import pickle
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,13 @@ import pytest
 import ray
 from driver_harness import make_job, new_driver, policy, run, still_running, until
 
+from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import Progress
 from polyrl_runtime.coordinator.checkpoint import BUFFER, CheckpointStore
+from polyrl_runtime.coordinator.driver import Driver
+from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.progress_server import ProgressServer
+from polyrl_runtime.coordinator.report import RunSummary
 
 pytestmark = pytest.mark.slow
 
@@ -204,29 +209,19 @@ def test_an_engine_that_dies_mid_run_does_not_stop_the_job(
         weightSync={"transport": transport},
         policies=[policy(rollout={"replicas": {"min": 2, "max": 2}})],
     )
-    events: list[tuple[str, dict[str, Any]]] = []
-    driver = new_driver(job, tmp_path, on_event=lambda kind, data: events.append((kind, data)))
-    victim: list[str] = []
-
-    async def scenario() -> Any:
-        task = asyncio.create_task(driver.run())
-        await until(task, lambda: "agent" in driver.runs and driver.runs["agent"].step >= 2, "step 2")
-        slot = next(iter(driver.fleet.engines["agent"].values()))  # type: ignore[union-attr]
-        victim.append(slot.name)
-        ray.kill(slot.handle)
-        return await task
-
-    summary = asyncio.run(scenario())
+    driver, summary, events, victim = _kill_at_step_two(
+        job, tmp_path, lambda fleet: next(iter(fleet.engines["agent"].values()))
+    )
     assert summary.state == "done", summary.message
     assert summary.steps == {"agent": 6}
     # Reported once, whichever part saw it die first (the weight sync, a worker or the poll), even
     # when the job ends before the next housekeeping round; and out of the sync group at once.
     lost = [data for kind, data in events if kind == "engine_lost"]
-    assert lost == [{"engine": victim[0], "policy": "agent"}]
-    assert victim[0] not in driver.runs["agent"].sync.engines  # type: ignore[union-attr]
+    assert lost == [{"engine": victim, "policy": "agent"}]
+    assert victim not in driver.runs["agent"].sync.engines  # type: ignore[union-attr]
     # and every workflow worker holds the newest routing table, which leaves it out
     fleet = driver.fleet
-    assert fleet is not None and victim[0] not in fleet.routes()["agent"]
+    assert fleet is not None and victim not in fleet.routes()["agent"]
     assert _workers_reach(fleet, fleet.routes_epoch), fleet.routes_epoch
 
 
@@ -237,27 +232,19 @@ def test_a_workflow_worker_that_dies_is_replaced_and_its_episodes_are_released(
     # The job's only workflow worker: before its replacement, the job hung with credit to spare
     # and no worker to run an episode on.
     job = make_job(training={"totalSteps": 6})
-    events: list[tuple[str, dict[str, Any]]] = []
-    driver = new_driver(job, tmp_path, on_event=lambda kind, data: events.append((kind, data)))
-    victim: list[str] = []
 
-    async def scenario() -> Any:
-        task = asyncio.create_task(driver.run())
-        await until(task, lambda: "agent" in driver.runs and driver.runs["agent"].step >= 2, "step 2")
-        assert driver.fleet is not None and len(driver.fleet.workers) == 1
-        slot = next(iter(driver.fleet.workers.values()))
-        victim.append(slot.name)
-        ray.kill(slot.handle)
-        return await task
+    def only_worker(fleet: Fleet) -> Slot:
+        assert len(fleet.workers) == 1
+        return next(iter(fleet.workers.values()))
 
-    summary = asyncio.run(scenario())
+    _, summary, events, victim = _kill_at_step_two(job, tmp_path, only_worker)
     assert summary.state == "done", summary.message
     assert summary.steps == {"agent": 6}
     lost = [data for kind, data in events if kind == "worker_lost"]
     added = [data["worker"] for kind, data in events if kind == "worker_added"]
-    assert lost == [{"worker": victim[0]}] and len(added) == 1 and added[0] != victim[0]
-    # The episodes it held were released (their credit came back, so every step was full) and
-    # counted as failed, not trained on.
+    assert lost == [{"worker": victim}] and len(added) == 1 and added[0] != victim
+    # The episodes it held were released (their credit came back, so every step was full), and
+    # none of its leases is left open.
     assert [r.samples for r in summary.records] == [16 * 2] * 6  # 16 episodes of two turns
     assert summary.buffers["agent"]["consumed"] == 6 * 16 * 2 and summary.buffers["agent"]["leased"] == 0
 
@@ -282,6 +269,30 @@ def test_zero3_two_ranks_ppo_with_kl_and_entropy(ray_local: Any, tmp_path: Path)
     driver.close()  # every actor it started is stopped, not left to the garbage collector
     for handle in (engine.handle, driver.buffer, *driver.runs["agent"].ranks):
         assert _dies(handle), f"{handle} still answers 30 s after driver.close()"
+
+
+Events = list[tuple[str, dict[str, Any]]]
+
+
+def _kill_at_step_two(
+    job: RLJob, tmp_path: Path, pick: Callable[[Fleet], Slot]
+) -> tuple[Driver, RunSummary, Events, str]:
+    """Run `job`, kill the actor `pick` chooses once step 2 is trained, and run on to the end."""
+    events: Events = []
+    driver = new_driver(job, tmp_path, on_event=lambda kind, data: events.append((kind, data)))
+    victim: list[str] = []
+
+    async def scenario() -> RunSummary:
+        task = asyncio.create_task(driver.run())
+        await until(task, lambda: "agent" in driver.runs and driver.runs["agent"].step >= 2, "step 2")
+        assert driver.fleet is not None
+        slot = pick(driver.fleet)
+        victim.append(slot.name)
+        ray.kill(slot.handle)
+        return await task
+
+    summary = asyncio.run(scenario())
+    return driver, summary, events, victim[0]
 
 
 def _workers_reach(fleet: Any, epoch: int) -> bool:
