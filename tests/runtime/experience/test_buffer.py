@@ -41,6 +41,19 @@ def test_turn_and_episode_validation() -> None:
     assert t.prompt_ids.dtype == np.int32 and t.logprobs.dtype == np.float32
 
 
+def test_turn_keeps_matching_arrays_and_converts_the_rest() -> None:
+    ids = np.arange(6, dtype=np.int32)
+    lp = np.zeros(3, dtype=np.float32)
+    kept = Turn("a", "p", ids, ids[:3], lp, ids[3:])
+    assert kept.prompt_ids is ids and kept.logprobs is lp  # already int32/float32, 1-D, contiguous
+    assert kept.allowed_ids.dtype == np.int32 and len(kept.allowed_ids) == 0
+    converted = Turn("a", "p", ids.astype(np.int64), ids[::2], lp.astype(np.float64), [0, 0, 0])
+    assert converted.prompt_ids.dtype == np.int32 and converted.logprobs.dtype == np.float32
+    assert converted.response_ids.flags.c_contiguous and converted.response_ids.tolist() == [0, 2, 4]
+    with pytest.raises(ValueError, match="prompt_ids must be one-dimensional"):
+        Turn("a", "p", ids.reshape(2, 3), ids[:3], lp, ids[3:])
+
+
 def test_split_and_batch_round_trip() -> None:
     ep = Episode(
         "e1",
