@@ -34,6 +34,7 @@ from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import (
     Progress,
 )
+from polyrl_runtime.actors import actor_gone
 from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
@@ -422,7 +423,7 @@ class Driver:
             await asyncio.gather(*peers)
         for engine, err in result.failures.items():
             log.warning("weights.engine_failed", policy=name, engine=engine, error=str(err))
-            if isinstance(err, ray.exceptions.RayActorError):
+            if actor_gone(err):
                 lost = self.fleet.mark_dead({engine})
                 self._report_lost(lost)
                 if engine in run.sync.engines:  # out now: the next step's sync must not wait on it

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 import structlog
 
+from polyrl_runtime.actors import actor_gone
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.experience.buffer import UnknownTicketError
 from polyrl_runtime.experience.wire import TicketBatch
@@ -132,7 +133,7 @@ class EpisodeProducer:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            if isinstance(e, ray.exceptions.RayActorError) and self.fleet.mark_worker_dead(worker):
+            if actor_gone(e) and self.fleet.mark_worker_dead(worker):
                 self._lost([worker])
             results = [str(e).splitlines()[0]] * len(groups)
         finally:

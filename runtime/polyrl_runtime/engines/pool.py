@@ -25,10 +25,15 @@ from typing import Any
 import ray
 import structlog
 
+from polyrl_runtime.actors import ACTOR_GONE
 from polyrl_runtime.engines.api import EngineUnavailableError, Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request
 
 log = structlog.get_logger(__name__)
+
+# A request is moved to another engine when its engine is gone, or unreachable for now (the pool
+# does not come back to an engine it marked dead: the driver replaces it).
+_ENGINE_GONE: tuple[type[Exception], ...] = (*ACTOR_GONE, ray.exceptions.ActorUnavailableError)
 
 
 class EnginePool:
@@ -76,7 +81,7 @@ class EnginePool:
             self._in_flight[name] = self._in_flight.get(name, 0) + 1
             try:
                 return await self._call(name, handle, prompt_ids, params)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            except _ENGINE_GONE as e:
                 log.warning("engine.dead", policy=policy, engine=name, error=str(e).splitlines()[0])
                 self._dead.add(name)
                 self.newly_dead.add(name)

@@ -18,6 +18,7 @@ import ray
 import structlog
 import torch
 
+from polyrl_runtime.actors import actor_gone
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest, WeightSyncError, WeightTarget
 from polyrl_runtime.weights.registry import make_receiver, make_sender
 from polyrl_runtime.weights.versions import VersionRegistry
@@ -172,12 +173,7 @@ class PolicyWeightSync:
             except Exception as e:  # one engine's failure must not stop the others' bookkeeping
                 result.failures[name] = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
                 log.warning("weights.sync.engine_failed", policy=self.policy, engine=name, error=str(e))
-                if (
-                    self._collective
-                    and pending
-                    and not aborted
-                    and isinstance(e, ray.exceptions.RayActorError)
-                ):
+                if self._collective and pending and not aborted and actor_gone(e):
                     # The others may wait for bytes the dead one was to forward (see collective._wait).
                     ray.get(self.trainer.abort_weights.remote())
                     aborted = True
@@ -207,7 +203,7 @@ class PolicyWeightSync:
         Dropped here, not left to the driver's housekeeping: a sync that ran first would build the
         next group with the dead engine in it, and a group's rendezvous waits for every member (it
         held the trainer and the survivors until the transport's timeout)."""
-        dead = {n for n, e in result.failures.items() if isinstance(e, ray.exceptions.RayActorError)}
+        dead = {n for n, e in result.failures.items() if actor_gone(e)}
         if not dead:
             return result
         for name in dead:

@@ -96,3 +96,25 @@ def test_engine_killed_mid_call_retries_its_unanswered_requests(ray_session: Any
     assert pool.take_dead() == {"doomed"} and pool.outstanding() == {}
     assert ray.get(spare.requests.remote()) == 2
     ray.kill(spare)
+
+
+def test_an_engine_that_never_started_is_marked_dead_and_its_requests_go_elsewhere(ray_session: Any) -> None:
+    # Its runtime env cannot be set up (no conda here), so the actor is never created: every call to
+    # it raises RuntimeEnvSetupError, as for an engine whose node's runtime-env agent failed.
+    ray = ray_session
+    actor = ray.remote(num_cpus=0)(SlowEngine)
+    unborn = actor.options(runtime_env={"conda": "polyrl-no-such-env"}).remote("unborn")
+    spare = actor.remote("spare")
+    ray.get(spare.requests.remote())
+    pool = EnginePool({"p": {"unborn": unborn}})
+
+    async def go() -> list[Generation]:
+        outs = [asyncio.ensure_future(pool.generate("p", [t], SamplingParams())) for t in (1, 2, 3)]
+        await asyncio.sleep(0)  # the three requests are on their way to the unborn engine
+        pool.set_routes({"p": {"unborn": unborn, "spare": spare}})
+        return await asyncio.wait_for(asyncio.gather(*outs), 60)
+
+    gens = asyncio.run(go())
+    assert [(g.engine, int(g.token_ids[0])) for g in gens] == [("spare", 1), ("spare", 2), ("spare", 3)]
+    assert pool.take_dead() == {"unborn"} and pool.outstanding() == {}
+    ray.kill(spare)
