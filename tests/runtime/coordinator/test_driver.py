@@ -23,6 +23,7 @@ from polyrl_runtime.coordinator.driver import Driver
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.progress_server import ProgressServer
 from polyrl_runtime.coordinator.report import RunSummary
+from polyrl_testenv.rayactors import gone
 
 pytestmark = pytest.mark.slow
 
@@ -268,7 +269,7 @@ def test_zero3_two_ranks_ppo_with_kl_and_entropy(ray_local: Any, tmp_path: Path)
     assert ray.get(engine.handle.weight_version.remote()) == 2
     driver.close()  # every actor it started is stopped, not left to the garbage collector
     for handle in (engine.handle, driver.buffer, *driver.runs["agent"].ranks):
-        assert _dies(handle), f"{handle} still answers 30 s after driver.close()"
+        assert gone(handle), f"{handle} still answers 30 s after driver.close()"
 
 
 Events = list[tuple[str, dict[str, Any]]]
@@ -303,15 +304,4 @@ def _workers_reach(fleet: Any, epoch: int) -> bool:
         if live and all(s["routes_epoch"] == epoch for s in ray.get(live)):
             return True
         time.sleep(0.1)
-    return False
-
-
-def _dies(handle: Any) -> bool:
-    """`ray.kill` returns before the actor is gone: a call made right after can still be answered."""
-    for _ in range(60):
-        try:
-            ray.get(handle.__ray_ready__.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            return True
-        time.sleep(0.5)
     return False

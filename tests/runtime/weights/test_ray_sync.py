@@ -15,6 +15,7 @@ import torch
 from polyrl_runtime.weights import VersionError, VersionRegistry, WeightMismatchError, WeightSyncError
 from polyrl_runtime.weights.api import SyncReport, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
+from polyrl_testenv.rayactors import kill
 
 
 def _model(seed: int, width: int = 8) -> dict[str, torch.Tensor]:
@@ -282,7 +283,7 @@ def test_an_engine_dying_between_syncs_does_not_hold_back_the_others(ray_session
         wsync = PolicyWeightSync("alice", trainer, engines, registry, transport="collective")
         assert not wsync.sync(0).failures
         for victim in ("e0", "e2"):  # whichever rank gloo reaches first, one sync has it dead
-            ray.kill(engines[victim])
+            kill(engines[victim])
             ray.get(trainer.optimizer_step.remote(int(victim[1]) + 1))
             version = registry.latest("alice").version + 1  # type: ignore[union-attr]
             result = wsync.sync(version)
@@ -312,7 +313,7 @@ def test_an_engine_dead_before_the_groups_rendezvous_does_not_hold_back_the_othe
         registry = VersionRegistry()
         wsync = PolicyWeightSync("alice", trainer, engines, registry, transport="collective")
         ray.get(engines["e1"].weight_version.remote())  # started
-        ray.kill(engines["e0"])  # dies before the first sync builds the group
+        kill(engines["e0"])  # dies before the first sync builds the group
         result = wsync.sync(0)
         assert set(result.failures) == {"e0"}
         assert isinstance(result.failures["e0"], ray.exceptions.RayActorError)
