@@ -1,14 +1,19 @@
 """Experience streaming through the buffer actor vs raw Ray transfer of the same bytes, in one run.
 
     .venv/bin/python benchmarks/experience.py [--episodes 10000] [--pairs 5] [--response 2048] [--batch 32]
+                                              [--in-flight 1[,2]]
 
 Workflow -> buffer actor -> one trainer per policy, all separate Ray actor processes. Each episode has
 one turn per policy (two policies). The raw baseline moves the same bytes over the same hops with the
 same number of calls: the producer sends one numpy array per policy per batch to a relay actor, and
 each consumer takes one array per call. Runs alternate (raw, buffer, raw, buffer, ...) so both paths
 see the same machine load; the ratio is taken within each pair and its median, min and max reported,
-with each process's CPU seconds. Then the producer is made 10x faster than the trainers, and the
-buffer's peak resident episodes (its memory bound) and the producer's blocked time are reported.
+with each process's CPU seconds. Each value of `--in-flight` is a set of pairs: with 1 the producer
+waits for every call before it builds the next batch (a call's latency is on the path); with 2 it
+builds the next batch while the previous call is in flight, as a workflow worker does (it puts each
+group without waiting for the others), on both paths alike. Then the producer is made 10x faster than
+the trainers, and the buffer's peak resident episodes (its memory bound) and the producer's blocked
+time are reported.
 """
 
 from __future__ import annotations
@@ -80,27 +85,46 @@ class Producer:
         )
         return Episode(f"ep{i}", turns, {t.agent: 1.0 for t in turns})
 
-    def run(self, buf: Any, episodes: int, batch: int) -> float:
-        """One `exchange` call per batch: put the finished episodes, get credit for the next ones."""
-        done, items = 0, []
-        self.blocked_s = 0.0
-        while True:
-            t = time.perf_counter()
-            tickets, versions = ray.get(
-                buf.exchange.remote(EpisodeBatch(items), POLICIES, min(batch, episodes - done), None)
-            )
-            self.blocked_s += time.perf_counter() - t
-            if not tickets:
-                return self.blocked_s
-            # Stamped with the version each policy's engines would be serving now.
-            items = [(tk, self._episode(done + k, versions)) for k, tk in enumerate(tickets)]
-            done += len(tickets)
+    def run(self, buf: Any, episodes: int, batch: int, in_flight: int) -> float:
+        """One `exchange` call per batch: put the finished episodes, get credit for the next ones.
 
-    def run_raw(self, relay: Any, episodes: int, batch: int) -> None:
+        With `in_flight` > 1 the producer builds the next batch while earlier calls are still in flight
+        (as a workflow worker does: it puts each group without waiting for the others)."""
+        done, asked = 0, 0  # tickets received; tickets asked for and not known to be short
+        self.blocked_s = 0.0
+        pending: deque[tuple[int, Any]] = deque()
+
+        def call(items: list[tuple[Any, Episode]]) -> None:
+            nonlocal asked
+            n = min(batch, episodes - asked)
+            asked += n
+            pending.append((n, buf.exchange.remote(EpisodeBatch(items), POLICIES, n, None)))
+
+        for _ in range(in_flight):
+            call([])
+        while pending:
+            n, ref = pending.popleft()
+            t = time.perf_counter()
+            tickets, versions = ray.get(ref)
+            self.blocked_s += time.perf_counter() - t
+            asked -= n - len(tickets)  # credit may come short of a batch (the capacity bound)
+            if tickets:
+                # Stamped with the version each policy's engines would be serving now.
+                call([(tk, self._episode(done + k, versions)) for k, tk in enumerate(tickets)])
+                done += len(tickets)
+            elif asked < episodes:
+                call([])
+        return self.blocked_s
+
+    def run_raw(self, relay: Any, episodes: int, batch: int, in_flight: int) -> None:
+        pending: deque[Any] = deque()
         for start in range(0, episodes, batch):
             n = min(batch, episodes - start)
             arrays = {p: np.tile(np.frombuffer(self._bytes(p), dtype=np.uint8), n) for p in POLICIES}
-            ray.get(relay.put.remote(arrays))
+            if len(pending) >= in_flight:
+                ray.get(pending.popleft())
+            pending.append(relay.put.remote(arrays))
+        ray.get(list(pending))
 
     def _bytes(self, p: str) -> bytes:
         t = self.turns[p]
@@ -176,6 +200,12 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=128, help="resident-episode bound of the buffer")
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument(
+        "--in-flight",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1],
+        help="producer calls in flight, one set of pairs per value (both paths); 1 waits for each call",
+    )
+    ap.add_argument(
         "--bound-episodes", type=int, default=2000, help="episodes of the 10x-faster-producer run"
     )
     args = ap.parse_args()
@@ -193,13 +223,13 @@ def main() -> None:
     def cpu(actors: dict[str, Any]) -> dict[str, float]:
         return dict(zip(actors, ray.get([a.__ray_call__.remote(_cpu) for a in actors.values()]), strict=True))
 
-    def buffered(episodes: int, step_s: float) -> Run:
+    def buffered(episodes: int, step_s: float, in_flight: int) -> Run:
         buf = create_experience_actor(cfgs, args.capacity)
         ray.get(buf.__ray_ready__.remote())
         actors = {**workers, "relay/buffer": buf}
         cpu0 = cpu(actors)
         t = time.perf_counter()
-        prod = producer.run.remote(buf, episodes, args.batch)
+        prod = producer.run.remote(buf, episodes, args.batch, in_flight)
         outs = ray.get(
             [
                 tr.run.remote(buf, episodes, args.batch, per_version, step_s, watch=step_s > 0)
@@ -222,14 +252,14 @@ def main() -> None:
             max(s.staleness_max for s in stats.values()),
         )
 
-    def raw(episodes: int) -> Run:
+    def raw(episodes: int, in_flight: int) -> Run:
         relay = Relay.remote()
         ray.get(relay.__ray_ready__.remote())
         actors = {**workers, "relay/buffer": relay}
         cpu0 = cpu(actors)
         calls = -(-episodes // args.batch)
         t = time.perf_counter()
-        prod = producer.run_raw.remote(relay, episodes, args.batch)
+        prod = producer.run_raw.remote(relay, episodes, args.batch, in_flight)
         got = ray.get([tr.run_raw.remote(relay, calls) for tr in trainers.values()])
         ray.get(prod)
         wall = time.perf_counter() - t
@@ -239,40 +269,48 @@ def main() -> None:
         return Run(wall, {k: cpu1[k] - cpu0[k] for k in actors})
 
     warm = min(args.episodes, 500)
-    raw(warm)  # warm-up: worker processes, code paths
-    buffered(warm, 0.0)
-    load0 = os.getloadavg()
-    pairs = [(raw(args.episodes), buffered(args.episodes, 0.0)) for _ in range(args.pairs)]
-    load1 = os.getloadavg()
-    ratios = [r.wall / b.wall for r, b in pairs]
-    med = statistics.median(ratios)
+    raw(warm, 1)  # warm-up: worker processes, code paths
+    buffered(warm, 0.0, 1)
     mb = ep_bytes * args.episodes / 1e6
     print(
         f"experience: {args.episodes} episodes x 2 policies per run, {ep_bytes / 1e3:.1f} kB/episode, "
-        f"batch {args.batch}, {args.pairs} interleaved pairs (raw, buffer)"
+        f"batch {args.batch}, {args.pairs} interleaved pairs (raw, buffer) per mode"
     )
-    print(f"load (1/5/15 min): {_load(load0)} before, {_load(load1)} after")
-    print(f"{'pair':>5} {'raw s':>7} {'buffer s':>9} {'ratio':>6}")
-    for i, ((r, b), q) in enumerate(zip(pairs, ratios, strict=True), 1):
-        print(f"{'#' + str(i):>5} {r.wall:>7.2f} {b.wall:>9.2f} {q:>6.2f}")
-    raw_s = statistics.median(r.wall for r, _ in pairs)
-    buf_s = statistics.median(b.wall for _, b in pairs)
-    print(f"\n{'path':>8} {'episodes/s':>11} {'MB/s':>8}   (median run)")
-    print(f"{'raw ray':>8} {args.episodes / raw_s:>11.0f} {mb / raw_s:>8.1f}")
-    print(f"{'buffer':>8} {args.episodes / buf_s:>11.0f} {mb / buf_s:>8.1f}")
-    print(
-        f"ratio (raw wall / buffer wall, per pair): median {med:.2f}, min {min(ratios):.2f}, max {max(ratios):.2f}"
-    )
-    print("\nCPU seconds per run (mean over pairs), by process:")
-    for name in pairs[0][0].cpu:
-        r_cpu = statistics.mean(r.cpu[name] for r, _ in pairs)
-        b_cpu = statistics.mean(b.cpu[name] for _, b in pairs)
-        print(f"{name:>14}  raw {r_cpu:6.2f}  buffer {b_cpu:6.2f}")
+    buf_s = 0.0
+    for in_flight in args.in_flight:
+        load0 = os.getloadavg()
+        pairs = [
+            (raw(args.episodes, in_flight), buffered(args.episodes, 0.0, in_flight))
+            for _ in range(args.pairs)
+        ]
+        load1 = os.getloadavg()
+        ratios = [r.wall / b.wall for r, b in pairs]
+        med = statistics.median(ratios)
+        print(f"\nproducer calls in flight: {in_flight} ({_MODES.get(in_flight, 'pipelined')})")
+        print(f"load (1/5/15 min): {_load(load0)} before, {_load(load1)} after")
+        print(f"{'pair':>5} {'raw s':>7} {'buffer s':>9} {'ratio':>6}")
+        for i, ((r, b), q) in enumerate(zip(pairs, ratios, strict=True), 1):
+            print(f"{'#' + str(i):>5} {r.wall:>7.2f} {b.wall:>9.2f} {q:>6.2f}")
+        raw_s = statistics.median(r.wall for r, _ in pairs)
+        med_buf = statistics.median(b.wall for _, b in pairs)
+        buf_s = buf_s or med_buf  # the first mode's pace sets the memory-bound run's trainer step
+        print(f"{'path':>8} {'episodes/s':>11} {'MB/s':>8}   (median run)")
+        print(f"{'raw ray':>8} {args.episodes / raw_s:>11.0f} {mb / raw_s:>8.1f}")
+        print(f"{'buffer':>8} {args.episodes / med_buf:>11.0f} {mb / med_buf:>8.1f}")
+        print(
+            f"ratio (raw wall / buffer wall, per pair): median {med:.2f}, min {min(ratios):.2f}, "
+            f"max {max(ratios):.2f}"
+        )
+        print("CPU seconds per run (mean over pairs), by process:")
+        for name in pairs[0][0].cpu:
+            r_cpu = statistics.mean(r.cpu[name] for r, _ in pairs)
+            b_cpu = statistics.mean(b.cpu[name] for _, b in pairs)
+            print(f"{name:>14}  raw {r_cpu:6.2f}  buffer {b_cpu:6.2f}")
 
     # Producer 10x faster than the trainers: each trainer step takes 10x the producer's time per batch.
     n = min(args.episodes, args.bound_episodes)
     step = 10 * buf_s / (args.episodes / args.batch)
-    bound = buffered(n, step)
+    bound = buffered(n, step, 1)
     print(
         f"\nproducer 10x faster than trainers ({n} episodes, trainer step {step * 1e3:.1f} ms "
         f"per {args.batch} samples)"
@@ -285,6 +323,9 @@ def main() -> None:
         f"{bound.blocked / bound.wall:>16.0%} {bound.stale:>8} (<= {args.max_staleness})"
     )
     ray.shutdown()
+
+
+_MODES = {1: "each call waited for"}
 
 
 def _load(avg: tuple[float, float, float]) -> str:

@@ -70,8 +70,12 @@ def test_experience_benchmark_runs() -> None:
         "16",
         "--capacity",
         "16",
+        "--in-flight",
+        "1,2",
     )
-    assert _rows(out, "buffer") and _rows(out, "raw")
+    # One table per mode: each call waited for, then two in flight; both paths in each.
+    assert len(_rows(out, "buffer")) == 2 and len(_rows(out, "raw")) == 2
+    assert "producer calls in flight: 1" in out and "producer calls in flight: 2" in out
     (bound,) = _rows(out, "16")  # capacity row of the memory-bound table
     assert int(bound[1]) <= 16
 
