@@ -326,12 +326,14 @@ class ExperienceBuffer:
         with self._cond:
             lease = self._pop_lease(lease_id)
             p = self._p[lease.policy]
+            lags = [max(0, p.version - s.min_version) for s in lease.samples]
+            if lags:
+                p.staleness_sum += sum(lags)
+                p.staleness_max = max(p.staleness_max, *lags)
+            p.consumed += len(lags)
+            settle = self._settle
             for s in lease.samples:
-                lag = max(0, p.version - s.min_version)
-                p.staleness_sum += lag
-                p.staleness_max = max(p.staleness_max, lag)
-                p.consumed += 1
-                self._settle(s, consumed=True)
+                settle(s, consumed=True)
             self._cond.notify_all()
 
     def nack(self, lease_id: int) -> None:
@@ -549,19 +551,22 @@ class ExperienceBuffer:
 
     def _settle(self, s: Sample, *, consumed: bool) -> None:
         """A sample became final: update its (episode, policy) pair and the episode's residency."""
-        key = (s.episode_id, s.policy)
+        eid = s.episode_id
+        key = (eid, s.policy)
         pair = self._pairs[key]
         pair[0] -= 1
-        pair[1] += int(consumed)
+        if consumed:
+            pair[1] += 1
         if pair[0] == 0:
             del self._pairs[key]
             if pair[1] == 0:
                 self._p[s.policy].admitted -= 1  # nothing of this episode reached the trainer: credit back
-        left = self._live_episodes[s.episode_id] - 1
+        live = self._live_episodes
+        left = live[eid] - 1
         if left:
-            self._live_episodes[s.episode_id] = left
+            live[eid] = left
         else:
-            del self._live_episodes[s.episode_id]
+            del live[eid]
 
     def _wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
         if timeout is None:

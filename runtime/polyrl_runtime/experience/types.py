@@ -118,25 +118,27 @@ class Episode:
         # Built unchecked: every field comes from this (validated) episode, and the buffer makes
         # one sample per turn of every episode it takes in. A turn unpacked from the wire passes on
         # where its row sits in its policy's columns (see `_Rows`).
-        return [
-            _unchecked(
-                Sample,
+        out = []
+        for i, t in enumerate(self.turns):
+            d = t.__dict__
+            s = object.__new__(Sample)
+            s.__dict__.update(
                 sample_id=f"{eid}/{i}",
                 episode_id=eid,
-                policy=t.policy,
-                agent=t.agent,
+                policy=d["policy"],
+                agent=d["agent"],
                 turn_index=i,
-                prompt_ids=t.prompt_ids,
-                response_ids=t.response_ids,
-                logprobs=t.logprobs,
-                versions=t.versions,
-                reward=rewards[t.agent],
-                allowed_ids=t.allowed_ids,
+                prompt_ids=d["prompt_ids"],
+                response_ids=d["response_ids"],
+                logprobs=d["logprobs"],
+                versions=d["versions"],
+                reward=rewards[d["agent"]],
+                allowed_ids=d["allowed_ids"],
                 min_version=t.min_version,
-                _row=t.__dict__.get("_row"),
+                _row=d.get("_row"),
             )
-            for i, t in enumerate(self.turns)
-        ]
+            out.append(s)
+        return out
 
     def __reduce__(self) -> Any:
         return _rebuild_episode, pack_episodes([self])
@@ -156,16 +158,17 @@ def pack_episodes(episodes: Sequence[Episode]) -> tuple[list[EpisodeHead], IntAr
     heads: list[EpisodeHead] = []
     by_policy: dict[str, list[Turn]] = {}
     for e in episodes:
+        row = []
         for t in e.turns:
             by_policy.setdefault(t.policy, []).append(t)
-        turns = tuple(
-            (t.agent, t.policy, len(t.prompt_ids), len(t.response_ids), len(t.allowed_ids)) for t in e.turns
-        )
-        heads.append((e.episode_id, turns, dict(e.rewards), dict(e.metadata)))
+            row.append((t.agent, t.policy, len(t.prompt_ids), len(t.response_ids), len(t.allowed_ids)))
+        heads.append((e.episode_id, tuple(row), dict(e.rewards), dict(e.metadata)))
     parts: list[npt.NDArray[Any]] = []
     for turns_of_policy in by_policy.values():
-        for column in ("prompt_ids", "response_ids", "versions", "allowed_ids"):
-            parts += [getattr(t, column) for t in turns_of_policy]
+        parts += [t.prompt_ids for t in turns_of_policy]
+        parts += [t.response_ids for t in turns_of_policy]
+        parts += [t.versions for t in turns_of_policy]
+        parts += [t.allowed_ids for t in turns_of_policy if len(t.allowed_ids)]  # most are empty
         parts += [t.logprobs.view(np.int32) for t in turns_of_policy]
     return heads, np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
@@ -226,36 +229,38 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
     # The layout was written by `pack_episodes` from validated turns, so the turns are rebuilt
     # unchecked: re-validating five arrays per turn was most of the buffer's deserialisation time.
     taken = dict.fromkeys(lengths, 0)
+    new = object.__new__
     out = []
     for episode_id, turns_of_episode, rewards, metadata in heads:
         turns = []
-        for agent, policy, _, _, _ in turns_of_episode:
+        for agent, policy, _, _, n_allowed in turns_of_episode:
             rows, po, ro, ao, mins = columns[policy]
             i = taken[policy]
             taken[policy] = i + 1
-            turns.append(
-                _unchecked(
-                    Turn,
-                    agent=agent,
-                    policy=policy,
-                    prompt_ids=rows.prompt_ids[po[i] : po[i + 1]],
-                    response_ids=rows.response_ids[ro[i] : ro[i + 1]],
-                    logprobs=rows.logprobs[ro[i] : ro[i + 1]],
-                    versions=rows.versions[ro[i] : ro[i + 1]],
-                    allowed_ids=rows.allowed_ids[ao[i] : ao[i + 1]],
-                    min_version=mins[i],
-                    _row=(rows, i),
-                )
+            r0, r1 = ro[i], ro[i + 1]
+            turn = new(Turn)  # unchecked: see above (as `_unchecked` does, without its kwargs dict)
+            turn.__dict__.update(
+                agent=agent,
+                policy=policy,
+                prompt_ids=rows.prompt_ids[po[i] : po[i + 1]],
+                response_ids=rows.response_ids[r0:r1],
+                logprobs=rows.logprobs[r0:r1],
+                versions=rows.versions[r0:r1],
+                # Most turns are unconstrained: they share the one empty array instead of a view.
+                allowed_ids=rows.allowed_ids[ao[i] : ao[i + 1]] if n_allowed else _EMPTY_IDS,
+                min_version=mins[i],
+                _row=(rows, i),
             )
-        out.append(
-            _unchecked(
-                Episode,
-                episode_id=episode_id,
-                turns=tuple(turns),
-                rewards=MappingProxyType(rewards),
-                metadata=metadata,
-            )
+            turns.append(turn)
+        episode = new(Episode)
+        episode.__dict__.update(
+            episode_id=episode_id,
+            turns=tuple(turns),
+            rewards=MappingProxyType(rewards),
+            metadata=metadata,
+            policies=frozenset(t[1] for t in turns_of_episode),  # the cached property's value
         )
+        out.append(episode)
     return out
 
 
@@ -337,7 +342,8 @@ def _per_sample(samples: Sequence[Sample]) -> dict[str, Any]:
 
 def _offsets(lengths: list[int]) -> npt.NDArray[np.int64]:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets[1:] = lengths  # then a cumsum of an array: numpy wraps a list argument in Python first
+    np.cumsum(offsets, out=offsets)
     return offsets
 
 
