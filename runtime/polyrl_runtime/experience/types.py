@@ -121,23 +121,22 @@ class Episode:
         out = []
         for i, t in enumerate(self.turns):
             d = t.__dict__
-            s = object.__new__(Sample)
-            s.__dict__.update(
-                sample_id=f"{eid}/{i}",
-                episode_id=eid,
-                policy=d["policy"],
-                agent=d["agent"],
-                turn_index=i,
-                prompt_ids=d["prompt_ids"],
-                response_ids=d["response_ids"],
-                logprobs=d["logprobs"],
-                versions=d["versions"],
-                reward=rewards[d["agent"]],
-                allowed_ids=d["allowed_ids"],
-                min_version=t.min_version,
-                _row=d.get("_row"),
-            )
-            out.append(s)
+            sample = {
+                "sample_id": f"{eid}/{i}",
+                "episode_id": eid,
+                "policy": d["policy"],
+                "agent": d["agent"],
+                "turn_index": i,
+                "prompt_ids": d["prompt_ids"],
+                "response_ids": d["response_ids"],
+                "logprobs": d["logprobs"],
+                "versions": d["versions"],
+                "reward": rewards[d["agent"]],
+                "allowed_ids": d["allowed_ids"],
+                "min_version": t.min_version,
+                "_row": d.get("_row"),
+            }
+            out.append(_unchecked(Sample, sample))
         return out
 
     def __reduce__(self) -> Any:
@@ -229,7 +228,6 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
     # The layout was written by `pack_episodes` from validated turns, so the turns are rebuilt
     # unchecked: re-validating five arrays per turn was most of the buffer's deserialisation time.
     taken = dict.fromkeys(lengths, 0)
-    new = object.__new__
     out = []
     for episode_id, turns_of_episode, rewards, metadata in heads:
         turns = []
@@ -238,29 +236,30 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
             i = taken[policy]
             taken[policy] = i + 1
             r0, r1 = ro[i], ro[i + 1]
-            turn = new(Turn)  # unchecked: see above (as `_unchecked` does, without its kwargs dict)
-            turn.__dict__.update(
-                agent=agent,
-                policy=policy,
-                prompt_ids=rows.prompt_ids[po[i] : po[i + 1]],
-                response_ids=rows.response_ids[r0:r1],
-                logprobs=rows.logprobs[r0:r1],
-                versions=rows.versions[r0:r1],
-                # Most turns are unconstrained: they share the one empty array instead of a view.
-                allowed_ids=rows.allowed_ids[ao[i] : ao[i + 1]] if n_allowed else _EMPTY_IDS,
-                min_version=mins[i],
-                _row=(rows, i),
+            turn = _unchecked(
+                Turn,
+                {
+                    "agent": agent,
+                    "policy": policy,
+                    "prompt_ids": rows.prompt_ids[po[i] : po[i + 1]],
+                    "response_ids": rows.response_ids[r0:r1],
+                    "logprobs": rows.logprobs[r0:r1],
+                    "versions": rows.versions[r0:r1],
+                    # Most turns are unconstrained: they share the one empty array instead of a view.
+                    "allowed_ids": rows.allowed_ids[ao[i] : ao[i + 1]] if n_allowed else _EMPTY_IDS,
+                    "min_version": mins[i],
+                    "_row": (rows, i),
+                },
             )
             turns.append(turn)
-        episode = new(Episode)
-        episode.__dict__.update(
-            episode_id=episode_id,
-            turns=tuple(turns),
-            rewards=MappingProxyType(rewards),
-            metadata=metadata,
-            policies=frozenset(t[1] for t in turns_of_episode),  # the cached property's value
-        )
-        out.append(episode)
+        episode = {
+            "episode_id": episode_id,
+            "turns": tuple(turns),
+            "rewards": MappingProxyType(rewards),
+            "metadata": metadata,
+            "policies": frozenset(t[1] for t in turns_of_episode),  # the cached property's value
+        }
+        out.append(_unchecked(Episode, episode))
     return out
 
 
@@ -272,9 +271,10 @@ def _without_row(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in state.items() if k != "_row"}
 
 
-def _unchecked(cls: type[_T], **fields: Any) -> _T:
+def _unchecked(cls: type[_T], fields: dict[str, Any]) -> _T:
     """An instance of a frozen dataclass without running `__init__`/`__post_init__`: for values
-    rebuilt from ones that were validated already (the wire format, an episode's own turns)."""
+    rebuilt from ones that were validated already (the wire format, an episode's own turns). The
+    fields come as one dict, not keywords: the buffer builds three objects per turn it takes in."""
     obj = object.__new__(cls)
     obj.__dict__.update(fields)
     return obj
