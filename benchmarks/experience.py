@@ -286,7 +286,8 @@ def main() -> None:
         load1 = os.getloadavg()
         ratios = [r.wall / b.wall for r, b in pairs]
         med = statistics.median(ratios)
-        print(f"\nproducer calls in flight: {in_flight} ({_MODES.get(in_flight, 'pipelined')})")
+        mode = "each call waited for" if in_flight == 1 else "pipelined"
+        print(f"\nproducer calls in flight: {in_flight} ({mode})")
         print(f"load (1/5/15 min): {_load(load0)} before, {_load(load1)} after")
         print(f"{'pair':>5} {'raw s':>7} {'buffer s':>9} {'ratio':>6}")
         for i, ((r, b), q) in enumerate(zip(pairs, ratios, strict=True), 1):
@@ -323,9 +324,6 @@ def main() -> None:
         f"{bound.blocked / bound.wall:>16.0%} {bound.stale:>8} (<= {args.max_staleness})"
     )
     ray.shutdown()
-
-
-_MODES = {1: "each call waited for"}
 
 
 def _load(avg: tuple[float, float, float]) -> str:

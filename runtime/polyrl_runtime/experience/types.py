@@ -236,22 +236,23 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
             i = taken[policy]
             taken[policy] = i + 1
             r0, r1 = ro[i], ro[i + 1]
-            turn = _unchecked(
-                Turn,
-                {
-                    "agent": agent,
-                    "policy": policy,
-                    "prompt_ids": rows.prompt_ids[po[i] : po[i + 1]],
-                    "response_ids": rows.response_ids[r0:r1],
-                    "logprobs": rows.logprobs[r0:r1],
-                    "versions": rows.versions[r0:r1],
-                    # Most turns are unconstrained: they share the one empty array instead of a view.
-                    "allowed_ids": rows.allowed_ids[ao[i] : ao[i + 1]] if n_allowed else _EMPTY_IDS,
-                    "min_version": mins[i],
-                    "_row": (rows, i),
-                },
+            turns.append(
+                _unchecked(
+                    Turn,
+                    {
+                        "agent": agent,
+                        "policy": policy,
+                        "prompt_ids": rows.prompt_ids[po[i] : po[i + 1]],
+                        "response_ids": rows.response_ids[r0:r1],
+                        "logprobs": rows.logprobs[r0:r1],
+                        "versions": rows.versions[r0:r1],
+                        # Most turns are unconstrained: they share the one empty array instead of a view.
+                        "allowed_ids": rows.allowed_ids[ao[i] : ao[i + 1]] if n_allowed else _EMPTY_IDS,
+                        "min_version": mins[i],
+                        "_row": (rows, i),
+                    },
+                )
             )
-            turns.append(turn)
         episode = {
             "episode_id": episode_id,
             "turns": tuple(turns),
@@ -274,7 +275,8 @@ def _without_row(state: dict[str, Any]) -> dict[str, Any]:
 def _unchecked(cls: type[_T], fields: dict[str, Any]) -> _T:
     """An instance of a frozen dataclass without running `__init__`/`__post_init__`: for values
     rebuilt from ones that were validated already (the wire format, an episode's own turns). The
-    fields come as one dict, not keywords: the buffer builds three objects per turn it takes in."""
+    fields come as one dict, not keywords: the buffer builds a turn and a sample for every turn it
+    takes in, and an episode for every episode."""
     obj = object.__new__(cls)
     obj.__dict__.update(fields)
     return obj

@@ -6,16 +6,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from polyrl_runtime.actors import actor_gone
+
 
 def gone(handle: Any, *, tries: int = 60) -> bool:
-    """True once a call to `handle` fails because the actor is dead (polls every 0.5 s)."""
+    """True once a call to `handle` fails because the actor is gone (polls every 0.5 s)."""
     import ray
 
     for _ in range(tries):
         try:
             ray.get(handle.__ray_ready__.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            return True
+        except Exception as e:
+            if actor_gone(e):
+                return True
+            raise
         time.sleep(0.5)
     return False
 
