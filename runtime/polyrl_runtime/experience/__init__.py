@@ -7,11 +7,10 @@ from polyrl_runtime.experience.buffer import (
     Lease,
     PolicyConfig,
     PolicyStats,
-    Ticket,
     UnknownLeaseError,
     UnknownTicketError,
 )
-from polyrl_runtime.experience.types import Episode, Sample, SampleBatch, Turn
+from polyrl_runtime.experience.types import Episode, Sample, SampleBatch, Ticket, Turn
 
 __all__ = [
     "BufferSnapshot",

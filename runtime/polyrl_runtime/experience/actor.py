@@ -18,9 +18,8 @@ from polyrl_runtime.experience.buffer import (
     Lease,
     PolicyConfig,
     PolicyStats,
-    Ticket,
 )
-from polyrl_runtime.experience.types import Episode
+from polyrl_runtime.experience.types import Episode, Ticket
 from polyrl_runtime.experience.wire import TicketBatch
 
 

@@ -24,11 +24,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
 
+import numpy as np
 import structlog
 
-from polyrl_runtime.experience.types import Episode, Sample, SampleBatch
+from polyrl_runtime.experience import columns
+from polyrl_runtime.experience.columns import Chunk, PackedEpisodes, Segment
+from polyrl_runtime.experience.types import Episode, Sample, SampleBatch, Ticket
 
 log = structlog.get_logger(__name__)
 
@@ -63,15 +65,6 @@ class PolicyConfig:
             raise ValueError(f"{self.name}: episodes_per_version >= 1 and max_staleness >= 0 required")
         if self.final_version is not None and self.final_version < 1:
             raise ValueError(f"{self.name}: final_version >= 1 required (or None)")
-
-
-class Ticket(NamedTuple):
-    """Credit for one episode from each policy named. A named tuple, not a frozen dataclass: a
-    workflow batch's tickets are built three times (issued, sent, sent back), and this builds in
-    0.21 us against 0.32 us."""
-
-    ticket_id: int
-    policies: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -111,7 +104,8 @@ class _Policy:
     staleness_sum: int = 0
     staleness_max: int = 0
     finished: bool = False
-    queue: deque[Sample] = field(default_factory=deque)
+    queue: deque[Segment] = field(default_factory=deque)  # row ranges of chunks, oldest first
+    buffered: int = 0  # rows in `queue`
 
     def limit(self) -> int:
         versions = self.version + self.cfg.max_staleness + 1
@@ -127,7 +121,8 @@ class _Policy:
 class _LeaseState:
     policy: str
     consumer: str
-    samples: list[Sample]
+    segments: list[Segment]
+    n: int  # rows in `segments`
 
 
 @dataclass(frozen=True)
@@ -153,10 +148,10 @@ class ExperienceBuffer:
         self._cond = threading.Condition()
         self._tickets: dict[int, Ticket] = {}
         self._leases: dict[int, _LeaseState] = {}
-        # (episode_id, policy) -> [samples not yet final, samples consumed]: credit comes back when a
-        # pair ends with nothing consumed; an episode stays resident while any of its pairs is live.
-        self._pairs: dict[tuple[str, str], list[int]] = {}
-        self._live_episodes: dict[str, int] = {}
+        # Episodes with a sample not yet final. Per (episode, policy) pair, each chunk counts the
+        # samples not yet final and those consumed: credit comes back when a pair ends with nothing
+        # consumed; an episode stays resident while any of its pairs is live.
+        self._live_episodes = 0
         self._next_id = 1
         self._cancelled = False
 
@@ -170,7 +165,7 @@ class ExperienceBuffer:
 
     @property
     def resident_episodes(self) -> int:
-        return len(self._tickets) + len(self._live_episodes)
+        return len(self._tickets) + self._live_episodes
 
     def _can_admit(self, policies: frozenset[str], episodes: int = 1) -> bool:
         return self._admissible(policies) >= episodes
@@ -215,15 +210,14 @@ class ExperienceBuffer:
         with self._cond:
             if n < group or not self._wait(lambda: self._can_admit(names, group), timeout):
                 return out
-            out += [self._issue(names) for _ in range(min(n, self._admissible(names)) // group * group)]
+            k = min(n, self._admissible(names)) // group * group
+            for name in names:
+                self._p[name].admitted += k
+            first = self._next_id
+            self._next_id += k
+            out += [Ticket(i, names) for i in range(first, first + k)]
+            self._tickets.update((t.ticket_id, t) for t in out)
         return out
-
-    def _issue(self, names: frozenset[str]) -> Ticket:
-        for name in names:
-            self._p[name].admitted += 1
-        ticket = Ticket(self._take_id(), names)
-        self._tickets[ticket.ticket_id] = ticket
-        return ticket
 
     def release(self, ticket: Ticket) -> None:
         """Give back an unused ticket (the episode was abandoned before it produced anything)."""
@@ -242,67 +236,58 @@ class ExperienceBuffer:
         policy anywhere rejects the whole batch).
 
         One hold and one wake-up per batch, not per episode: a trainer woken by the first episode of a
-        batch would otherwise lease a fragment of it, and every fragment costs it a round trip.
+        batch would otherwise lease a fragment of it, and every fragment costs it a round trip. A batch
+        that came over the wire (`PackedEpisodes`) is kept in the columns it arrived in.
         """
-        prepared = [(ticket, episode, episode.samples()) for ticket, episode in items]
-        for _, _, samples in prepared:
-            for s in samples:
-                self._policy(s.policy)
+        packed = PackedEpisodes.pack(items)
+        chunks, used, episodes = columns.split(packed)
+        for name in chunks:
+            self._policy(name)
         with self._cond:
             if self._cancelled:
                 # Tickets were voided by cancel; the episodes still finished, so count their drops.
-                for ticket, _, samples in prepared:
-                    self._tickets.pop(ticket.ticket_id, None)
-                    for s in samples:
-                        p = self._p[s.policy]
-                        p.produced += 1
-                        p.dropped[DropReason.JOB_CANCELLED] += 1
+                for ticket_id in packed.ticket_ids:
+                    self._tickets.pop(ticket_id, None)
+                for name, c in chunks.items():
+                    self._p[name].produced += len(c)
+                    self._p[name].dropped[DropReason.JOB_CANCELLED] += len(c)
                 return
             seen: set[int] = set()
-            for ticket, episode, _ in prepared:
-                t = self._tickets.get(ticket.ticket_id)
-                if t is None or ticket.ticket_id in seen:
-                    raise UnknownTicketError(f"ticket {ticket.ticket_id} is not outstanding")
-                seen.add(ticket.ticket_id)
-                extra = episode.policies - t.policies
+            for ticket_id, head, policies in zip(packed.ticket_ids, packed.heads, used, strict=True):
+                t = self._tickets.get(ticket_id)
+                if t is None or ticket_id in seen:
+                    raise UnknownTicketError(f"ticket {ticket_id} is not outstanding")
+                seen.add(ticket_id)
+                extra = policies - t.policies
                 if extra:
-                    raise ValueError(
-                        f"episode {episode.episode_id} involves policies without credit: {sorted(extra)}"
-                    )
-            for ticket, episode, samples in prepared:
-                self._accept(self._tickets.pop(ticket.ticket_id), episode, samples)
+                    raise ValueError(f"episode {head[0]} involves policies without credit: {sorted(extra)}")
+            for ticket_id, policies in zip(packed.ticket_ids, used, strict=True):
+                for n in self._tickets.pop(ticket_id).policies - policies:
+                    self._p[n].admitted -= 1  # credit back: this episode never used that policy
+            self._accept(chunks.values(), episodes)
             self._cond.notify_all()
 
-    def _accept(self, t: Ticket, episode: Episode, samples: list[Sample]) -> None:
-        used = episode.policies
-        for n in t.policies - used:
-            self._p[n].admitted -= 1  # credit back: this episode never used that policy
-        for n in used:
-            if self._p[n].finished:
-                self._p[n].admitted -= 1  # all its samples are dropped below: nothing will be consumed
-            else:
-                self._pairs[(episode.episode_id, n)] = [0, 0]
-        accepted = []
-        for s in samples:
-            p = self._p[s.policy]
-            p.produced += 1
+    def _accept(self, chunks: Iterable[Chunk], episodes: columns.EpisodeCounts) -> None:
+        kept = []
+        for c in chunks:
+            p = self._p[c.policy]
+            p.produced += len(c)
             if p.finished:
-                p.dropped[DropReason.POLICY_FINISHED] += 1
-                continue
-            self._pairs[(s.episode_id, s.policy)][0] += 1
-            accepted.append(s)
-        if accepted:
-            self._live_episodes[episode.episode_id] = self._live_episodes.get(episode.episode_id, 0) + len(
-                accepted
-            )
-        # Only once the whole episode is counted as live may a sample settle (a stale drop):
-        # settling the first of a pair's samples early would close the pair under the others.
-        for s in accepted:
-            p = self._p[s.policy]
-            if p.version - s.min_version > p.cfg.max_staleness:
-                self._drop(p, s, DropReason.STALE)
+                p.dropped[DropReason.POLICY_FINISHED] += len(c)
+                p.admitted -= len(c.pair_episode)  # nothing of these episodes will be consumed
             else:
-                p.queue.append(s)
+                kept.append(c)
+                episodes.live += np.bincount(c.row_episode, minlength=len(episodes.live))
+        self._live_episodes += int(np.count_nonzero(episodes.live))
+        # Only once the whole put is counted as live may a sample settle (a stale drop): settling
+        # the first of a pair's samples early would close the pair under the others.
+        for c in kept:
+            p = self._p[c.policy]
+            if p.version - c.oldest <= p.cfg.max_staleness:
+                p.queue.append((c, 0, len(c)))
+                p.buffered += len(c)
+            else:
+                p.queue += self._drop_stale(p, c, 0, len(c))
 
     # -- consumers ---------------------------------------------------------------------------
 
@@ -312,28 +297,40 @@ class ExperienceBuffer:
             raise ValueError("max_samples must be >= 1")
         p = self._policy(policy)
         with self._cond:
-            if not self._wait(lambda: bool(p.queue) or p.finished or self._cancelled, timeout) or not p.queue:
+            if (
+                not self._wait(lambda: p.buffered > 0 or p.finished or self._cancelled, timeout)
+                or not p.buffered
+            ):
                 return None
-            taken = [p.queue.popleft() for _ in range(min(max_samples, len(p.queue)))]
+            n = left = min(max_samples, p.buffered)
+            taken: list[Segment] = []
+            while left:
+                c, i, j = p.queue[0]
+                if j - i <= left:
+                    taken.append(p.queue.popleft())
+                    left -= j - i
+                else:
+                    taken.append((c, i, i + left))
+                    p.queue[0] = (c, i + left, j)
+                    left = 0
+            p.buffered -= n
             lease_id = self._take_id()
-            self._leases[lease_id] = _LeaseState(policy, consumer, taken)
-        # The columnar copy needs no lock (the samples are immutable): producers and the other
-        # policies' trainers are not held up by it.
-        return Lease(lease_id, policy, consumer, SampleBatch.from_samples(policy, taken))
+            self._leases[lease_id] = _LeaseState(policy, consumer, taken, n)
+        # The batch needs no lock (token columns are immutable): producers and the other policies'
+        # trainers are not held up by it.
+        return Lease(lease_id, policy, consumer, columns.lease_batch(policy, taken))
 
     def ack(self, lease_id: int) -> None:
         """The lease's samples were trained on (after the optimizer step): they are consumed."""
         with self._cond:
             lease = self._pop_lease(lease_id)
             p = self._p[lease.policy]
-            lags = [max(0, p.version - s.min_version) for s in lease.samples]
-            if lags:
-                p.staleness_sum += sum(lags)
-                p.staleness_max = max(p.staleness_max, *lags)
-            p.consumed += len(lags)
-            settle = self._settle
-            for s in lease.samples:
-                settle(s, consumed=True)
+            for c, i, j in lease.segments:
+                total, worst = columns.lags(c, i, j, p.version)
+                p.staleness_sum += total
+                p.staleness_max = max(p.staleness_max, worst)
+                self._settle(c, slice(i, j), consumed=True)
+            p.consumed += lease.n
             self._cond.notify_all()
 
     def nack(self, lease_id: int) -> None:
@@ -350,7 +347,7 @@ class ExperienceBuffer:
             # Newest lease first, each pushed to the front: the oldest ends up first again.
             for i in ids:
                 lease = self._leases.pop(i)
-                n += len(lease.samples)
+                n += lease.n
                 self._requeue(lease)
             self._cond.notify_all()
             return n
@@ -362,17 +359,17 @@ class ExperienceBuffer:
             if version < p.version:
                 raise ValueError(f"{policy}: version {version} < current {p.version}")
             p.version = version
-            keep: deque[Sample] = deque()
-            dropped = 0
-            for s in p.queue:
-                if version - s.min_version > p.cfg.max_staleness:
-                    self._drop(p, s, DropReason.STALE)
-                    dropped += 1
+            before = p.buffered
+            keep: deque[Segment] = deque()
+            for c, i, j in p.queue:
+                if version - c.oldest <= p.cfg.max_staleness:
+                    keep.append((c, i, j))
                 else:
-                    keep.append(s)
+                    p.buffered -= j - i
+                    keep += self._drop_stale(p, c, i, j)
             p.queue = keep
             self._cond.notify_all()
-            return dropped
+            return before - p.buffered
 
     # -- ends --------------------------------------------------------------------------------
 
@@ -381,8 +378,7 @@ class ExperienceBuffer:
         p = self._policy(policy)
         with self._cond:
             p.finished = True
-            while p.queue:
-                self._drop(p, p.queue.popleft(), DropReason.POLICY_FINISHED)
+            self._drop_queue(p, DropReason.POLICY_FINISHED)
             self._cond.notify_all()
 
     def reopen(self, policy: str) -> None:
@@ -401,12 +397,11 @@ class ExperienceBuffer:
         with self._cond:
             self._cancelled = True
             for lease in self._leases.values():
-                for s in lease.samples:
-                    self._drop(self._p[s.policy], s, DropReason.JOB_CANCELLED)
+                for c, i, j in lease.segments:
+                    self._drop(self._p[lease.policy], c, slice(i, j), j - i, DropReason.JOB_CANCELLED)
             self._leases.clear()
             for p in self._p.values():
-                while p.queue:
-                    self._drop(p, p.queue.popleft(), DropReason.JOB_CANCELLED)
+                self._drop_queue(p, DropReason.JOB_CANCELLED)
             self._tickets.clear()
             self._cond.notify_all()
 
@@ -424,11 +419,11 @@ class ExperienceBuffer:
     def stats(self, policy: str) -> PolicyStats:
         p = self._policy(policy)
         with self._cond:
-            leased = sum(len(ls.samples) for ls in self._leases.values() if ls.policy == policy)
+            leased = sum(ls.n for ls in self._leases.values() if ls.policy == policy)
             return PolicyStats(
                 policy=policy,
                 version=p.version,
-                buffered=len(p.queue),
+                buffered=p.buffered,
                 leased=leased,
                 admitted=p.admitted,
                 credit=p.credit(),
@@ -445,20 +440,29 @@ class ExperienceBuffer:
         """Wait (up to `timeout`) until `policy` has at least `n` samples buffered."""
         p = self._policy(policy)
         with self._cond:
-            return self._wait(lambda: len(p.queue) >= n or self._cancelled, timeout)
+            return self._wait(lambda: p.buffered >= n or self._cancelled, timeout)
 
     def snapshot(self) -> BufferSnapshot:
         """State for a checkpoint: leased samples count as unconsumed (the trainer restarts too)."""
         with self._cond:
             samples: dict[str, list[Sample]] = {}
+            pairs: dict[tuple[str, str], tuple[int, int]] = {}
             for name, p in self._p.items():
                 leased = [
-                    s
+                    seg
                     for i in sorted(self._leases)
-                    for s in self._leases[i].samples
                     if self._leases[i].policy == name
+                    for seg in self._leases[i].segments
                 ]
-                samples[name] = leased + list(p.queue)
+                held = leased + list(p.queue)
+                samples[name] = columns.samples(held)
+                for c in {id(c): c for c, _, _ in held}.values():
+                    for k in np.flatnonzero(c.pair_live).tolist():
+                        live, consumed = pairs.get((c.pair_episode[k], name), (0, 0))
+                        pairs[(c.pair_episode[k], name)] = (
+                            live + int(c.pair_live[k]),
+                            consumed + int(c.pair_consumed[k]),
+                        )
             policies = {
                 name: {
                     "version": p.version,
@@ -467,7 +471,7 @@ class ExperienceBuffer:
                     "produced": p.produced,
                     "consumed": p.consumed,
                     "redelivered": p.redelivered
-                    + sum(len(ls.samples) for ls in self._leases.values() if ls.policy == name),
+                    + sum(ls.n for ls in self._leases.values() if ls.policy == name),
                     "dropped": dict(p.dropped),
                     "staleness_sum": p.staleness_sum,
                     "staleness_max": p.staleness_max,
@@ -480,7 +484,7 @@ class ExperienceBuffer:
                 capacity_episodes=self.capacity_episodes,
                 policies=policies,
                 samples=samples,
-                pairs={k: (v[0], v[1]) for k, v in self._pairs.items()},
+                pairs=pairs,
                 cancelled=self._cancelled,
             )
 
@@ -502,11 +506,11 @@ class ExperienceBuffer:
             p = buf._p[name]
             for key, value in state.items():
                 setattr(p, key, dict(value) if isinstance(value, dict) else value)
-            p.queue = deque(snap.samples[name])
-        buf._pairs = {k: [v[0], v[1]] for k, v in snap.pairs.items()}
-        for (episode_id, _), (live, _) in snap.pairs.items():
-            if live:
-                buf._live_episodes[episode_id] = buf._live_episodes.get(episode_id, 0) + live
+        chunks, episodes = columns.restored(snap.samples, {k: v[1] for k, v in snap.pairs.items()})
+        for name, chunk in chunks.items():
+            buf._p[name].queue.append((chunk, 0, len(chunk)))
+            buf._p[name].buffered = len(chunk)
+        buf._live_episodes = int(np.count_nonzero(episodes.live))
         buf._cancelled = snap.cancelled
         for c in gone:
             buf.finish(c.name)
@@ -537,36 +541,40 @@ class ExperienceBuffer:
 
     def _requeue(self, lease: _LeaseState) -> None:
         p = self._p[lease.policy]
-        p.redelivered += len(lease.samples)
+        p.redelivered += lease.n
         if p.finished:
-            for s in lease.samples:
-                self._drop(p, s, DropReason.POLICY_FINISHED)
+            for c, i, j in lease.segments:
+                self._drop(p, c, slice(i, j), j - i, DropReason.POLICY_FINISHED)
             return
-        p.queue.extendleft(reversed(lease.samples))
+        p.queue.extendleft(reversed(lease.segments))
+        p.buffered += lease.n
 
-    def _drop(self, p: _Policy, s: Sample, reason: DropReason) -> None:
-        p.dropped[reason] += 1
-        log.debug("experience.drop", policy=p.cfg.name, sample=s.sample_id, reason=reason.value)
-        self._settle(s, consumed=False)
+    def _drop_stale(self, p: _Policy, c: Chunk, i: int, j: int) -> list[Segment]:
+        """Drop rows i..j-1 of `c` that are too stale for `p`; returns the ranges of those kept."""
+        stale = p.version - c.min_version[i:j] > p.cfg.max_staleness
+        rows = np.flatnonzero(stale)
+        if len(rows):
+            self._drop(p, c, rows + i, len(rows), DropReason.STALE)
+        kept = [(c, i + a, i + b) for a, b in columns.runs(~stale)]
+        p.buffered += sum(b - a for _, a, b in kept)
+        return kept
 
-    def _settle(self, s: Sample, *, consumed: bool) -> None:
-        """A sample became final: update its (episode, policy) pair and the episode's residency."""
-        eid = s.episode_id
-        key = (eid, s.policy)
-        pair = self._pairs[key]
-        pair[0] -= 1
-        if consumed:
-            pair[1] += 1
-        if pair[0] == 0:
-            del self._pairs[key]
-            if pair[1] == 0:
-                self._p[s.policy].admitted -= 1  # nothing of this episode reached the trainer: credit back
-        live = self._live_episodes
-        left = live[eid] - 1
-        if left:
-            live[eid] = left
-        else:
-            del live[eid]
+    def _drop_queue(self, p: _Policy, reason: DropReason) -> None:
+        for c, i, j in p.queue:
+            self._drop(p, c, slice(i, j), j - i, reason)
+        p.queue.clear()
+        p.buffered = 0
+
+    def _drop(self, p: _Policy, c: Chunk, rows: slice | columns.Index, n: int, reason: DropReason) -> None:
+        p.dropped[reason] += n
+        log.debug("experience.drop", policy=p.cfg.name, samples=n, reason=reason.value)
+        self._settle(c, rows, consumed=False)
+
+    def _settle(self, c: Chunk, rows: slice | columns.Index, *, consumed: bool) -> None:
+        """Rows became final: their pairs' credit and their episodes' residency follow."""
+        credit_back, ended = columns.settle(c, rows, consumed=consumed)
+        self._p[c.policy].admitted -= credit_back  # pairs that ended with nothing trained on
+        self._live_episodes -= ended
 
     def _wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
         if timeout is None:

@@ -10,28 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyrl_runtime.experience.buffer import Ticket
-from polyrl_runtime.experience.types import Episode, EpisodeHead, IntArray, pack_episodes, unpack_episodes
+from polyrl_runtime.experience.columns import PackedEpisodes
+from polyrl_runtime.experience.types import Episode, Ticket
 
 
 class EpisodeBatch(list[tuple[Ticket, Episode]]):
-    """Finished episodes with the tickets they were played under: what a workflow worker puts."""
+    """Finished episodes with the tickets they were played under: what a workflow worker puts.
+
+    It arrives as a `PackedEpisodes` (a sequence of the same pairs), which the buffer keeps in the
+    columns it arrived in instead of rebuilding an object per turn."""
 
     def __reduce__(self) -> Any:
-        heads, flat = pack_episodes([e for _, e in self])
-        return _rebuild_episode_batch, (
-            [t.ticket_id for t, _ in self],
-            [t.policies for t, _ in self],
-            heads,
-            flat,
-        )
-
-
-def _rebuild_episode_batch(
-    ticket_ids: list[int], policies: list[frozenset[str]], heads: list[EpisodeHead], flat: IntArray
-) -> EpisodeBatch:
-    tickets = (Ticket(i, p) for i, p in zip(ticket_ids, policies, strict=True))
-    return EpisodeBatch(zip(tickets, unpack_episodes(heads, flat), strict=True))
+        return PackedEpisodes.pack(self).__reduce__()
 
 
 class TicketBatch(list[Ticket]):

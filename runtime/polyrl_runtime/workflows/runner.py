@@ -24,8 +24,7 @@ from polyrl_operator.api import RLJob
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
-from polyrl_runtime.experience.buffer import Ticket
-from polyrl_runtime.experience.types import Episode
+from polyrl_runtime.experience.types import Episode, Ticket
 from polyrl_runtime.experience.wire import EpisodeBatch
 from polyrl_runtime.models import Tokenizer, load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, load_workflow

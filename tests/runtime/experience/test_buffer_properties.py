@@ -26,6 +26,7 @@ from polyrl_runtime.experience import (
     UnknownLeaseError,
     UnknownTicketError,
 )
+from polyrl_runtime.experience.wire import EpisodeBatch
 
 POLICIES = ("a", "b")
 CONSUMERS = ("t0", "t1")
@@ -149,6 +150,7 @@ class BufferMachine(RuleBasedStateMachine):
                 v = m.version[p]
                 versions = np.array([v, max(0, v - lag)], dtype=np.int32)
                 turns.append(Turn(f"agent-{p}", p, [1, 2], [3, 4], [-0.5, -0.1], versions))
+        turns = data.draw(st.permutations(turns))  # agents may take turns in any order
         return ticket, Episode(eid, tuple(turns), {f"agent-{p}": 1.0 for p in used})
 
     def _admit(self, data: st.DataObject, tids: list[int], *, single: bool = False) -> None:
@@ -156,8 +158,10 @@ class BufferMachine(RuleBasedStateMachine):
         built = [self._episode(data, tid) for tid in tids]
         if single:
             self.buf.put(*built[0])
-        else:
+        elif data.draw(st.booleans()):
             self.buf.put_many(built)
+        else:  # as a workflow worker's put arrives through Ray: packed, kept in its columns
+            self.buf.put_many(pickle.loads(pickle.dumps(EpisodeBatch(built))))
         for tid, (_, episode) in zip(tids, built, strict=True):
             del m.tickets[tid]
             self._model_put(episode)

@@ -16,6 +16,7 @@ from polyrl_runtime.experience import (
     Ticket,
     Turn,
 )
+from polyrl_runtime.experience.columns import PackedEpisodes
 from polyrl_runtime.experience.wire import EpisodeBatch, TicketBatch
 
 _FIELDS = ("prompt_ids", "response_ids", "logprobs", "versions", "allowed_ids")
@@ -49,7 +50,8 @@ def test_an_episode_batch_is_bit_exact_and_one_buffer() -> None:
     tickets = [Ticket(7, frozenset({"a", "b"})), Ticket(8, frozenset({"a"})), Ticket(9, frozenset({"b"}))]
     back, n_buffers = _roundtrip(EpisodeBatch(zip(tickets, eps, strict=True)))
     assert n_buffers == 1  # Ray's per-object cost: one numpy buffer for the whole batch
-    assert isinstance(back, EpisodeBatch) and len(back) == 3
+    # It arrives packed (what the buffer keeps), and still reads as the pairs it was sent as.
+    assert isinstance(back, PackedEpisodes) and len(back) == 3 and back[1:][0][0] == tickets[1]
     for (t0, e0), (t1, e1) in zip(zip(tickets, eps, strict=True), back, strict=True):
         assert t1 == t0
         assert (e1.episode_id, dict(e1.rewards), dict(e1.metadata)) == (
@@ -67,7 +69,7 @@ def test_an_episode_batch_is_bit_exact_and_one_buffer() -> None:
 
 def test_an_empty_batch_round_trips() -> None:
     back, _ = _roundtrip(EpisodeBatch())
-    assert back == EpisodeBatch()
+    assert isinstance(back, PackedEpisodes) and list(back) == []
     tickets, _ = _roundtrip(TicketBatch())
     assert tickets == TicketBatch()
 
@@ -83,7 +85,7 @@ def test_a_buffer_takes_a_rebuilt_batch_like_the_original() -> None:
     buf = ExperienceBuffer([PolicyConfig("a", 10), PolicyConfig("b", 10)], 10)
     tickets = buf.acquire_many(["a", "b"], 3)
     batch, _ = _roundtrip(EpisodeBatch(zip(tickets, _episodes(), strict=True)))
-    assert isinstance(batch, EpisodeBatch)
+    assert isinstance(batch, PackedEpisodes)
     buf.put_many(batch)
     a, b = buf.pull("a", "t", 10), buf.pull("b", "t", 10)
     assert a is not None and b is not None
@@ -101,11 +103,11 @@ def _fields(batch: SampleBatch) -> dict[str, object]:
     return out
 
 
-def _unpacked_samples(n: int, constrained: bool) -> tuple[list[Sample], list[Sample]]:
-    """Policy "a" samples of n episodes, unpacked from the wire, and the same built locally."""
-    rng = np.random.default_rng(n)
+def _samples_put(n: int, constrained: bool, first: int = 0) -> tuple[PackedEpisodes, list[Sample]]:
+    """A put of n episodes as it arrives from the wire, and policy "a"'s samples built locally."""
+    rng = np.random.default_rng(n + first)
     eps = []
-    for i in range(n):
+    for i in range(first, first + n):
         allowed = rng.integers(0, 9, i % 3) if constrained else []
         turns = (
             Turn(
@@ -120,40 +122,88 @@ def _unpacked_samples(n: int, constrained: bool) -> tuple[list[Sample], list[Sam
             Turn("y", "b", [1], [2, 3], [0.5, 0.25], [i, i]),
         )
         eps.append(Episode(f"e{i}", turns, {"x": float(i), "y": -1.0}))
-    tickets = [Ticket(i, frozenset({"a", "b"})) for i in range(n)]
+    tickets = [Ticket(i + 1, frozenset({"a", "b"})) for i in range(first, first + n)]
     batch, _ = _roundtrip(EpisodeBatch(zip(tickets, eps, strict=True)))
-    assert isinstance(batch, EpisodeBatch)
-    wired = [s for _, e in batch for s in e.samples() if s.policy == "a"]
-    local = [s for e in eps for s in e.samples() if s.policy == "a"]
-    return wired, local
+    assert isinstance(batch, PackedEpisodes)
+    return batch, [s for e in eps for s in e.samples() if s.policy == "a"]
+
+
+def _buffer(n: int) -> ExperienceBuffer:
+    buf = ExperienceBuffer([PolicyConfig("a", 1000), PolicyConfig("b", 1000)], 1000)
+    assert len(buf.acquire_many(["a", "b"], n)) == n
+    return buf
 
 
 @pytest.mark.parametrize("constrained", [False, True])
-def test_consecutive_unpacked_samples_batch_as_slices_of_their_columns(constrained: bool) -> None:
-    wired, local = _unpacked_samples(9, constrained)
-    fast = SampleBatch.from_samples("a", wired[2:7])
-    assert _fields(fast) == _fields(SampleBatch.from_samples("a", local[2:7]))
-    # No copy: the batch's token columns are views of the unpacked batch's one array.
-    assert np.shares_memory(fast.response_ids, wired[2].response_ids)
-    assert np.shares_memory(fast.logprobs, wired[6].logprobs)
-    assert [s.min_version for s in wired] == [s.min_version for s in local] == list(range(9))
+def test_a_lease_of_one_put_is_slices_of_its_columns(constrained: bool) -> None:
+    put, local = _samples_put(9, constrained)
+    buf = _buffer(9)
+    buf.put_many(put)
+    first, lease = buf.pull("a", "t", 2), buf.pull("a", "t", 5)
+    assert first is not None and lease is not None
+    assert _fields(lease.batch) == _fields(SampleBatch.from_samples("a", local[2:7]))
+    # No copy: the lease's token columns are views of the put's one array.
+    assert np.shares_memory(lease.batch.response_ids, put.flat)
+    assert np.shares_memory(lease.batch.logprobs, put.flat)
 
 
-def test_samples_that_are_not_consecutive_rows_are_copied_alike() -> None:
-    wired, local = _unpacked_samples(6, True)
-    other, _ = _unpacked_samples(3, True)
-    for pick in ([0, 2, 3], [3, 2], [5]):
-        got = SampleBatch.from_samples("a", [wired[i] for i in pick])
-        assert _fields(got) == _fields(SampleBatch.from_samples("a", [local[i] for i in pick]))
-    mixed = SampleBatch.from_samples("a", [wired[0], other[1]])
-    assert not np.shares_memory(mixed.response_ids, wired[0].response_ids)
-    assert mixed.sample_ids == ("e0/0", "e1/0")
+def test_a_lease_across_puts_and_redeliveries_is_copied_alike() -> None:
+    one, local_one = _samples_put(4, True)
+    two, local_two = _samples_put(3, True, first=4)
+    buf = _buffer(7)
+    buf.put_many(one)
+    buf.put_many(two)
+    head = buf.pull("a", "t", 2)
+    assert head is not None
+    buf.nack(head.lease_id)  # redelivered first: rows 0-1 of the first put, then 2-3, then the second
+    lease = buf.pull("a", "t", 6)
+    assert lease is not None
+    assert _fields(lease.batch) == _fields(SampleBatch.from_samples("a", (local_one + local_two)[:6]))
+    assert not np.shares_memory(lease.batch.response_ids, one.flat)
 
 
-def test_a_pickled_sample_keeps_only_its_own_row() -> None:
-    wired, _ = _unpacked_samples(200, False)
-    one = pickle.dumps(wired[0])
-    assert len(one) < 2000  # not the 200-episode batch its row came from
-    back = pickle.loads(one)
-    assert "_row" not in back.__dict__ and back.min_version == 0
-    assert back.response_ids.tolist() == wired[0].response_ids.tolist()
+def test_a_snapshot_keeps_only_the_rows_still_held() -> None:
+    put, _ = _samples_put(200, False)
+    buf = _buffer(200)
+    buf.put_many(put)
+    for policy in ("a", "b"):
+        lease = buf.pull(policy, "t", 200 if policy == "b" else 199)
+        assert lease is not None
+        buf.ack(lease.lease_id)
+    snap = buf.snapshot()
+    assert [s.sample_id for s in snap.samples["a"]] == ["e199/0"] and snap.samples["b"] == []
+    assert len(pickle.dumps(snap)) < 4000  # not the 200-episode put its row came from
+    back = ExperienceBuffer.restore(pickle.loads(pickle.dumps(snap)))
+    lease = back.pull("a", "t", 5)
+    assert lease is not None and lease.batch.sample_ids == ("e199/0",)
+    assert lease.batch.versions.tolist() == [199] * 5
+
+
+def test_a_lease_of_a_whole_put_pickles_as_a_view_of_the_put() -> None:
+    put, _ = _samples_put(6, False)
+    buf = _buffer(6)
+    buf.put_many(put)
+    lease = buf.pull("a", "t", 6)
+    assert lease is not None
+    back, n_buffers = _roundtrip(lease.batch)
+    assert isinstance(back, SampleBatch) and _fields(back) == _fields(lease.batch)
+    buffers: list[pickle.PickleBuffer] = []
+    pickle.dumps(lease.batch, protocol=5, buffer_callback=buffers.append)
+    # One buffer, and no copy: the rows' columns already lie back to back in the put's array.
+    assert n_buffers == 1 and np.shares_memory(np.asarray(buffers[0].raw()), put.flat)
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_any_sample_batch_pickles_bit_exact_as_one_buffer(constrained: bool) -> None:
+    put, local = _samples_put(7, constrained)
+    buf = _buffer(7)
+    buf.put_many(put)
+    part = buf.pull("a", "t", 3)  # some rows of a put: not back to back, so copied
+    assert part is not None
+    for batch in (part.batch, SampleBatch.from_samples("a", local), SampleBatch.from_samples("a", [])):
+        back, n_buffers = _roundtrip(batch)
+        assert isinstance(back, SampleBatch) and _fields(back) == _fields(batch)
+        assert n_buffers == 1
+        assert [s.allowed_ids.tolist() for s in back.samples()] == [
+            s.allowed_ids.tolist() for s in batch.samples()
+        ]

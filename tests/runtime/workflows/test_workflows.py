@@ -13,7 +13,7 @@ from fakes import FakeBuffer, FakeEngine
 from polyrl_operator.api import RLJob
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
-from polyrl_runtime.experience.buffer import Ticket
+from polyrl_runtime.experience.types import Ticket
 from polyrl_runtime.models import CharTokenizer
 from polyrl_runtime.workflows.api import EpisodeContext, WorkflowImportError, load_workflow
 from polyrl_runtime.workflows.proposer_solver import ProposerSolver
