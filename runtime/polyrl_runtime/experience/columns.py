@@ -58,7 +58,7 @@ class PackedEpisodes(Sequence[tuple[Ticket, Episode]]):
         return cls([t.ticket_id for t, _ in items], [t.policies for t, _ in items], heads, flat)
 
     @cached_property
-    def _pairs(self) -> list[tuple[Ticket, Episode]]:
+    def _items(self) -> list[tuple[Ticket, Episode]]:
         tickets = (Ticket(i, p) for i, p in zip(self.ticket_ids, self.policies, strict=True))
         return list(zip(tickets, unpack_episodes(self.heads, self.flat), strict=True))
 
@@ -70,10 +70,10 @@ class PackedEpisodes(Sequence[tuple[Ticket, Episode]]):
     @overload
     def __getitem__(self, i: slice) -> list[tuple[Ticket, Episode]]: ...
     def __getitem__(self, i: int | slice) -> tuple[Ticket, Episode] | list[tuple[Ticket, Episode]]:
-        return self._pairs[i]
+        return self._items[i]
 
     def __iter__(self) -> Iterator[tuple[Ticket, Episode]]:
-        return iter(self._pairs)
+        return iter(self._items)
 
     def __reduce__(self) -> Any:
         return PackedEpisodes, (self.ticket_ids, self.policies, self.heads, self.flat)
