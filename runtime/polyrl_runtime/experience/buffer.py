@@ -267,7 +267,7 @@ class ExperienceBuffer:
             self._accept(chunks.values(), episodes)
             self._cond.notify_all()
 
-    def _accept(self, chunks: Iterable[Chunk], episodes: columns.EpisodeCounts) -> None:
+    def _accept(self, chunks: Iterable[Chunk], episodes: columns.Counts) -> None:
         kept = []
         for c in chunks:
             p = self._p[c.policy]
@@ -277,8 +277,8 @@ class ExperienceBuffer:
                 p.admitted -= len(c.pair_episode)  # nothing of these episodes will be consumed
             else:
                 kept.append(c)
-                episodes.live += np.bincount(c.row_episode, minlength=len(episodes.live))
-        self._live_episodes += int(np.count_nonzero(episodes.live))
+                episodes += np.bincount(c.row_episode, minlength=len(episodes))  # in place: chunks share it
+        self._live_episodes += int(np.count_nonzero(episodes))
         # Only once the whole put is counted as live may a sample settle (a stale drop): settling
         # the first of a pair's samples early would close the pair under the others.
         for c in kept:
@@ -287,7 +287,9 @@ class ExperienceBuffer:
                 p.queue.append((c, 0, len(c)))
                 p.buffered += len(c)
             else:
-                p.queue += self._drop_stale(p, c, 0, len(c))
+                fresh = self._drop_stale(p, c, 0, len(c))
+                p.queue += fresh
+                p.buffered += sum(j - i for _, i, j in fresh)
 
     # -- consumers ---------------------------------------------------------------------------
 
@@ -365,9 +367,9 @@ class ExperienceBuffer:
                 if version - c.oldest <= p.cfg.max_staleness:
                     keep.append((c, i, j))
                 else:
-                    p.buffered -= j - i
                     keep += self._drop_stale(p, c, i, j)
             p.queue = keep
+            p.buffered = sum(j - i for _, i, j in keep)
             self._cond.notify_all()
             return before - p.buffered
 
@@ -510,7 +512,7 @@ class ExperienceBuffer:
         for name, chunk in chunks.items():
             buf._p[name].queue.append((chunk, 0, len(chunk)))
             buf._p[name].buffered = len(chunk)
-        buf._live_episodes = int(np.count_nonzero(episodes.live))
+        buf._live_episodes = int(np.count_nonzero(episodes))
         buf._cancelled = snap.cancelled
         for c in gone:
             buf.finish(c.name)
@@ -555,9 +557,7 @@ class ExperienceBuffer:
         rows = np.flatnonzero(stale)
         if len(rows):
             self._drop(p, c, rows + i, len(rows), DropReason.STALE)
-        kept = [(c, i + a, i + b) for a, b in columns.runs(~stale)]
-        p.buffered += sum(b - a for _, a, b in kept)
-        return kept
+        return [(c, i + a, i + b) for a, b in columns.runs(~stale)]
 
     def _drop_queue(self, p: _Policy, reason: DropReason) -> None:
         for c, i, j in p.queue:

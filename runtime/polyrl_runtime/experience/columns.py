@@ -80,13 +80,6 @@ class PackedEpisodes(Sequence[tuple[Ticket, Episode]]):
 
 
 @dataclass(eq=False)
-class EpisodeCounts:
-    """Per episode of one put: its samples not yet consumed or dropped, across all its policies."""
-
-    live: Counts
-
-
-@dataclass(eq=False)
 class Chunk:
     """One policy's rows from one put (or a restore). Token columns and per-row values are read only;
     the pair counts change as rows settle."""
@@ -99,13 +92,15 @@ class Chunk:
     turn_index: npt.NDArray[np.int32]
     rewards: npt.NDArray[np.float32]
     min_version: IntArray  # each row's oldest token version: what staleness is measured from
-    oldest: int
+    oldest: int  # min(min_version): a version step skips the row compare when even this is fresh
     row_pair: Index  # row -> its (episode, policy) pair in this chunk
     pair_live: Counts  # per pair: rows not yet consumed or dropped
     pair_consumed: Counts
     pair_episode: list[str]
-    row_episode: Index  # row -> its episode in `episodes`
-    episodes: EpisodeCounts
+    row_episode: Index  # row -> its episode in `episode_live`
+    # Per episode of the put (shared by its chunks, changed in place): samples not yet consumed or
+    # dropped, across all its policies.
+    episode_live: Counts
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -114,7 +109,7 @@ class Chunk:
 Segment = tuple[Chunk, int, int]  # rows i..j-1 of a chunk
 
 
-def split(packed: PackedEpisodes) -> tuple[dict[str, Chunk], list[frozenset[str]], EpisodeCounts]:
+def split(packed: PackedEpisodes) -> tuple[dict[str, Chunk], list[frozenset[str]], Counts]:
     """A put as one chunk per policy, each episode's policies, and the put's episode counts (zero:
     the buffer counts the rows it keeps)."""
     heads = packed.heads
@@ -127,7 +122,7 @@ def split(packed: PackedEpisodes) -> tuple[dict[str, Chunk], list[frozenset[str]
             if rows is None:
                 rows = by_policy[turn[1]] = []
             rows.append((e, k, turn))
-    episodes = EpisodeCounts(np.zeros(len(heads), dtype=np.int64))
+    episodes = np.zeros(len(heads), dtype=np.int64)
     chunks: dict[str, Chunk] = {}
     end = 0
     for policy, rows in by_policy.items():
@@ -157,7 +152,7 @@ def _chunk(
     turn_index: list[int],
     rewards: list[float],
     row_episode: list[int],
-    episodes: EpisodeCounts,
+    episodes: Counts,
 ) -> Chunk:
     mins = np.minimum.reduceat(rows.versions, rows.response_offsets[:-1])
     # A pair is an episode's rows of this policy; mostly one row each (one turn per agent).
@@ -183,7 +178,7 @@ def _chunk(
         pair_consumed=np.zeros(len(pair_episode), dtype=np.int64),
         pair_episode=pair_episode,
         row_episode=np.array(row_episode, dtype=np.intp),
-        episodes=episodes,
+        episode_live=episodes,
     )
 
 
@@ -200,7 +195,7 @@ def settle(c: Chunk, rows: slice | Index, *, consumed: bool) -> tuple[int, int]:
     closed = touched[c.pair_live[touched] == 0]
     credit_back = int(np.count_nonzero(c.pair_consumed[closed] == 0)) if len(closed) else 0
     eps = c.row_episode[rows]
-    live = c.episodes.live
+    live = c.episode_live
     np.subtract.at(live, eps, 1)
     return credit_back, int(np.count_nonzero(live[np.unique(eps)] == 0))
 
@@ -285,14 +280,14 @@ def samples(segments: Sequence[Segment]) -> list[Sample]:
 
 def restored(
     by_policy: dict[str, list[Sample]], consumed: dict[tuple[str, str], int]
-) -> tuple[dict[str, Chunk], EpisodeCounts]:
+) -> tuple[dict[str, Chunk], Counts]:
     """Chunks holding a snapshot's samples, in order, with each pair's consumed count; one episode
     count covers them all."""
     episode_index: dict[str, int] = {}
     for ss in by_policy.values():
         for s in ss:
             episode_index.setdefault(s.episode_id, len(episode_index))
-    episodes = EpisodeCounts(np.zeros(len(episode_index), dtype=np.int64))
+    episodes = np.zeros(len(episode_index), dtype=np.int64)
     chunks: dict[str, Chunk] = {}
     for policy, ss in by_policy.items():
         if not ss:
@@ -322,5 +317,5 @@ def restored(
             episodes=episodes,
         )
         c.pair_consumed[:] = [consumed.get((eid, policy), 0) for eid in c.pair_episode]
-        np.add.at(episodes.live, c.row_episode, 1)
+        np.add.at(episodes, c.row_episode, 1)
     return chunks, episodes

@@ -195,22 +195,31 @@ def _columns(flat: IntArray, start: int, lengths: Sequence[tuple[int, int, int]]
     offsets = np.zeros((len(lengths) + 1, 3), dtype=np.int64)
     np.cumsum(np.array(lengths, dtype=np.int64).reshape(-1, 3), axis=0, out=offsets[1:])
     po, ro, ao = np.ascontiguousarray(offsets.T)  # one cumsum for all three columns
-    n_prompt, n_resp, n_allowed = offsets[-1].tolist()
+    (prompts, responses, versions, allowed, logprobs), end = _cut(flat, start, *offsets[-1].tolist())
+    rows = _Rows(
+        prompt_ids=prompts,
+        prompt_offsets=po,
+        response_ids=responses,
+        response_offsets=ro,
+        logprobs=logprobs,
+        versions=versions,
+        allowed_ids=allowed,
+        allowed_offsets=ao,
+    )
+    return rows, end
+
+
+def _cut(
+    flat: IntArray, start: int, n_prompt: int, n_resp: int, n_allowed: int
+) -> tuple[tuple[IntArray, IntArray, IntArray, IntArray, FloatArray], int]:
+    """One policy's columns in `flat` as `pack_episodes` writes them (prompts, responses, versions,
+    allowed ids, logprobs as raw float32 bits), as views; and where they end."""
     r = start + n_prompt
     v = r + n_resp
     a = v + n_resp
     lp = a + n_allowed
-    rows = _Rows(
-        prompt_ids=flat[start:r],
-        prompt_offsets=po,
-        response_ids=flat[r:v],
-        response_offsets=ro,
-        logprobs=flat[lp : lp + n_resp].view(np.float32),
-        versions=flat[v:a],
-        allowed_ids=flat[a:lp],
-        allowed_offsets=ao,
-    )
-    return rows, lp + n_resp
+    columns = (flat[start:r], flat[r:v], flat[v:a], flat[a:lp], flat[lp : lp + n_resp].view(np.float32))
+    return columns, lp + n_resp
 
 
 def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episode]:
@@ -457,12 +466,10 @@ def _rebuild_sample_batch(
 ) -> SampleBatch:
     (sample_ids, episode_ids, agents), (turn_index, rewards) = ids, per_row
     prompt_offsets, response_offsets, allowed_offsets = offsets
-    n_prompt, n_resp = prompt_offsets[-1], response_offsets[-1]
     n_allowed = allowed_offsets[-1] if allowed_offsets is not None else 0
-    r = n_prompt
-    v = r + n_resp
-    a = v + n_resp
-    lp = a + n_allowed
+    (prompts, responses, versions, allowed, logprobs), _ = _cut(
+        flat, 0, prompt_offsets[-1], response_offsets[-1], n_allowed
+    )
     return SampleBatch(
         policy=policy,
         sample_ids=sample_ids,
@@ -470,12 +477,12 @@ def _rebuild_sample_batch(
         agents=agents,
         turn_index=np.array(turn_index, dtype=np.int32),
         rewards=np.array(rewards, dtype=np.float32),
-        prompt_ids=flat[:r],
+        prompt_ids=prompts,
         prompt_offsets=np.array(prompt_offsets, dtype=np.int64),
-        response_ids=flat[r:v],
+        response_ids=responses,
         response_offsets=np.array(response_offsets, dtype=np.int64),
-        logprobs=flat[lp : lp + n_resp].view(np.float32),
-        versions=flat[v:a],
-        allowed_ids=flat[a:lp] if n_allowed else _EMPTY_IDS,
+        logprobs=logprobs,
+        versions=versions,
+        allowed_ids=allowed if n_allowed else _EMPTY_IDS,
         allowed_offsets=np.array(allowed_offsets, dtype=np.int64) if allowed_offsets is not None else None,
     )
