@@ -105,6 +105,27 @@ class E2E:
                 f"--- pod logs ---\n{self.kubelet.logs()[-8000:]}"
             )
 
+    def events(self, namespace: str) -> list[tuple[str, str]]:
+        """(reason, message) of every Kubernetes Event in the namespace, oldest first."""
+        items = json.loads(self.kubectl("get", "events", "-n", namespace, "-o", "json"))["items"]
+        items.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+        return [(e.get("reason", ""), e.get("message", "")) for e in items]
+
+    def restarts_report(self, name: str, namespace: str) -> str:
+        """Why the job's training roles restarted: the tails of the logs of every failed pod and every
+        replaced coordinator, then the operator's Restarting events (last: a CI log keeps the end)."""
+        runs = self.kubelet.started(namespace)
+        coordinators = [r.uid for r in runs if r.name == f"{name}-coordinator"]  # in start order
+        replaced = set(coordinators[:-1])
+        tails = "".join(
+            f"--- {log.name} of {r.name} ({r.uid}) ---\n{log.read_text(errors='replace')[-3000:]}\n"
+            for r in runs
+            if r.phase == "Failed" or r.uid in replaced
+            for log in sorted(r.directory.glob("*.log"))
+        )
+        restarting = [message for reason, message in self.events(namespace) if reason == "Restarting"]
+        return f"{tails}\nRestarting events: {restarting}"
+
     def pods(self, namespace: str) -> dict[str, dict[str, Any]]:
         items = json.loads(self.kubectl("get", "pods", "-n", namespace, "-o", "json"))["items"]
         return {p["metadata"]["name"]: p for p in items}

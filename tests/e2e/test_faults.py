@@ -103,8 +103,7 @@ def test_lowering_max_drains_a_rollout_and_deletes_it_without_loss(e2e: E2E, nam
     e2e.eventually(deleted, timeout=180, what=f"{gone} drained and deleted")
 
     def drain_events() -> list[str]:
-        items = json.loads(e2e.kubectl("get", "events", "-n", namespace, "-o", "json"))["items"]
-        return [e["reason"] for e in items if gone in e.get("message", "")]
+        return [reason for reason, message in e2e.events(namespace) if gone in message]
 
     # It was deleted because /progress reported it drained, not after the drain timeout. The operator's
     # event says so; polling /progress (`drained`) can miss a drained state the operator acted on
@@ -126,7 +125,7 @@ def test_a_trainer_crash_restarts_training_from_the_last_checkpoint(e2e: E2E, na
     e2e.kubelet.kill(namespace, f"{JOB}-agent-trainer-0")
     e2e.wait(JOB, namespace, "Succeeded", timeout=400)
     status = e2e.job(JOB, namespace)["status"]
-    assert status["restarts"] == 1, status
+    assert status["restarts"] == 1, e2e.restarts_report(JOB, namespace)
     started = [r.name for r in e2e.kubelet.started(namespace)]
     # the training roles restarted (attempt 1); rollout and workflow pods kept running
     assert sorted(started) == sorted([f"{JOB}-coordinator"] * 2 + [f"{JOB}-agent-trainer-0"] * 2
@@ -146,7 +145,7 @@ def test_an_operator_restart_mid_run_changes_nothing(e2e: E2E, namespace: str) -
     e2e.wait(JOB, namespace, "Succeeded", timeout=400)
     names = [r.name for r in e2e.kubelet.started(namespace)]
     assert len(names) == len(set(names)) == 4, names  # no pod was created twice
-    assert e2e.job(JOB, namespace)["status"]["restarts"] == 0
+    assert e2e.job(JOB, namespace)["status"]["restarts"] == 0, e2e.restarts_report(JOB, namespace)
     trained_exactly_once(e2e.counters(JOB, namespace))
 
 

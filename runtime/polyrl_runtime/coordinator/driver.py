@@ -126,11 +126,11 @@ class Driver:
         try:
             await self._start()
             self.state = "running"
-            trainers = [asyncio.create_task(self._train_loop(n)) for n in self.runs]
+            trainers = [self._guarded(self._train_loop(n), f"policy {n}: training loop") for n in self.runs]
             assert self.producer is not None
             side = [
-                asyncio.create_task(self.producer.run(self._stop)),
-                asyncio.create_task(self._housekeep()),
+                self._guarded(self.producer.run(self._stop), "episode producer"),
+                self._guarded(self._housekeep(), "housekeeping"),
             ]
             waiters: list[asyncio.Future[Any]] = [
                 asyncio.ensure_future(asyncio.gather(*trainers)),
@@ -138,6 +138,9 @@ class Driver:
             ]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             self._stop.set()
+            for w in waiters:  # a loop's error is reported by _guarded: mark it read here
+                if w.done() and not w.cancelled():
+                    w.exception()
             await asyncio.gather(*trainers, return_exceptions=True)
             for run in self.runs.values():  # no publish follows: release engines waiting for one
                 if run.sync is not None:
@@ -182,6 +185,22 @@ class Driver:
         self.interrupted = True
         self.message = reason
         self._stop.set()
+
+    def _guarded(self, work: Any, what: str) -> asyncio.Task[None]:
+        """A task whose unexpected exception fails the job, naming it. Without this an exception in a
+        training loop ended the run as if interrupted (no error, "interrupted; checkpointed"), and
+        one in the producer left the trainers to wait for the stall timeout."""
+        task: asyncio.Task[None] = asyncio.create_task(work)
+
+        def done(t: asyncio.Task[None]) -> None:
+            if t.cancelled() or t.exception() is None:
+                return
+            e = t.exception()
+            log.error("driver.task_failed", task=what, error=repr(e), exc_info=e)
+            self._fail(f"{what} failed: {type(e).__name__}: {e}")
+
+        task.add_done_callback(done)
+        return task
 
     def _fail(self, message: str, *, retryable: bool = True) -> None:
         if self._fatal is None:

@@ -92,6 +92,27 @@ def test_a_policy_that_can_never_get_credit_fails_the_job_instead_of_hanging(
     assert "policy agent: stalled at step 1: no staleness credit" in second.message, second.message
 
 
+def test_an_unexpected_error_in_a_training_loop_fails_the_job_naming_it(
+    ray_local: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A periodic checkpoint that cannot be written (here: the store raises) is an error in the
+    training loop that runs it. It fails the job, retryably and with the error; before, the loop's
+    task ended with the exception unread and the run returned as if interrupted."""
+    driver = new_driver(
+        make_job(training={"totalSteps": 3}, checkpoint={"everySteps": 1, "keep": 2}), tmp_path
+    )
+
+    def full(step: int) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(driver.store, "begin", full)
+    summary = asyncio.run(driver.run())
+    assert summary.state == "failed" and driver.retryable
+    assert (
+        "policy agent: training loop failed: OSError: [Errno 28] No space left on device" in summary.message
+    )
+
+
 def test_a_policy_the_workflow_never_calls_fails_the_job_clearly(ray_local: Any, tmp_path: Path) -> None:
     """Resume after adding a policy: it starts from its model (it is not in the checkpoint). The
     workflow's agents all map to `agent`, so `idle` would wait for samples forever; the job fails
