@@ -13,7 +13,7 @@ the same inputs gives the same result, which is why an unchanged job costs no wr
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -223,6 +223,10 @@ def plan(
         old.get("phase") == "Failed" and failed_cond.get("reason") != "InvalidSpec"
     )
     restarts = int(old.get("restarts") or 0)
+    if observed.progress is not None and observed.progress.attempt not in (None, restarts):
+        # The coordinator of an earlier attempt, still answering while its pod goes. Its "failed" was
+        # already counted: read as the new attempt's, it restarted the job a second time (CI).
+        observed = replace(observed, progress=None)
     progress = observed.progress
     pods = [c for c in own if c.kind == "Pod"]
     coordinator = next((c for c in pods if c.role == "coordinator" and not c.deleting), None)

@@ -173,6 +173,27 @@ async def test_trainer_failure_restarts_training_roles_and_counts_once() -> None
     assert sim.pods() == CPU_PODS
 
 
+async def test_a_failed_report_restarts_once_and_the_old_coordinator_is_not_counted_again() -> None:
+    """The failed coordinator keeps answering /progress ("failed", attempt 0) while its pod is
+    deleted, and the new attempt's coordinator pod already exists: read as the new attempt's, that
+    document restarted the job a second time within a second (CI). Only attempt 1's own report counts."""
+    sim = await running_sim()
+    sim.progress = progress("failed-retryable")
+    await sim.step()
+    assert sim.status["restarts"] == 1
+    restarting = [
+        e for (pl, _, _), e in sim.api.objects.items() if pl == "events" and e["reason"] == "Restarting"
+    ]
+    assert len(restarting) == 1 and "no live engine for policy 'speaker'" in restarting[0]["message"]
+    await sim.converge(2)  # the attempt-1 pods are created; the old coordinator still answers
+    sim.kubelet()
+    await sim.converge(2)
+    assert sim.status["restarts"] == 1 and sim.status["phase"] == "Running"
+    sim.progress = progress("failed-retryable", **{'"attempt": 0': '"attempt": 1'})
+    await sim.step()
+    assert sim.status["restarts"] == 2
+
+
 async def test_restart_limit_fails_the_job_and_frees_the_pods() -> None:
     job = stored_job()
     job["spec"]["failurePolicy"] = {"maxRestarts": 1}

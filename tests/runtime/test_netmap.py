@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,57 @@ def test_free_ports_stay_out_of_the_ephemeral_range() -> None:
     ports = {netmap.free_port() for _ in range(50)}
     assert all(20000 <= p <= min(26999, low - 1) for p in ports) and len(ports) > 40
     assert all(27000 <= netmap.free_port(27000, 32767) < low for _ in range(10))
+
+
+def _pick(args: tuple[int, int, int]) -> list[int]:
+    low, high, n = args
+    return [netmap.free_port(low, high) for _ in range(n)]
+
+
+def _own_tmpdir(root: str) -> None:
+    os.environ["TMPDIR"] = tempfile.mkdtemp(dir=root)
+    tempfile.tempdir = None
+
+
+def _free_range(size: int) -> int:
+    """The start of `size` consecutive ports in our range that are all free now."""
+    for _ in range(100):
+        low = random.randint(20000, 26999 - size)
+        if all(netmap._bindable(p) is not None for p in range(low, low + size)):
+            return low
+    raise AssertionError("no free range")
+
+
+def test_processes_picking_at_once_never_get_the_same_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six pods starting together each pick ports before any binds: "free now" alone gave two Ray nodes
+    the same port (CI). Four processes take 40 ports each from 240 without binding them: no two alike
+    (without the registry, 160 picks from 240 collide all but surely)."""
+    # A registry of this test's own, inherited by the pool. Each process gets its own TMPDIR, as each
+    # pod of the test kubelet does: the registry is host-wide all the same.
+    monkeypatch.setenv("POLYRL_PORT_REGISTRY", str(tmp_path / "ports.json"))
+    low = _free_range(240)
+    with multiprocessing.get_context("spawn").Pool(
+        4, initializer=_own_tmpdir, initargs=(str(tmp_path),)
+    ) as pool:
+        picks = [p for ports in pool.map(_pick, [(low, low + 239, 40)] * 4) for p in ports]
+    assert len(picks) == 160 and len(set(picks)) == 160
+    assert all(low <= p < low + 240 for p in picks)
+
+
+def test_a_reservation_expires(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLYRL_PORT_REGISTRY", str(tmp_path / "ports.json"))
+    low = _free_range(2)
+    held = {netmap.free_port(low, low + 1), netmap.free_port(low, low + 1)}
+    assert held == {low, low + 1}
+    assert netmap.free_port(low, low + 1) not in held  # both reserved: another free port instead
+    (tmp_path / "ports.json").write_text(json.dumps({low: 0.0, low + 1: 0.0}))
+    assert netmap.free_port(low, low + 1) in held  # expired: handed out again
+
+
+def test_a_torn_registry_is_started_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLYRL_PORT_REGISTRY", str(tmp_path / "ports.json"))
+    (tmp_path / "ports.json").write_text('{"2')
+    port = netmap.free_port()
+    assert json.loads((tmp_path / "ports.json").read_text()).keys() == {str(port)}

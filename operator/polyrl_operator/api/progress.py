@@ -75,6 +75,14 @@ class Progress(_Wire):
     retryable: bool = Field(
         True, description="With state failed: False when restarting cannot help (bad workflow import)."
     )
+    attempt: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "The restart attempt the coordinator belongs to (POLYRL_ATTEMPT); the operator ignores a "
+            "document from another attempt. None outside a cluster (polyrl run)."
+        ),
+    )
     policies: list[PolicyProgress] = Field(default_factory=list)
     workflow: WorkflowProgress = Field(default_factory=WorkflowProgress)
     checkpoint: CheckpointProgress = Field(default_factory=CheckpointProgress)

@@ -77,6 +77,7 @@ class DriverOptions:
     # Polled every poll_s: the id of a checkpoint request (the pod's checkpoint-request annotation).
     checkpoint_requests: Callable[[], str | None] | None = None
     on_event: Callable[[str, dict[str, Any]], None] | None = None
+    attempt: int | None = None  # the pod's POLYRL_ATTEMPT, reported in /progress (None: polyrl run)
 
 
 @dataclass

@@ -183,6 +183,7 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int, htt
         resume=True,
         same_host=False,
         checkpoint_requests=lambda: read_annotations(env.podinfo_dir).get(CHECKPOINT_ANNOTATION),
+        attempt=env.attempt,
     )
     driver = Driver(job, opts)
     server = ProgressServer(driver, "0.0.0.0", http_port)

@@ -91,6 +91,7 @@ def progress_report(d: Driver) -> Progress:
         state=d.state,
         message=d.message or None,
         retryable=d.retryable,
+        attempt=d.opts.attempt,
         policies=policies,
         workflow=WorkflowProgress(backlog=0, workers=workers),
         checkpoint=CheckpointProgress(

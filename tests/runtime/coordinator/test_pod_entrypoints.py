@@ -98,6 +98,7 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
             ],
             POLYRL_PODINFO_DIR=str(podinfo),
             POLYRL_LINGER_S="4",  # the final /progress stays readable for a moment
+            POLYRL_ATTEMPT="2",  # /progress says which restart attempt it reports on
         )
         workers = {}
         for role, policy in (("rollout", "agent"), ("trainer", "agent"), ("workflow", None)):
@@ -142,6 +143,7 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
         # 3-step job may spend all of its running time between two polls, so "running" alone is luck)
         assert "done" in seen and seen & {"running", "checkpointing"}, seen
         assert last["checkpoint"]["lastRequestId"] == "evict-7" and last["policies"][0]["step"] == 3
+        assert last["attempt"] == 2
         # the worker pods were ready (their /healthz) while they were part of the cluster: they ran the
         # engine, the trainer and the workflow; the driver placed each actor on its role's node
         for role in workers:
