@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
-import tempfile
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,16 +51,6 @@ def test_free_ports_stay_out_of_the_ephemeral_range() -> None:
     assert all(27000 <= netmap.free_port(27000, 32767) < low for _ in range(10))
 
 
-def _pick(args: tuple[int, int, int]) -> list[int]:
-    low, high, n = args
-    return [netmap.free_port(low, high) for _ in range(n)]
-
-
-def _own_tmpdir(root: str) -> None:
-    os.environ["TMPDIR"] = tempfile.mkdtemp(dir=root)
-    tempfile.tempdir = None
-
-
 def _free_range(size: int) -> int:
     """The start of `size` consecutive ports in our range that are all free now."""
     for _ in range(100):
@@ -70,20 +60,32 @@ def _free_range(size: int) -> int:
     raise AssertionError("no free range")
 
 
+PICK = "import json, sys; from polyrl_runtime import netmap; lo = int(sys.argv[1]); " + (
+    "print(json.dumps([netmap.free_port(lo, lo + 239) for _ in range(40)]))"
+)
+
+
 def test_processes_picking_at_once_never_get_the_same_port(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Six pods starting together each pick ports before any binds: "free now" alone gave two Ray nodes
     the same port (CI). Four processes take 40 ports each from 240 without binding them: no two alike
-    (without the registry, 160 picks from 240 collide all but surely)."""
-    # A registry of this test's own, inherited by the pool. Each process gets its own TMPDIR, as each
-    # pod of the test kubelet does: the registry is host-wide all the same.
-    monkeypatch.setenv("POLYRL_PORT_REGISTRY", str(tmp_path / "ports.json"))
+    (without the registry, 160 picks from 240 collide all but surely). Each has its own TMPDIR, as each
+    pod of the test kubelet does: the registry is host-wide all the same."""
     low = _free_range(240)
-    with multiprocessing.get_context("spawn").Pool(
-        4, initializer=_own_tmpdir, initargs=(str(tmp_path),)
-    ) as pool:
-        picks = [p for ports in pool.map(_pick, [(low, low + 239, 40)] * 4) for p in ports]
+    procs = []
+    for i in range(4):
+        env = {**os.environ, "POLYRL_PORT_REGISTRY": str(tmp_path / "ports.json")}
+        env["TMPDIR"] = str(tmp_path / f"pod-{i}")
+        (tmp_path / f"pod-{i}").mkdir()
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", PICK, str(low)], env=env, stdout=subprocess.PIPE)
+        )
+    picks = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        picks += json.loads(out)
     assert len(picks) == 160 and len(set(picks)) == 160
     assert all(low <= p < low + 240 for p in picks)
 
