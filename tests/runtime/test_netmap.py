@@ -44,7 +44,8 @@ def test_a_map_gives_each_pod_its_ports_and_resolves_service_names(
     assert netmap.listen_port(8000) == 8000
 
 
-def test_free_ports_stay_out_of_the_ephemeral_range() -> None:
+def test_free_ports_stay_out_of_the_ephemeral_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLYRL_PORT_REGISTRY", str(tmp_path / "ports.json"))  # not the host's
     low = netmap._ephemeral_low()
     ports = {netmap.free_port() for _ in range(50)}
     assert all(20000 <= p <= min(26999, low - 1) for p in ports) and len(ports) > 40
@@ -65,9 +66,7 @@ PICK = "import json, sys; from polyrl_runtime import netmap; lo = int(sys.argv[1
 )
 
 
-def test_processes_picking_at_once_never_get_the_same_port(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_processes_picking_at_once_never_get_the_same_port(tmp_path: Path) -> None:
     """Six pods starting together each pick ports before any binds: "free now" alone gave two Ray nodes
     the same port (CI). Four processes take 40 ports each from 240 without binding them: no two alike
     (without the registry, 160 picks from 240 collide all but surely). Each has its own TMPDIR, as each

@@ -40,6 +40,7 @@ from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.producer import EpisodeProducer, ProducerLimits
 from polyrl_runtime.coordinator.report import RunSummary, progress_report, run_summary
+from polyrl_runtime.coordinator.tasks import fail_on_error
 from polyrl_runtime.experience.actor import create_experience_actor
 from polyrl_runtime.experience.buffer import PolicyConfig, PolicyStats
 from polyrl_runtime.weights import VersionRegistry, choose_transport
@@ -188,20 +189,8 @@ class Driver:
         self._stop.set()
 
     def _guarded(self, work: Any, what: str) -> asyncio.Task[None]:
-        """A task whose unexpected exception fails the job, naming it. Without this an exception in a
-        training loop ended the run as if interrupted (no error, "interrupted; checkpointed"), and
-        one in the producer left the trainers to wait for the stall timeout."""
-        task: asyncio.Task[None] = asyncio.create_task(work)
-
-        def done(t: asyncio.Task[None]) -> None:
-            if t.cancelled() or t.exception() is None:
-                return
-            e = t.exception()
-            log.error("driver.task_failed", task=what, error=repr(e), exc_info=e)
-            self._fail(f"{what} failed: {type(e).__name__}: {e}")
-
-        task.add_done_callback(done)
-        return task
+        """A task whose unexpected exception fails the job (retryably), naming it."""
+        return fail_on_error(asyncio.create_task(work), what, self._fail)
 
     def _fail(self, message: str, *, retryable: bool = True) -> None:
         if self._fatal is None:

@@ -20,6 +20,7 @@ import structlog
 
 from polyrl_runtime.actors import actor_gone
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.tasks import fail_on_error
 from polyrl_runtime.experience.buffer import UnknownTicketError
 from polyrl_runtime.experience.wire import TicketBatch
 from polyrl_runtime.workflows.runner import GroupReport
@@ -123,18 +124,13 @@ class EpisodeProducer:
             task = asyncio.create_task(self._run_groups(worker, groups))
             pending.add(task)
             task.add_done_callback(pending.discard)
-            task.add_done_callback(self._groups_done)
+            # a bug in the accounting of a call's results: its samples would be neither trained on
+            # nor counted as dropped
+            fail_on_error(
+                task, "episode producer: handling a worker's results", lambda m: self._fail(m, True)
+            )
         for t in pending:
             t.cancel()
-
-    def _groups_done(self, task: asyncio.Task[None]) -> None:
-        """A bug in the accounting of a call's results must fail the job, not vanish with its task
-        (its episodes' samples would be neither trained on nor counted as dropped)."""
-        if task.cancelled() or task.exception() is None:
-            return
-        e = task.exception()
-        log.error("producer.groups_failed", error=repr(e), exc_info=e)
-        self._fail(f"episode producer: handling a worker's results failed: {type(e).__name__}: {e}", True)
 
     async def _run_groups(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any]]]) -> None:
         n = sum(len(t) for _, _, t in groups)
