@@ -32,3 +32,12 @@ def ray_session() -> Iterator[Any]:
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A Hugging Face model directory (tiny Qwen2 + BPE tokenizer with a chat template), built in code
+    and saved like any checkpoint: load it with `file://` + this path."""
+    from polyrl_runtime.models.tiny_qwen2 import create_tiny_qwen2
+
+    return create_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny-qwen2")
