@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -51,6 +52,32 @@ def register(subparsers: Any) -> None:
         "by default every actor shares every core",
     )
     run.set_defaults(func=_cmd_run)
+
+
+def _cmd_create_tiny(args: argparse.Namespace) -> int:
+    from polyrl_runtime.models.tiny_qwen2 import SIZES, create_tiny_qwen2
+
+    if args.name not in SIZES:
+        sys.stderr.write(f"error: unknown model {args.name!r}; known: {', '.join(sorted(SIZES))}\n")
+        return 2
+    out = create_tiny_qwen2(args.directory, name=args.name, seed=args.seed)
+    sys.stdout.write(f"wrote {out} (load it with model.uri: file://{out.resolve()})\n")
+    return 0
+
+
+def register_models(subparsers: Any) -> None:
+    """Entry point (`polyrl.commands`): adds `polyrl models create-tiny DIR`."""
+    models = subparsers.add_parser("models", help="build the small Hugging Face models of the examples")
+    sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    tiny = sub.add_parser(
+        "create-tiny",
+        help="write a tiny Qwen2 (safetensors weights, a BPE tokenizer with a chat template) to DIR, "
+        "an ordinary Hugging Face model directory",
+    )
+    tiny.add_argument("directory", metavar="DIR", type=Path)
+    tiny.add_argument("--name", default="tiny-qwen2", help="which built-in size (default tiny-qwen2)")
+    tiny.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    tiny.set_defaults(func=_cmd_create_tiny)
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ once, then each decoding step feeds one token per row, so a token costs the same
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as nnf
@@ -128,8 +128,19 @@ class TinyCausalLM(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [batch, time, vocab] for `input_ids` [batch, time] (1 = real token in the mask)."""
+    def get_output_embeddings(self) -> nn.Linear:
+        """The head mapping final hidden states to logits (Hugging Face's name for it)."""
+        return self.head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits [batch, time, vocab] for `input_ids` [batch, time] (1 = real token in the mask), or with
+        `return_hidden` the final hidden states [batch, time, d_model] the head would map to logits."""
         t = input_ids.shape[1]
         if t > self.cfg.max_len:
             raise ValueError(f"sequence of {t} tokens exceeds the model's max_len {self.cfg.max_len}")
@@ -143,7 +154,10 @@ class TinyCausalLM(nn.Module):
         x = self.tok(input_ids) + self.pos(positions)
         for block in self.blocks:
             x = block(x, allowed[:, None])
-        logits: torch.Tensor = self.head(self.ln_f(x))
+        hidden: torch.Tensor = self.ln_f(x)
+        if return_hidden:
+            return hidden
+        logits: torch.Tensor = self.head(hidden)
         return logits
 
     def _layers(self) -> list[_Block]:
@@ -200,14 +214,16 @@ class TinyCausalLM(nn.Module):
         return logits
 
 
+TINY_SIZES = {
+    "tiny": TinyConfig(),
+    "small": TinyConfig(d_model=192, n_layers=3, n_heads=6, d_ff=512),
+}
+
+
 def build_tiny(name: str, vocab_size: int, seed: int) -> TinyCausalLM:
     """`builtin://NAME`: tiny (~0.25M parameters) or small (~1M)."""
-    sizes = {
-        "tiny": TinyConfig(vocab_size=vocab_size),
-        "small": TinyConfig(vocab_size=vocab_size, d_model=192, n_layers=3, n_heads=6, d_ff=512),
-    }
-    if name not in sizes:
-        raise ValueError(f"unknown built-in model builtin://{name}; known: {sorted(sizes)}")
+    if name not in TINY_SIZES:
+        raise ValueError(f"unknown built-in model builtin://{name}; known: {sorted(TINY_SIZES)}")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return TinyCausalLM(sizes[name])
+        return TinyCausalLM(replace(TINY_SIZES[name], vocab_size=vocab_size))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import os
 import shutil
 import string
@@ -21,6 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,10 +55,33 @@ SIZES = {"tiny-qwen2": TinyQwen2Size()}
 
 def _corpus() -> list[str]:
     """Text the BPE merges are learned from: the examples' prompts and answers, chat roles, words."""
-    words = (
-        "the answer is see say hello world user assistant system question reply yes no "
-        "agent speaker listener guess number digit symbol message think final result"
-    ).split()
+    words = [
+        "the",
+        "answer",
+        "is",
+        "see",
+        "say",
+        "hello",
+        "world",
+        "user",
+        "assistant",
+        "system",
+        "question",
+        "reply",
+        "yes",
+        "no",
+        "agent",
+        "speaker",
+        "listener",
+        "guess",
+        "number",
+        "digit",
+        "symbol",
+        "message",
+        "think",
+        "final",
+        "result",
+    ]
     lines = [f"see:{d} answer:{e}" for d in string.digits for e in string.digits]
     lines += [f"{a} {b}" for a in words for b in words[:8]]
     lines += [f"{x} + {y} = {x + y}" for x in range(20) for y in range(10)]
@@ -64,8 +89,8 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _tokenizer() -> object:
-    import transformers
+def _tokenizer() -> Any:
+    transformers: Any = importlib.import_module("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -89,15 +114,16 @@ def _tokenizer() -> object:
 
 def create_tiny_qwen2(directory: Path | str, *, name: str = "tiny-qwen2", seed: int = 0) -> Path:
     """Write the model directory `directory` (created; its parent must exist or be creatable)."""
-    import transformers
+    transformers: Any = importlib.import_module("transformers")
 
     if name not in SIZES:
         raise ValueError(f"unknown built-in Hugging Face model builtin://{name}; known: {sorted(SIZES)}")
     size = SIZES[name]
+    transformers.utils.logging.disable_progress_bar()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tok: transformers.PreTrainedTokenizerFast = _tokenizer()  # type: ignore[assignment]
-    eos, pad = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD)
+    tok = _tokenizer()
+    eos, pad = int(tok.convert_tokens_to_ids(EOS)), int(tok.convert_tokens_to_ids(PAD))
     config = transformers.Qwen2Config(
         vocab_size=size.vocab_size,
         hidden_size=size.hidden_size,
@@ -110,7 +136,7 @@ def create_tiny_qwen2(directory: Path | str, *, name: str = "tiny-qwen2", seed: 
         bos_token_id=None,
         eos_token_id=eos,
         pad_token_id=pad,
-        torch_dtype="float32",
+        dtype="float32",
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -7,7 +7,8 @@ vocabulary, so a small vocabulary is what makes it learn in seconds on a CPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>")
 CHARS = " 0123456789abcdefghijklmnopqrstuvwxyz.,:;!?-+*/=()<>'\"_#"
@@ -24,6 +25,7 @@ class CharTokenizer:
         self.eos_id = self.stoi["<eos>"]
         self.sep_id = self.stoi["<sep>"]
         self.unk_id = self.stoi["<unk>"]
+        self.stop_ids: tuple[int, ...] = (self.eos_id,)
 
     @property
     def vocab_size(self) -> int:
@@ -48,6 +50,22 @@ class CharTokenizer:
             return self.stoi[piece if piece in SPECIALS else piece.lower()]
         except KeyError:
             raise KeyError(f"{piece!r} is not in the built-in vocabulary") from None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        raise ValueError(
+            "the built-in character tokenizer has no chat template: prompt builtin:// models with "
+            "plain text, or use a Hugging Face model (e.g. builtin://tiny-qwen2)"
+        )
 
     def ids_of(self, pieces: Sequence[str]) -> list[int]:
         return [self.token_id(p) for p in pieces]
