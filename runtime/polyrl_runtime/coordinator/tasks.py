@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from typing import Any
 
 import structlog
+
+from polyrl_runtime.models.hf import ModelLoadError
 
 log = structlog.get_logger(__name__)
 
@@ -27,3 +30,22 @@ def fail_on_error(task: asyncio.Task[Any], what: str, fail: Callable[[str], None
 
     task.add_done_callback(done)
     return task
+
+
+_MODEL_LOAD_ERROR = re.compile(r"ModelLoadError: (.+)")
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The exception an actor raised, out of Ray's wrappers: a method's error (`RayTaskError.cause`),
+    or for an actor whose constructor failed (Ray keeps only its traceback text) the model-loading
+    error named in that text, so the driver can report it as the user's mistake it is."""
+    for _ in range(8):
+        cause = getattr(error, "cause", None)
+        if not isinstance(cause, BaseException) or cause is error:
+            break
+        error = cause
+    if getattr(error, "actor_init_failed", False):
+        found = _MODEL_LOAD_ERROR.findall(str(getattr(error, "error_msg", "") or error))
+        if found:
+            return ModelLoadError(found[-1].strip())
+    return error
