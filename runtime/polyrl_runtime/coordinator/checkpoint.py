@@ -1,76 +1,121 @@
 """Checkpoint directories: `<root>/step-000040/` holds each policy's trainer state (DeepSpeed:
-weights and optimizer, every rank), the experience buffer snapshot (unconsumed samples and counters)
-and `state.json` (steps, versions, run counters). `state.json` is written last, then the directory is
-renamed from its `.tmp` name: a directory without it is incomplete and ignored, so a crash while
-checkpointing leaves the previous checkpoint as the latest.
+weights and optimizer, every rank) under `trainers/<policy>/`, the experience buffer snapshot
+(`buffer.pkl`: unconsumed samples and counters) and `state.json` (steps, versions, run counters).
+
+`state.json` is written last: a checkpoint without it is incomplete and ignored, so a crash while
+checkpointing leaves the previous checkpoint as the latest. The root is a local directory (file://,
+a mounted pvc://, or the run's output) or an object-store URI (s3://):
+
+- local: the checkpoint is written as `step-N.tmp` and renamed once `state.json` is in it;
+- object store: every writer stages its part locally and uploads it (`storage.staged_dir`: the
+  trainer ranks their DeepSpeed files, the coordinator `buffer.pkl`), and the coordinator uploads
+  `state.json` only after every part is uploaded. Pruning deletes a checkpoint's `state.json` first,
+  so a half-deleted checkpoint is incomplete, never a corrupt "latest". Restoring reads `state.json`
+  and `buffer.pkl` from the store and each trainer rank downloads its policy's directory
+  (`storage.fetched_dir`).
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+from polyrl_runtime import storage
 from polyrl_runtime.experience.buffer import BufferSnapshot
-from polyrl_runtime.models import local_path
+
+log = structlog.get_logger(__name__)
 
 STATE = "state.json"
 BUFFER = "buffer.pkl"
 TRAINER_TAG = "ckpt"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 @dataclass(frozen=True)
 class CheckpointRef:
-    path: Path
+    location: str  # a local directory or an object-store URI
     state: dict[str, Any]
 
     @property
     def step(self) -> int:
         return int(self.state["step"])
 
-    def trainer_dir(self, policy: str) -> Path:
-        return self.path / "trainers" / policy
+    @property
+    def path(self) -> Path:
+        """The checkpoint's directory, for a local root."""
+        if storage.is_object_store(self.location):
+            raise ValueError(f"{self.location}: an object-store checkpoint has no local path")
+        return Path(self.location)
+
+    def trainer_dir(self, policy: str) -> str:
+        """Where the policy's trainer state is: what the trainer ranks `load` from."""
+        return storage.join(self.location, "trainers", policy)
 
     def buffer(self) -> BufferSnapshot:
-        with (self.path / BUFFER).open("rb") as f:
-            snap: BufferSnapshot = pickle.load(f)
+        snap: BufferSnapshot = pickle.loads(storage.read_bytes(storage.join(self.location, BUFFER)))
         return snap
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, keep: int) -> None:
-        self.root = Path(root)
+    def __init__(self, root: Path | str, keep: int) -> None:
+        self.remote = storage.is_object_store(root)
+        self.root: str = str(root).rstrip("/") if self.remote else str(Path(root))
         self.keep = keep
 
-    def begin(self, step: int) -> Path:
-        tmp = self.root / f"step-{step:06d}.tmp"
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.root!r}, keep={self.keep})"
+
+    def begin(self, step: int) -> str:
+        """A new checkpoint's location: writers put their parts there, then `commit` completes it."""
+        if self.remote:
+            # An object store has no rename: the checkpoint is written in place, complete once its
+            # state.json exists. Leftovers of an earlier attempt at this step go first, state first.
+            final = storage.join(self.root, f"step-{step:06d}")
+            self._remove(final)
+            return final
+        tmp = Path(self.root) / f"step-{step:06d}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / "trainers").mkdir(parents=True)
-        return tmp
+        return str(tmp)
 
-    def commit(self, tmp: Path, state: dict[str, Any], buffer: BufferSnapshot) -> CheckpointRef:
-        with (tmp / BUFFER).open("wb") as f:
-            pickle.dump(buffer, f, protocol=pickle.HIGHEST_PROTOCOL)
-        (tmp / STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
-        final = tmp.with_suffix("")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+    def commit(self, location: str, state: dict[str, Any], buffer: BufferSnapshot) -> CheckpointRef:
+        """Complete the checkpoint at `location` (every trainer part is written): the buffer, then
+        `state.json`, then prune the old ones."""
+        payload = pickle.dumps(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        storage.write_bytes(storage.join(location, BUFFER), payload)
+        text = json.dumps(state, indent=1, sort_keys=True).encode()
+        if self.remote:
+            storage.write_bytes(storage.join(location, STATE), text)
+            final = location
+        else:
+            tmp = Path(location)
+            (tmp / STATE).write_bytes(text)
+            target = tmp.with_suffix("")
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+            final = str(target)
         self.prune()
         return CheckpointRef(final, state)
 
     def all(self) -> list[CheckpointRef]:
-        if not self.root.is_dir():
-            return []
+        """The complete checkpoints, oldest first."""
         refs = []
-        for d in sorted(self.root.glob("step-*")):
-            if d.suffix == ".tmp" or not (d / STATE).is_file():
+        for name in storage.list_names(self.root):
+            if _STEP_DIR.match(name) is None:
                 continue
-            refs.append(CheckpointRef(d, json.loads((d / STATE).read_text())))
+            location = storage.join(self.root, name)
+            state = self._state(location)
+            if state is not None:
+                refs.append(CheckpointRef(location, state))
         return sorted(refs, key=lambda r: r.step)
 
     def latest(self) -> CheckpointRef | None:
@@ -78,19 +123,42 @@ class CheckpointStore:
         return refs[-1] if refs else None
 
     def prune(self) -> None:
+        """Keep the newest `keep` checkpoints; remove older ones and incomplete ones."""
         refs = self.all()
         for r in refs[: max(0, len(refs) - self.keep)]:
-            shutil.rmtree(r.path, ignore_errors=True)
-        for d in self.root.glob("step-*.tmp"):
-            shutil.rmtree(d, ignore_errors=True)
+            self._remove(r.location)
+        kept = {r.location for r in refs}
+        for name in storage.list_names(self.root):
+            location = storage.join(self.root, name)
+            if self.remote and _STEP_DIR.match(name) and location not in kept:
+                self._remove(location)  # an attempt that never got its state.json
+            elif not self.remote and name.startswith("step-") and name.endswith(".tmp"):
+                shutil.rmtree(location, ignore_errors=True)
+
+    def _state(self, location: str) -> dict[str, Any] | None:
+        if not self.remote:
+            state = Path(location) / STATE
+            return json.loads(state.read_text()) if state.is_file() else None
+        try:
+            loaded: dict[str, Any] = json.loads(storage.read_bytes(storage.join(location, STATE)))
+        except storage.NotFoundError:
+            return None  # incomplete
+        return loaded
+
+    def _remove(self, location: str) -> None:
+        if self.remote:  # state.json first: from here on the checkpoint is incomplete
+            storage.remove_file(storage.join(location, STATE))
+        storage.remove_tree(location)
+        log.debug("checkpoint.removed", location=location)
 
 
-def checkpoint_root(uri: str | None, out_dir: Path) -> Path:
-    """Where checkpoints go: the job's `checkpoint.uri` (file:// or a mounted pvc://) or `<out>/checkpoints`."""
+def checkpoint_root(uri: str | None, out_dir: Path) -> Path | str:
+    """Where checkpoints go: the job's `checkpoint.uri` (a local path for file:// and a mounted
+    pvc://, the URI itself for s3://) or `<out>/checkpoints`."""
     if uri is None:
         return out_dir / "checkpoints"
-    if uri.startswith(("file://", "pvc://")):
-        return local_path(uri)
-    raise ValueError(
-        f"checkpoint.uri {uri}: object stores are not supported by this runtime yet; use pvc:// or file://"
-    )
+    if storage.is_object_store(uri):
+        return uri.rstrip("/")
+    if uri.startswith(storage.LOCAL_SCHEMES):
+        return storage.local_path(uri)
+    raise ValueError(f"checkpoint.uri {uri}: use file://, pvc:// or s3://")

@@ -34,15 +34,18 @@ from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import (
     Progress,
 )
+from polyrl_runtime import storage
 from polyrl_runtime.actors import actor_gone
 from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.producer import EpisodeProducer, ProducerLimits
 from polyrl_runtime.coordinator.report import RunSummary, progress_report, run_summary
-from polyrl_runtime.coordinator.tasks import fail_on_error
+from polyrl_runtime.coordinator.tasks import fail_on_error, root_cause
 from polyrl_runtime.experience.actor import create_experience_actor
 from polyrl_runtime.experience.buffer import PolicyConfig, PolicyStats
+from polyrl_runtime.models import ModelLoadError
+from polyrl_runtime.trainers.export import export_due, export_location
 from polyrl_runtime.weights import VersionRegistry, choose_transport
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
 from polyrl_runtime.workflows.api import load_workflow
@@ -61,7 +64,7 @@ class JobFailedError(RuntimeError):
 @dataclass
 class DriverOptions:
     out_dir: Path
-    checkpoint_root: Path
+    checkpoint_root: Path | str  # a local directory or an object-store URI (coordinator/checkpoint.py)
     resume: bool = True
     episode_timeout_s: float = 300.0
     max_consecutive_failures: int = 64
@@ -230,8 +233,8 @@ class Driver:
             self.runs[p.name] = _PolicyRun(p.name, self.fleet.new_trainers(p, self.buffer))
             self.runs[p.name].window = RewardWindow(self.E)
         self.producer = self._new_producer()
-        self._emit("starting", transport=transport, resume=str(ref.path) if ref else None)
-        await asyncio.gather(*(self._setup_policy(p.name, ref, transport) for p in spec.policies))
+        self._emit("starting", transport=transport, resume=ref.location if ref else None)
+        await asyncio.gather(*(self._setup_reported(p.name, ref, transport) for p in spec.policies))
         job_json = self.job.model_dump_json(by_alias=True)
         for _ in range(spec.workflow.replicas.min):
             self.fleet.new_worker(job_json, self.buffer, self.opts.episode_timeout_s)
@@ -240,17 +243,29 @@ class Driver:
             self._restore_counters(ref)
         self._emit("started", policies=list(self.runs))
 
+    async def _setup_reported(self, name: str, ref: CheckpointRef | None, transport: str) -> None:
+        """`_setup_policy`, with a model that cannot be loaded reported as the job's failure, naming
+        the policy (not retried: the same spec would fail the same way)."""
+        try:
+            await self._setup_policy(name, ref, transport)
+        except Exception as e:
+            cause = root_cause(e)
+            if isinstance(cause, ModelLoadError):
+                named = str(cause) if str(cause).startswith(f"policy {name}") else f"policy {name}: {cause}"
+                raise JobFailedError(named, retryable=False) from e
+            raise
+
     async def _setup_policy(self, name: str, ref: CheckpointRef | None, transport: str) -> None:
         assert self.fleet is not None
         run = self.runs[name]
         addr, port = await run.ranks[0].address.remote()
         await asyncio.gather(*(r.setup.remote(addr, port) for r in run.ranks))
         if ref is not None and name in ref.state["policies"]:
-            d = str(ref.trainer_dir(name))
+            d = ref.trainer_dir(name)  # each rank downloads it first when it is in an object store
             await asyncio.gather(*(r.load.remote(d, TRAINER_TAG) for r in run.ranks))
             run.step = int(ref.state["policies"][name]["step"])
         elif ref is not None:  # a policy added to the job since the checkpoint starts from its model
-            log.info("policy.not_in_checkpoint", policy=name, checkpoint=str(ref.path))
+            log.info("policy.not_in_checkpoint", policy=name, checkpoint=ref.location)
         engines = {n: s.handle for n, s in self.fleet.engines[name].items()}
         kwargs = {"num_receivers": len(engines)} if transport == "collective" else {}
         await run.ranks[0].init_sender.remote(transport, self._bucket(), kwargs)
@@ -299,7 +314,7 @@ class Driver:
         for name, run in self.runs.items():
             run.last_ckpt_step = run.step
             run.samples_per_episode = st["policies"].get(name, {}).get("samples_per_episode")
-        log.info("job.resumed", checkpoint=str(ref.path), steps={n: r.step for n, r in self.runs.items()})
+        log.info("job.resumed", checkpoint=ref.location, steps={n: r.step for n, r in self.runs.items()})
 
     # -- training --------------------------------------------------------------------------------
 
@@ -352,6 +367,11 @@ class Driver:
                 except Exception as e:
                     self._fail(f"policy {name}: trainer failed at step {run.step + 1}: {e}")
                     return
+                try:
+                    await self._maybe_export(run)
+                except Exception as e:
+                    self._fail(f"policy {name}: Hugging Face export of step {run.step} failed: {e}")
+                    return
             if run.step >= self.total:
                 await self.buffer.finish.remote(name)
             await self._maybe_checkpoint()
@@ -382,6 +402,11 @@ class Driver:
         await self.buffer.ack.remote([r.lease_id for r in results if r.lease_id is not None])
         t1 = time.perf_counter()
         await self._sync_weights(run.name, version)
+        if self.spec.effective_max_staleness == 0:
+            # Sync: no episode can start before `advance`, so once the producer has accounted for
+            # those in flight, the window holds exactly this step's episodes, whatever the timing.
+            while self.producer is not None and self.producer.in_flight and not self._stop.is_set():
+                await asyncio.sleep(0.005)
         await self.buffer.advance.remote(run.name, version)
         run.step = version
         sync_s = time.perf_counter() - t1
@@ -455,6 +480,15 @@ class Driver:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    async def _maybe_export(self, run: _PolicyRun) -> None:
+        """Export the policy as a Hugging Face directory every `checkpoint.exportEvery` steps and at
+        its last step (trainers/export.py); every rank takes part (ZeRO-3 gathers are collective)."""
+        if not export_due(run.step, self.total, self.spec.checkpoint.export_every):
+            return
+        location = export_location(self.store.root, run.step, run.name)
+        await asyncio.gather(*(r.export.remote(location) for r in run.ranks))
+        self._emit("export", policy=run.name, step=run.step, path=location)
+
     async def _maybe_checkpoint(self) -> None:
         every = self.spec.checkpoint.every_steps
         low = min(r.step for r in self.runs.values())
@@ -482,7 +516,7 @@ class Driver:
                 steps = {n: r.step for n, r in self.runs.items()}
                 tmp = self.store.begin(min(steps.values()))
                 for n, run in self.runs.items():
-                    d = str(tmp / "trainers" / n)
+                    d = storage.join(tmp, "trainers", n)  # each rank uploads its part there
                     await asyncio.gather(*(r.save.remote(d, TRAINER_TAG) for r in run.ranks))
                 snap = await self.buffer.snapshot.remote()
                 if request_id is not None:
@@ -502,7 +536,7 @@ class Driver:
                 self.last_ckpt = await asyncio.to_thread(self.store.commit, tmp, state, snap)
                 for r in self.runs.values():
                     r.last_ckpt_step = r.step
-                self._emit("checkpoint", path=str(self.last_ckpt.path), reason=reason, steps=steps)
+                self._emit("checkpoint", path=self.last_ckpt.location, reason=reason, steps=steps)
                 return self.last_ckpt
             finally:
                 for lock in locks:

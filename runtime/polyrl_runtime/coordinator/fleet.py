@@ -126,6 +126,7 @@ class Fleet:
             transport_kwargs=self.transport_kwargs,
             seed=self.spec.training.seed + next(self._ids),
             dtype=policy.model.dtype,
+            trust_remote_code=policy.model.trust_remote_code,
         )
         slot = Slot(name, handle, policy=policy.name)
         self._refill(policy.name, "rollout")
@@ -152,27 +153,32 @@ class Fleet:
         return slot
 
     def new_trainers(self, policy: Policy, buffer: Any) -> list[Any]:
+        """Every rank of the policy's trainer: `replicas` pods of `ranks` each (one per GPU), each
+        rank one unit of the pod's trainer resource and, on GPU, one GPU of its own."""
+        from polyrl_runtime.trainers.build import rank_layout
         from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
-        world = policy.trainer.replicas
         cls = ray.remote(DeepSpeedTrainer)
+        gpus = 1 if policy.trainer.gpus > 0 else 0
         return [
             cls.options(
                 resources=self._res(policy.name, "trainer"),
                 num_cpus=0,
-                num_gpus=policy.trainer.gpus,
+                num_gpus=gpus,
                 max_concurrency=2,
                 runtime_env=self._env("trainer"),
             ).remote(
-                f"{policy.name}-trainer-{rank}",
+                f"{policy.name}-trainer-{slot.rank}",
                 policy.model_dump_json(by_alias=True),
                 self.spec.training.seed,
-                rank=rank,
-                world=world,
+                rank=slot.rank,
+                world=slot.world,
+                local_rank=slot.local_rank,
                 buffer=buffer,
                 temperature=policy.rollout.sampling.temperature,
+                total_steps=self.spec.training.total_steps,
             )
-            for rank in range(world)
+            for slot in rank_layout(policy.trainer.replicas, policy.trainer.ranks)
         ]
 
     # -- routing, health, drain ----------------------------------------------------------------

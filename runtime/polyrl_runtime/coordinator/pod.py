@@ -244,14 +244,23 @@ def run_worker(
             policy=policy if role != "workflow" else None,
             address=addr,
             http_port=env.http_port if http_port is None else http_port,
+            units=_units(job, role, policy),
         )
     )
 
 
+def _units(job: RLJob, role: str, policy: str | None) -> int:
+    """Units of the role's placement resource this pod offers: one per trainer rank (one per GPU,
+    or `trainer.ranksPerPod`), one for any other role."""
+    if role != "trainer":
+        return 1
+    return next(p.trainer.ranks for p in job.spec.policies if p.name == policy)
+
+
 async def _work(
-    job_name: str, env: PodEnv, *, role: str, policy: str | None, address: str, http_port: int
+    job_name: str, env: PodEnv, *, role: str, policy: str | None, address: str, http_port: int, units: int
 ) -> int:
-    resources = json.dumps({resource_name(policy, role): 1})
+    resources = json.dumps({resource_name(policy, role): units})
     join_deadline = float(os.environ.get("POLYRL_JOIN_TIMEOUT_S", "600"))
     start_timeout = float(os.environ.get("POLYRL_RAY_START_TIMEOUT_S", "90"))
     log_path = _scratch(job_name) / f"ray-{role}-{policy or 'job'}-{env.index}-{os.getpid()}.log"

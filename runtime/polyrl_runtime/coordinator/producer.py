@@ -135,6 +135,15 @@ class EpisodeProducer:
     async def _run_groups(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any]]]) -> None:
         n = sum(len(t) for _, _, t in groups)
         try:
+            await self._account(worker, groups)
+        finally:
+            # Counted in flight until accounted for: once `in_flight` is 0, every episode dispatched
+            # so far is in the reward windows (a sync step's metrics cover exactly its episodes).
+            self.in_flight -= n
+
+    async def _account(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any]]]) -> None:
+        n = sum(len(t) for _, _, t in groups)
+        try:
             results: list[GroupReport | str] = await worker.handle.run_groups.remote(groups)
         except asyncio.CancelledError:
             raise
@@ -144,7 +153,6 @@ class EpisodeProducer:
             results = [str(e).splitlines()[0]] * len(groups)
         finally:
             worker.in_flight = max(0, worker.in_flight - n)
-            self.in_flight -= n
         for (gid, _, tickets), result in zip(groups, results, strict=True):
             if isinstance(result, GroupReport):
                 self.handle_report(result)

@@ -131,7 +131,7 @@ async def run_summary(d: Driver) -> RunSummary:
         episodes=d.producer.episodes_ok if d.producer else 0,
         failed=dict(d.producer.failures) if d.producer else {},
         dropped=dropped,
-        checkpoint=str(d.last_ckpt.path) if d.last_ckpt else None,
+        checkpoint=d.last_ckpt.location if d.last_ckpt else None,
         records=list(d.records),
         buffers=buffers,
     )

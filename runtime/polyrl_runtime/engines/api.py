@@ -5,6 +5,10 @@ workflow side reaches them through `EnginePool`, the driver for weights, pause/r
 Logprob convention (shared with the trainers): the log-probability of the sampled token under the
 model's logits divided by the temperature, restricted to `allowed_ids` when given. `top_p` narrows
 sampling but not the recorded logprob (as vLLM's processed logprobs).
+
+A generation ends at a stop id (EOS), when the decoded reply contains a stop string (its tokens stay
+in `token_ids`: they were sampled and are trained on; `Generation.stop_str` names the string so the
+workflow can cut the reply text), after `max_new_tokens`, or at the model's context limit.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()
     allowed_ids: tuple[int, ...] = ()  # constrained decoding: sample only these ids (empty: any)
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings, any length: the reply ends where one appears
+    include_stop_str: bool = False  # whether the reply text keeps the matched stop string
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature >= 0 and 0 < top_p <= 1 required")
 
@@ -42,6 +50,7 @@ class Generation:
     versions: npt.NDArray[np.int32]
     finish_reason: str  # "stop" | "length"
     engine: str = ""
+    stop_str: str = ""  # the stop string that ended the reply ("" for a stop id or a length limit)
 
 
 @dataclass
@@ -56,6 +65,22 @@ class EngineStats:
     tokens: int
     paused: bool
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt leaves no room for a reply in the model's context (the prompt and every generated
+    token must fit in `limit` positions, as the trainer recomputes them in one sequence)."""
+
+    def __init__(self, policy: str, prompt_len: int, limit: int, agent: str = "") -> None:
+        who = f"agent {agent} (policy {policy})" if agent else f"policy {policy}"
+        super().__init__(
+            f"{who}: a prompt of {prompt_len} tokens does not fit the model's context of "
+            f"{limit} tokens (max_position_embeddings) with room for a reply; shorten the prompt"
+        )
+        self.policy, self.prompt_len, self.limit, self.agent = policy, prompt_len, limit, agent
+
+    def __reduce__(self) -> tuple[type[PromptTooLongError], tuple[str, int, int, str]]:
+        return PromptTooLongError, (self.policy, self.prompt_len, self.limit, self.agent)  # through Ray
 
 
 class EngineUnavailableError(RuntimeError):

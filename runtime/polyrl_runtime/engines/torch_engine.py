@@ -6,12 +6,17 @@ step runs under the weight target's serving lock: a weight update waits for the 
 applies between two steps, so an unfinished generation continues with the new weights and each token
 records the version that produced it (partial rollouts, as in APRIL).
 
-The built-in models decode with a KV cache: a request's sequence is prefilled once, then each step
-feeds one token per running request, so a token costs the same at any position. Each request's cache
-row remembers which weights computed it; after a weight update the rows are prefilled again under
-the new weights before the next token, so every token is exactly what the new weights
-give for the whole sequence (as the recompute path, and the trainer, compute it). Other models (a
-Hugging Face causal LM) recompute the whole sequence each step, bucketed by length.
+Every model decodes with a KV cache: a request's sequence is prefilled once, then each step feeds
+one token per running request, so a token costs the same at any position. The built-in models keep
+their own `KVCache`; a Hugging Face causal LM keeps transformers' `DynamicCache`, left-padded
+(`engines/hf_cache.py`). Each request's cache row remembers which weights computed it; after a
+weight update the rows are prefilled again under the new weights before the next token, so every
+token is exactly what the new weights give for the whole sequence (as the trainer computes it).
+
+A reply ends at a stop id, a stop string (`engines/stops.py`; the tokenizer is loaded only when a
+request has stop strings), `max_new_tokens`, or the model's context limit (`max_position_embeddings`):
+prompt and reply must fit in it, as the trainer recomputes them as one sequence. A prompt that
+leaves no room is refused before it joins the batch (`PromptTooLongError`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,13 +33,19 @@ import structlog
 import torch
 
 from polyrl_runtime.cpusets import pin_from_env
-from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
+from polyrl_runtime.engines.api import EngineStats, Generation, PromptTooLongError, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
-from polyrl_runtime.models import KVCache, TinyCausalLM, load_model
+from polyrl_runtime.engines.hf_cache import BatchCache, prefill
+from polyrl_runtime.engines.stops import find_stop
+from polyrl_runtime.models import KVCache, TinyCausalLM, Tokenizer, context_limit, load_model, load_tokenizer
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights
 
 log = structlog.get_logger(__name__)
+
+# A step this short runs on the event loop: blocking it that long delays a queued call no more than
+# a thread hand-off would.
+INLINE_STEP_S = 0.01
 
 
 @dataclass(eq=False)  # compared by identity: the running batch finds and removes its own requests
@@ -47,6 +58,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     cached_weights: int | None = None  # `TensorTarget.updates` when its cache row was computed
+    stop_str: str = ""
     _bias: torch.Tensor | None = None
 
     def bias(self, vocab: int) -> torch.Tensor:
@@ -59,14 +71,6 @@ class _Request:
 
     def last_token(self) -> int:
         return self.tokens[-1] if self.tokens else self.prompt[-1]
-
-
-def model_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Logits of a built-in model or a Hugging Face causal LM."""
-    out = model(ids, attention_mask=mask)
-    logits = out if isinstance(out, torch.Tensor) else out.logits
-    assert isinstance(logits, torch.Tensor)
-    return logits
 
 
 def constrained_logprobs(
@@ -96,23 +100,43 @@ class TorchEngine(EngineWeights):
         max_batch: int = 256,
         device: str = "cpu",
         dtype: str = "auto",
+        trust_remote_code: bool = False,
     ) -> None:
         pin_from_env()
         torch.set_num_threads(1)
         self.name = name
         self.policy = policy
+        self.model_uri = model_uri
         self.device = torch.device(device)
-        self.model = load_model(model_uri, seed=seed, dtype=dtype).to(self.device).eval()
+        self.trust_remote_code = trust_remote_code
+        self.model = load_model(
+            model_uri,
+            seed=seed,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            cuda=self.device.type == "cuda",
+        )
+        self.model = self.model.to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.target = TensorTarget.from_module(self.model)
         self.init_weight_receiver(transport, self.target, **(transport_kwargs or {}))
         self.max_batch = max_batch
-        self.max_len = int(getattr(getattr(self.model, "cfg", None), "max_len", 1 << 30))
-        # Cached decoding for the built-in models; `_active[i]` owns cache row i (rows 0..n-1 live).
+        self.max_len = context_limit(self.model)
+        hf: Any = self.model
+        embeddings = hf.tok if isinstance(hf, TinyCausalLM) else hf.get_input_embeddings()
+        self.vocab = int(embeddings.num_embeddings)
+        # The built-in models' cache: `_active[i]` owns cache row i (rows 0..n-1 live).
         self._cache: KVCache | None = (
             self.model.new_cache(8) if isinstance(self.model, TinyCausalLM) else None
         )
+        # A Hugging Face model's cache: row i belongs to `_kv_rows[i]` (finished or stale rows are
+        # dropped at the next step).
+        self._kv = BatchCache.empty(self.device)
+        self._kv_rows: list[_Request] = []
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        self._pad_id = int(pad) if isinstance(pad, int) else 0
+        self._tokenizer: Tokenizer | None = None  # loaded for the first request with stop strings
         self._rng = torch.Generator().manual_seed(seed)
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
@@ -120,6 +144,7 @@ class TorchEngine(EngineWeights):
         self._paused = False
         self._loop_task: asyncio.Task[None] | None = None
         self._busy_s = 0.0
+        self._last_step_s = 0.0
         self._requests = 0
         self._tokens = 0
         self._forwards = 0
@@ -127,17 +152,28 @@ class TorchEngine(EngineWeights):
     # -- serving -------------------------------------------------------------------------------
 
     def _ensure_loop(self) -> asyncio.Event:
-        if self._wakeup is None:
+        loop = asyncio.get_running_loop()
+        if self._loop_task is None or self._loop_task.done() or self._loop_task.get_loop() is not loop:
+            # The serving loop and its event belong to one event loop (an engine used from a new
+            # loop, as by successive `asyncio.run`s in-process, starts a new serving loop there).
             self._wakeup = asyncio.Event()
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._serve())
+            self._loop_task = loop.create_task(self._serve())
+        assert self._wakeup is not None
         return self._wakeup
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if not prompt_ids:
             raise ValueError("empty prompt")
-        if len(prompt_ids) > self.max_len:  # refused here: in a forward pass it would fail the batch
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model's max_len {self.max_len}")
+        if len(prompt_ids) >= self.max_len:  # refused here: in a forward pass it would fail the batch
+            raise PromptTooLongError(self.policy, len(prompt_ids), self.max_len)
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab:
+            bad = next(i for i in prompt_ids if not 0 <= i < self.vocab)
+            raise ValueError(
+                f"policy {self.policy}: prompt token id {bad} is outside the model's vocabulary "
+                f"(0..{self.vocab - 1}; {self.model_uri})"
+            )
+        if params.stop and self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
         wake = self._ensure_loop()
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -152,6 +188,18 @@ class TorchEngine(EngineWeights):
         async for answers in stream_generations(self.generate, requests):
             yield answers
 
+    def _load_tokenizer(self) -> Tokenizer:
+        try:
+            return load_tokenizer(self.model_uri, trust_remote_code=self.trust_remote_code)
+        except Exception as e:
+            raise ValueError(
+                f"policy {self.policy}: stop strings need the tokenizer of {self.model_uri}: {e}"
+            ) from e
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        assert self._tokenizer is not None  # loaded by `generate` for requests with stop strings
+        return self._tokenizer.decode(ids)
+
     async def _serve(self) -> None:
         assert self._wakeup is not None
         while True:
@@ -165,12 +213,13 @@ class TorchEngine(EngineWeights):
                 del self._pending[:room]
             batch = list(self._active)
             try:
-                if self._cache is not None:
-                    # A cached step of the built-in models takes about a millisecond, as long as
-                    # handing it to a thread would: run it here, then let queued calls in.
+                if self._inline(batch):
+                    # A short step costs about as much as handing it to a thread (more on a busy
+                    # host, where the thread waits to be scheduled): run it here, then let queued
+                    # calls in.
                     finished = self._step(batch)
                     await asyncio.sleep(0)
-                else:  # a full forward of a real model: keep the event loop serving meanwhile
+                else:  # a long step: keep the event loop serving meanwhile
                     finished = await asyncio.to_thread(self._step, batch)
             except Exception as e:  # a bad request must not kill the loop: fail the batch, go on
                 log.exception("engine.step_failed", engine=self.name)
@@ -180,6 +229,7 @@ class TorchEngine(EngineWeights):
                 self._active = [r for r in self._active if r not in batch]
                 for r in self._active:  # their cache rows may have moved: prefill them again
                     r.cached_weights = None
+                self._kv, self._kv_rows = BatchCache.empty(self.device), []
                 continue
             for r, reason in finished:
                 self._retire(r)
@@ -191,17 +241,30 @@ class TorchEngine(EngineWeights):
                             np.asarray(r.versions, dtype=np.int32),
                             reason,
                             self.name,
+                            r.stop_str,
                         )
                     )
 
+    def _inline(self, batch: list[_Request]) -> bool:
+        """Whether the next step is short enough to run on the event loop: always for the built-in
+        models; for a Hugging Face model, a decoding step (no prefill) after one that took less than
+        `INLINE_STEP_S`."""
+        if self._cache is not None:
+            return True
+        weights = self.target.updates
+        return self._last_step_s < INLINE_STEP_S and all(r.cached_weights == weights for r in batch)
+
     def _retire(self, r: _Request) -> None:
-        """Drop a finished request; the last row takes its cache row, so live rows stay 0..n-1."""
+        """Drop a finished request; the last row takes its cache row, so live rows stay 0..n-1 (a
+        Hugging Face cache drops its row at the next step)."""
         i, last = self._active.index(r), len(self._active) - 1
         if i != last:
             self._active[i] = self._active[last]
             if self._cache is not None:
                 self._cache.move(last, i)
         self._active.pop()
+        if not self._active:  # idle: free the Hugging Face cache now
+            self._kv, self._kv_rows = BatchCache.empty(self.device), []
 
     @staticmethod
     def _buckets(batch: list[_Request], trim: int = 0) -> list[list[_Request]]:
@@ -216,16 +279,6 @@ class TorchEngine(EngineWeights):
             else:
                 out.append([r])
         return out
-
-    def _forward(self, rows: list[_Request]) -> torch.Tensor:
-        seqs = [r.prompt + r.tokens for r in rows]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-        return model_logits(self.model, ids.to(self.device), mask.to(self.device))[:, -1].float().cpu()
 
     def _prefill(self, batch: list[_Request], weights: int) -> None:
         """Cache all but the last token of each sequence whose cache row is missing or was computed
@@ -252,9 +305,7 @@ class TorchEngine(EngineWeights):
     def _logits(self, batch: list[_Request]) -> tuple[list[_Request], torch.Tensor]:
         """Next-token logits of every request of `batch` (in the order returned)."""
         if self._cache is None or not isinstance(self.model, TinyCausalLM):
-            buckets = self._buckets(batch)
-            self._forwards += len(buckets)
-            return [r for b in buckets for r in b], torch.cat([self._forward(b) for b in buckets])
+            return self._hf_logits(batch)
         if self._cache.rows < len(batch):
             self._cache.grow(min(max(2 * self._cache.rows, len(batch)), max(self.max_batch, len(batch))))
         self._prefill(batch, self.target.updates)  # under the serving lock: no update in between
@@ -262,10 +313,34 @@ class TorchEngine(EngineWeights):
         self._forwards += 1
         return batch, self.model.decode(ids, self._cache).float().cpu()
 
+    def _hf_logits(self, batch: list[_Request]) -> tuple[list[_Request], torch.Tensor]:
+        """`_logits` of a Hugging Face model: rows of finished requests and rows computed with other
+        weights leave the cache, new and stale requests are prefilled (all but their last token,
+        bucketed by length) and join it, then one decoding step feeds every row its last token."""
+        weights = self.target.updates  # under the serving lock: no update in between
+        live = {id(r) for r in batch}
+        keep = [i for i, r in enumerate(self._kv_rows) if id(r) in live and r.cached_weights == weights]
+        if len(keep) != len(self._kv_rows):
+            self._kv = self._kv.select(keep)
+            self._kv_rows = [self._kv_rows[i] for i in keep]
+        cached = {id(r) for r in self._kv_rows}
+        for bucket in self._buckets([r for r in batch if id(r) not in cached], trim=1):
+            part = prefill(self.model, [(r.prompt + r.tokens)[:-1] for r in bucket], self._pad_id)
+            self._forwards += int(part.width > 0)
+            self._kv = self._kv.concat(part)
+            self._kv_rows.extend(bucket)
+            for r in bucket:
+                r.cached_weights = weights
+        ids = torch.tensor([r.last_token() for r in self._kv_rows], device=self.device)
+        self._forwards += 1
+        return list(self._kv_rows), self._kv.decode(self.model, ids).float().cpu()
+
     def _step(self, batch: list[_Request]) -> list[tuple[_Request, str]]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         with torch.no_grad(), self.target.serving() as version:
             batch, logits = self._logits(batch)
+        # The step's own cost (CPU time: on a busy host the wall time includes waiting to be run)
+        self._last_step_s = time.thread_time() - cpu
         self._busy_s += time.perf_counter() - start
         tokens, logprobs = self._sample_batch(batch, logits)
         finished = []
@@ -277,6 +352,9 @@ class TorchEngine(EngineWeights):
             self._tokens += 1
             if tok in p.stop_ids:
                 finished.append((r, "stop"))
+            elif p.stop and (hit := find_stop(self._decode, r.tokens, p.stop)):
+                r.stop_str = hit
+                finished.append((r, "stop"))
             elif len(r.tokens) >= p.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
                 finished.append((r, "length"))
         return finished
@@ -284,25 +362,35 @@ class TorchEngine(EngineWeights):
     def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """One token per row and its behaviour logprob: `constrained_logprobs` of each row, computed
         for the whole batch at once (per-row tensor calls would cost more than a decoding step)."""
-        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in batch])
-        scaled = logits / temps[:, None]
+        temps = [max(r.params.temperature, 1e-5) for r in batch]
+        if all(t == temps[0] for t in temps):  # one temperature: no per-row tensor to build
+            scaled = logits / temps[0]
+        else:
+            scaled = logits / torch.tensor(temps)[:, None]
         if any(r.params.allowed_ids for r in batch):
             scaled = scaled + torch.stack([r.bias(logits.shape[-1]) for r in batch])
         lp = torch.log_softmax(scaled, dim=-1)
-        # Plain sampling shares one draw over its rows; greedy, top-p and seeded rows (a seed promises
-        # the same tokens whatever else is in the batch) are sampled one by one.
+        if all(r.params.temperature == 0 for r in batch):  # all greedy: argmax and gather, no lists
+            top = lp.argmax(dim=-1)
+            return top.tolist(), lp.gather(1, top[:, None])[:, 0].tolist()
+        # Plain sampling shares one draw over its rows and greedy rows one argmax; top-p and seeded
+        # rows (a seed promises the same tokens whatever else is in the batch) are sampled one by one.
         tokens = [0] * len(batch)
+        greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
         plain = [
             i
             for i, r in enumerate(batch)
             if r.params.temperature > 0 and r.params.top_p >= 1.0 and r.generator is None
         ]
+        if greedy:
+            for i, tok in zip(greedy, lp[greedy].argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = tok
         if plain:
             probs = (lp if len(plain) == len(batch) else lp[plain]).exp()
             drawn = torch.multinomial(probs, 1, generator=self._rng)[:, 0].tolist()
             for i, tok in zip(plain, drawn, strict=True):
                 tokens[i] = tok
-        for i in sorted(set(range(len(batch))) - set(plain)):
+        for i in sorted(set(range(len(batch))) - set(plain) - set(greedy)):
             tokens[i] = self._sample(lp[i], batch[i].params, batch[i].generator)
         picked = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
         return tokens, picked

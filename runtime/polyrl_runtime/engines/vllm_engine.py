@@ -29,7 +29,7 @@ import torch
 
 from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
-from polyrl_runtime.models import local_path
+from polyrl_runtime.models import model_dir
 from polyrl_runtime.weights.api import SyncReport, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights
 
@@ -86,6 +86,7 @@ class VllmEngine(EngineWeights):
         transport_kwargs: dict[str, Any] | None = None,
         seed: int = 0,
         dtype: str = "auto",
+        trust_remote_code: bool = False,
         gpu_memory_utilization: float = 0.85,
         max_model_len: int | None = None,
         **engine_args: Any,
@@ -98,7 +99,8 @@ class VllmEngine(EngineWeights):
             ) from e
         self.name, self.policy = name, policy
         args = self._vllm.AsyncEngineArgs(
-            model=str(local_path(model_uri)),
+            model=str(model_dir(model_uri)),
+            trust_remote_code=trust_remote_code,
             dtype="bfloat16" if dtype == "auto" else dtype,
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,

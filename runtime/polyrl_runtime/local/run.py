@@ -39,7 +39,7 @@ def local_resources(job: RLJob) -> dict[str, float]:
     res: dict[str, float] = {resource_name(None, "workflow"): float(job.spec.workflow.replicas.min)}
     for p in job.spec.policies:
         res[resource_name(p.name, "rollout")] = float(p.rollout.replicas.min)
-        res[resource_name(p.name, "trainer")] = float(p.trainer.replicas)
+        res[resource_name(p.name, "trainer")] = float(p.trainer.replicas * p.trainer.ranks)
     return res
 
 
@@ -59,7 +59,7 @@ def init_local_ray(job: RLJob) -> None:
     )
 
 
-def _prepare_out(out: Path, resume: bool, job: RLJob) -> tuple[Path, list[dict[str, Any]]]:
+def _prepare_out(out: Path, resume: bool, job: RLJob) -> tuple[Path | str, list[dict[str, Any]]]:
     root = checkpoint_root(job.spec.checkpoint.uri, out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []

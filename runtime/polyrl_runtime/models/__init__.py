@@ -78,7 +78,10 @@ def local_path(uri: str) -> Path:
     pvc://CLAIM/P -> <where this pod mounts CLAIM>/P; s3://BUCKET/PREFIX -> a copy downloaded once
     per host and URI into the cache (`storage.cached_copy`)."""
     if storage.is_object_store(uri):
-        return storage.cached_copy(uri)
+        try:
+            return storage.cached_copy(uri)
+        except storage.StorageError as e:  # the user's URI or credentials: the same spec fails again
+            raise ModelLoadError(str(e)) from e
     if uri.startswith(storage.LOCAL_SCHEMES):
         return storage.local_path(uri)
     raise ModelLoadError(

@@ -1,18 +1,18 @@
 """DeepSpeed trainer rank: ZeRO stage from `trainer.zeroStage`, gloo on CPU, NCCL on GPU.
 
-Each rank is a Ray actor placed on a `polyrl/<policy>/trainer` resource. Ranks of one policy form
-their own process group (rendezvous at rank 0's address). A step: every rank pulls its share of the
+Each rank is a Ray actor placed on one unit of a `polyrl/<policy>/trainer` resource (a trainer pod
+offers one per rank: one per GPU, or `trainer.ranksPerPod` on CPU) and, on GPU, one GPU of its own.
+Ranks of one policy form their own process group (rendezvous at rank 0's address); what a rank is
+built of (model, reference, optimizer, schedule, DeepSpeed config) is in `trainers/build.py`. A step: every rank pulls its share of the
 step's samples from the experience buffer under a lease, the ranks all-reduce the advantage
 statistics and token count, run the same number of micro-batches (padding with empty ones), and
 DeepSpeed does one optimizer step (GRPO) or one per micro-batch (PPO, with the proximal logprobs
 taken before the first update). The driver acks the leases after the step, so a rank that dies
-mid-step has its samples redelivered. The client optimizer is torch's AdamW: DeepSpeed's CPU Adam
-would compile C++ ops on first use.
+mid-step has its samples redelivered.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
@@ -27,6 +27,7 @@ import structlog
 import torch
 
 from polyrl_operator.api import Policy
+from polyrl_runtime import storage
 from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages
 from polyrl_runtime.algorithms.losses import (
     LossConfig,
@@ -37,10 +38,15 @@ from polyrl_runtime.algorithms.losses import (
 )
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.experience.types import Sample, SampleBatch
-from polyrl_runtime.models import load_model
+from polyrl_runtime.models import is_hf, model_dir
 from polyrl_runtime.netmap import free_port
 from polyrl_runtime.trainers.api import StepResult
+from polyrl_runtime.trainers.batching import micro_batches, pack_rows, row_lengths
+from polyrl_runtime.trainers.build import Built, build_trainer, cuda_device_index
+from polyrl_runtime.trainers.export import export_policy, zero_gather
+from polyrl_runtime.trainers.lora import reference_model
 from polyrl_runtime.trainers.ops import prepare_ops
+from polyrl_runtime.trainers.publish import published_tensors
 from polyrl_runtime.weights.endpoints import TrainerWeights
 
 log = structlog.get_logger(__name__)
@@ -48,22 +54,6 @@ log = structlog.get_logger(__name__)
 
 def policy_seed(job_seed: int, policy: str) -> int:
     return (job_seed * 1_000_003 + zlib.crc32(policy.encode())) % (2**31)
-
-
-def micro_batches(batch: SampleBatch | None, micro: int, n_micro: int) -> list[list[int]]:
-    """Row indices of each of `n_micro` micro-batches of at most `micro` rows (empty ones pad the
-    list, so every rank runs the same number), rows sorted by sequence length first: a micro-batch
-    is padded to its longest row, so mixing short turns with long ones (a long-tail reply beside
-    one-token answers) would pay for the long one in every row. GRPO sums the micro losses into one
-    optimizer step, so grouping does not change its gradient; PPO's per-micro-batch updates see rows
-    grouped by length instead of by arrival, an order as arbitrary as before."""
-    n = 0 if batch is None else len(batch)
-    order: list[int] = []
-    if batch is not None:
-        lengths = np.diff(batch.prompt_offsets) + np.diff(batch.response_offsets)
-        order = [int(i) for i in np.argsort(lengths, kind="stable")]
-    rows = [order[i : i + micro] for i in range(0, n, micro)]
-    return rows + [[] for _ in range(n_micro - len(rows))]
 
 
 class DeepSpeedTrainer(TrainerWeights):
@@ -77,13 +67,19 @@ class DeepSpeedTrainer(TrainerWeights):
         world: int,
         buffer: Any,
         temperature: float = 1.0,
+        local_rank: int = 0,
+        total_steps: int = 1,
     ) -> None:
+        # Cheap on purpose: the model is built in `setup`, once the process group exists (ZeRO-3
+        # partitions it collectively as it is constructed).
         pin_from_env()
         torch.set_num_threads(1)
         self.name = name
         self.spec = Policy.model_validate_json(policy_json)
         self.rank = rank
         self.world = world
+        self.local_rank = local_rank
+        self.total_steps = total_steps
         self.buffer = buffer
         self.temperature = temperature
         self.algo = self.spec.algorithm
@@ -92,14 +88,11 @@ class DeepSpeedTrainer(TrainerWeights):
         )
         self.version = 0
         self.cuda = self.spec.trainer.gpus > 0 and torch.cuda.is_available()
-        seed = policy_seed(job_seed, self.spec.name)
-        self.model = load_model(self.spec.model.uri, seed=seed, dtype=self.spec.model.dtype)
-        self.ref = None
-        if self.algo.kl_coef > 0:
-            self.ref = copy.deepcopy(self.model).eval()
-            for p in self.ref.parameters():
-                p.requires_grad_(False)
+        self.seed = policy_seed(job_seed, self.spec.name)
+        self.model: Any = None  # the engine's module, once `setup` built it
+        self.ref: Any = None
         self.engine: Any = None
+        self._built: Built | None = None
         self._gas = 0
 
     def address(self) -> tuple[str, int]:
@@ -107,42 +100,41 @@ class DeepSpeedTrainer(TrainerWeights):
         return str(util.get_node_ip_address()), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the policy's process group and build the DeepSpeed engine (all ranks at once)."""
+        """Join the policy's process group, then build the model, reference and DeepSpeed engine
+        (all ranks at once)."""
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        device = torch.device("cpu")
+        device_index = 0
+        if self.cuda:
+            device_index = cuda_device_index(self.local_rank, torch.cuda.device_count())
+            torch.cuda.set_device(device_index)
+            device = torch.device("cuda", device_index)
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world),
-            LOCAL_RANK="0",
+            # DeepSpeed selects the CUDA device by LOCAL_RANK: the index of this rank's own device.
+            LOCAL_RANK=str(device_index),
         )
         if not self.cuda:
             prepare_ops()  # never wait on a torch build lock a killed build left behind
         deepspeed.init_distributed(dist_backend="nccl" if self.cuda else "gloo")
-        if self.cuda:
-            self.model.cuda()
-            if self.ref is not None:
-                self.ref.cuda()
-        micro = self.spec.trainer.micro_batch_size
-        config = {
-            "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": self.spec.trainer.zero_stage},
-            "bf16": {"enabled": self.cuda and self.spec.model.dtype in ("auto", "bfloat16")},
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.algo.lr, weight_decay=0.0)
-        self.engine, *_ = deepspeed.initialize(model=self.model, optimizer=optimizer, config=config)
+        self._built = build_trainer(
+            self.spec, seed=self.seed, cuda=self.cuda, device=device, total_steps=self.total_steps
+        )
+        self.engine, self.ref = self._built.engine, self._built.ref
+        self.model = self.engine.module
         self._gas = 1
         log.info(
             "trainer.ready",
             policy=self.spec.name,
             rank=self.rank,
+            local_rank=self.local_rank,
             world=self.world,
+            device=str(device),
             zero=self.spec.trainer.zero_stage,
         )
 
@@ -191,6 +183,10 @@ class DeepSpeedTrainer(TrainerWeights):
         if self.ref is not None:
             with torch.no_grad():
                 ref = sequence_logprobs(self.ref, tb, self.temperature)
+        elif self.loss_cfg.kl_coef > 0 and self.algo.lora is not None:
+            # LoRA: the initial policy is the trained model with its adapters switched off.
+            with torch.no_grad(), reference_model(self.engine.module):
+                ref = sequence_logprobs(self.engine, tb, self.temperature)
         prox_logp = logp.detach() if prox is None else prox.to(device)
         return policy_loss(
             logp,
@@ -218,7 +214,11 @@ class DeepSpeedTrainer(TrainerWeights):
         adv = advantages(
             signals, self.algo.advantage_norm, stats, algorithm=self.algo.name, global_std=global_std
         )
-        micro_rows = micro_batches(batch, self.spec.trainer.micro_batch_size, n_micro)
+        budget = self.spec.trainer.max_tokens_per_micro_batch
+        if budget is not None:  # the count depends on the lengths: every rank runs the largest
+            local_n = len(pack_rows(row_lengths(batch), self.spec.trainer.micro_batch_size, budget))
+            n_micro = int(self._allreduce([float(max(n_micro, local_n))], op="max")[0])
+        micro_rows = micro_batches(batch, self.spec.trainer.micro_batch_size, n_micro, budget)
         samples = batch.samples() if batch is not None else []
         ppo = self.algo.name == "ppo"
         self._set_gas(1 if ppo else n_micro)
@@ -286,29 +286,48 @@ class DeepSpeedTrainer(TrainerWeights):
         self.init_weight_sender(transport, self.spec.name, bucket_bytes, **(transport_kwargs or {}))
 
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        """What the engines load: parameters only, tied once, Hugging Face names (adapters merged under
+        LoRA), gathered bucket by bucket under ZeRO-3 (`publish.published_tensors`)."""
         module = self.engine.module if self.engine is not None else self.model
-        if self.spec.trainer.zero_stage == 3 and self.engine is not None:
-            import deepspeed
-
-            params = list(module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                full = {k: v.detach().clone() for k, v in module.state_dict().items()}
-            return full
-        named = {k: p.data for k, p in module.named_parameters()}
-        named.update(dict(module.named_buffers()))
-        return named
+        return published_tensors(module, zero_gather(self.spec.trainer.zero_stage))
 
     def gather_for_peers(self) -> None:
-        """ZeRO-3, ranks > 0: take part in the parameter gather rank 0 does to publish weights."""
-        self.weight_tensors()
+        """ZeRO-3, ranks > 0: take part in the bucket gathers rank 0 does to publish weights."""
+        module = self.engine.module if self.engine is not None else self.model
+        published_tensors(module, zero_gather(self.spec.trainer.zero_stage), keep=False)
 
     def save(self, directory: str, tag: str) -> None:
-        self.engine.save_checkpoint(directory, tag=tag, client_state={"version": self.version})
+        """`directory`: a local path or an object-store URI (each rank stages and uploads its files)."""
+        # LoRA: the frozen base is the model URI's, so only adapters and optimizer state are stored.
+        with storage.staged_dir(directory) as local:
+            self.engine.save_checkpoint(
+                str(local),
+                tag=tag,
+                client_state={"version": self.version},
+                exclude_frozen_parameters=self.algo.lora is not None,
+            )
 
     def load(self, directory: str, tag: str) -> None:
         self.begin_weight_update()
-        _, client = self.engine.load_checkpoint(directory, tag=tag)
+        with storage.fetched_dir(directory) as local:
+            _, client = self.engine.load_checkpoint(
+                str(local), tag=tag, load_module_strict=self.algo.lora is None
+            )
         self.version = int((client or {}).get("version", self.version))
+
+    def export(self, directory: str) -> None:
+        """Write the policy as a Hugging Face model directory (trainers/export.py). Every rank calls
+        it at once (ZeRO-3 gathers are collective); rank 0 writes."""
+        uri = self.spec.model.uri
+        with storage.staged_dir(directory) as local:
+            export_policy(
+                self.engine.module,
+                local,
+                source_dir=model_dir(uri) if is_hf(uri) else None,
+                source_uri=uri,
+                gather=zero_gather(self.spec.trainer.zero_stage),
+                writer=self.rank == 0,
+            )
 
     def ping(self) -> str:
         return self.name

@@ -95,7 +95,7 @@ class WeightTarget(Protocol):
 
 
 class TensorTarget:
-    """A `WeightTarget` over a dict of tensors (or an nn.Module's parameters and buffers).
+    """A `WeightTarget` over a dict of tensors (or an nn.Module's parameters).
 
     Serving code takes `serving()` around each forward pass; an update takes the same lock, so a
     generation never sees a half-written model, and the time spent waiting is the engine pause.
@@ -127,22 +127,17 @@ class TensorTarget:
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, version: int = -1) -> TensorTarget:
+        """The module's parameters under their `named_parameters()` names (a tied weight once, under
+        its first name): exactly what a trainer publishes. Buffers (e.g. rotary `inv_freq`) are
+        derived from the config, never trained, and stay the module's own."""
         params = dict(module.named_parameters())
         named: dict[str, torch.Tensor] = {k: p.data for k, p in params.items()}
-        # A buffer is rebound on the module that owns it (named_buffers gives dotted paths).
-        owners: dict[str, tuple[torch.nn.Module, str]] = {}
-        for path, buf in module.named_buffers():
-            mod_path, _, attr = path.rpartition(".")
-            owners[path] = (module.get_submodule(mod_path), attr)
-            named[path] = buf
 
         def rebind(new: Mapping[str, torch.Tensor]) -> None:
             # `.data` keeps each Parameter object (and so weight tying, hooks, optimiser state keys)
             # and only points it at the new storage.
             for name, p in params.items():
                 p.data = new[name]
-            for path, (owner, attr) in owners.items():
-                owner._buffers[attr] = new[path]
 
         return cls(named, version, rebind=rebind)
 

@@ -7,15 +7,26 @@ view, see `staging.py`). That space is cut into buckets of
 at most `bucket_bytes`; a tensor larger than a bucket spans several, so a bucket never exceeds its
 size and memory for staging stays bounded by it. The layout is a pure function of the specs and the
 bucket size, so sender and receivers agree on it from the manifest alone.
+
+A model has hundreds of tensors, so nothing here may cost Python work per tensor per sync where it can
+be paid once per layout: `layout_for` returns the same layout object while the names, shapes and dtypes
+stay the same, and a layout crosses processes as one opaque blob plus its digest (`__reduce__`); a
+process that has seen that digest reuses its decoded layout, so after the first sync the manifest costs
+a small copy of bytes, not hundreds of objects, on the trainer, the driver and every engine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property, lru_cache
+from typing import Any
 
 import torch
 
@@ -78,6 +89,54 @@ class BucketLayout:
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.specs)
 
+    @cached_property
+    def wire(self) -> tuple[bytes, bytes]:
+        """(digest, blob): the layout as plain tuples, pickled once per layout object."""
+        plain = (
+            self.bucket_bytes,
+            tuple((s.name, s.shape, s.dtype) for s in self.specs),
+            tuple(
+                (
+                    b.index,
+                    b.offset,
+                    b.nbytes,
+                    tuple((g.tensor, g.src_offset, g.flat_offset, g.nbytes) for g in b.segments),
+                )
+                for b in self.buckets
+            ),
+        )
+        blob = pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL)
+        return hashlib.blake2b(blob, digest_size=16).digest(), blob
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, bytes]]:
+        return (_decode_layout, self.wire)
+
+
+# Decoded layouts by digest: a receiver (and the driver relaying manifests) decodes a layout once.
+_DECODED: OrderedDict[bytes, BucketLayout] = OrderedDict()
+_DECODED_MAX = 16
+_DECODED_LOCK = threading.Lock()  # actors decode manifests on several threads
+
+
+def _decode_layout(digest: bytes, blob: bytes) -> BucketLayout:
+    with _DECODED_LOCK:
+        layout = _DECODED.get(digest)
+        if layout is not None:
+            _DECODED.move_to_end(digest)
+            return layout
+    bucket_bytes, specs, buckets = pickle.loads(blob)
+    layout = BucketLayout(
+        tuple(TensorSpec(n, tuple(shape), dtype) for n, shape, dtype in specs),
+        tuple(Bucket(i, off, nb, tuple(Segment(*g) for g in segs)) for i, off, nb, segs in buckets),
+        bucket_bytes,
+    )
+    layout.__dict__["wire"] = (digest, blob)  # relaying it again costs no encoding
+    with _DECODED_LOCK:
+        layout = _DECODED.setdefault(digest, layout)
+        while len(_DECODED) > _DECODED_MAX:
+            _DECODED.popitem(last=False)
+    return layout
+
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, align: int = 1) -> BucketLayout:
     """Cut the flat byte space of `specs` into buckets of at most `bucket_bytes`.
@@ -130,7 +189,18 @@ def tensor_offsets(layout: BucketLayout) -> list[int]:
 
 
 def layout_for(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, align: int = 1) -> BucketLayout:
-    return plan_buckets([TensorSpec.of(n, t) for n, t in tensors.items()], bucket_bytes, align)
+    """The layout of `tensors`; the same object while names, shapes and dtypes are unchanged, so
+    everything keyed on it (copy plans, typed views, the manifest's encoding) is reused."""
+    key = (tuple((n, t.shape, t.dtype) for n, t in tensors.items()), bucket_bytes, align)
+    return _cached_layout(key)
+
+
+@lru_cache(maxsize=8)
+def _cached_layout(key: tuple[tuple[tuple[str, torch.Size, torch.dtype], ...], int, int]) -> BucketLayout:
+    specs, bucket_bytes, align = key
+    return plan_buckets(
+        [TensorSpec(n, tuple(shape), dtype) for n, shape, dtype in specs], bucket_bytes, align
+    )
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -153,19 +223,28 @@ def default_copy_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None) -> None:
-    """`dst.copy_(src)` for each pair, splitting large host copies into chunks run on a thread pool."""
+Pair = tuple[torch.Tensor, torch.Tensor]  # (dst, src)
+
+
+@dataclass(frozen=True, eq=False)
+class CopyPlan:
+    """Copies cut into one group per thread (host) or one group run in order (devices): a pure
+    function of the pairs, so callers that copy the same tensors every sync build it once."""
+
+    groups: tuple[tuple[Pair, ...], ...]
+    host: bool
+
+
+def plan_copies(pairs: Sequence[Pair], threads: int | None = None) -> CopyPlan:
+    """Large host copies split into an even share of the bytes per thread (large tensors split,
+    small ones grouped: a pool task per tensor would cost more in hand-offs than the copies)."""
     threads = default_copy_threads() if threads is None else threads
     total = sum(d.numel() for d, _ in pairs)
     host = all(d.device.type == "cpu" and s.device.type == "cpu" for d, s in pairs)
-    if threads <= 1 or not host or total < _PARALLEL_MIN_BYTES:
-        for d, s in pairs:
-            d.copy_(s)
-        return
-    # One job per thread, each an even share of the bytes (large tensors split, small ones grouped):
-    # a pool task per tensor would cost more in hand-offs than a thousand small copies themselves.
+    if not host or threads <= 1 or total < _PARALLEL_MIN_BYTES:
+        return CopyPlan((tuple(pairs),), host)
     share = -(-total // threads)
-    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    groups: list[list[Pair]] = [[]]
     room = share
     for d, s in pairs:
         start, n = 0, d.numel()
@@ -177,12 +256,29 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int 
             groups[-1].append((d[start : start + take], s[start : start + take]))
             start += take
             room -= take
+    return CopyPlan(tuple(tuple(g) for g in groups), host)
 
-    def run(group: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for d, s in group:
+
+def run_copies(plan: CopyPlan) -> None:
+    if not plan.host:
+        for d, s in plan.groups[0]:
             d.copy_(s)
+    elif len(plan.groups) == 1:
+        _copy_all(plan.groups[0])
+    else:
+        list(_pool(len(plan.groups)).map(_copy_all, plan.groups))
 
-    list(_pool(threads).map(run, groups))
+
+def copy_pairs(pairs: Sequence[Pair], threads: int | None = None) -> None:
+    """`dst.copy_(src)` for each pair, splitting large host copies into chunks run on a thread pool."""
+    run_copies(plan_copies(pairs, threads))
+
+
+def _copy_all(pairs: Sequence[Pair]) -> None:
+    """Host copies in one call (`_foreach_copy_`, which releases the GIL): a Python `copy_` per
+    tensor costs microseconds each, a tenth of a sync at a real model's few hundred tensors."""
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def bucket_pairs(
@@ -206,30 +302,45 @@ def bucket_pairs(
 
 
 class PairCache:
-    """Remembers the copy pairs of the last syncs: with a thousand tensors, building a thousand slices
-    per side costs more than copying them. Valid while the layout, the flat buffer and the tensors'
-    storage are unchanged (trainers update parameters in place; an engine that swaps between two
-    staging buffers alternates between two keys, hence room for two entries)."""
+    """Remembers the copy pairs (and their `CopyPlan`) of the last syncs: with hundreds of tensors,
+    building a slice per tensor and side costs a sizeable part of copying them. Valid while the layout,
+    the flat buffer and the tensors' storage are unchanged (trainers update parameters in place; an
+    engine that swaps between two staging buffers alternates between two keys, hence room for two)."""
 
     def __init__(self, entries: int = 2) -> None:
         self._entries = entries
-        self._cache: list[tuple[tuple[object, ...], list[list[tuple[torch.Tensor, torch.Tensor]]]]] = []
+        self._cache: list[tuple[tuple[object, ...], list[list[Pair]], list[CopyPlan]]] = []
+
+    def _entry(
+        self, layout: BucketLayout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, into_flat: bool
+    ) -> tuple[tuple[object, ...], list[list[Pair]], list[CopyPlan]]:
+        key = (layout, flat.data_ptr(), flat.numel(), into_flat, tuple(t.data_ptr() for t in tensors))
+        for entry in self._cache:
+            if entry[0] == key:
+                return entry
+        lists = [bucket_pairs(layout, b, tensors, flat, into_flat=into_flat) for b in layout.buckets]
+        entry = (key, lists, [])
+        self._cache = [*self._cache, entry][-self._entries :]
+        return entry
 
     def per_bucket(
         self, layout: BucketLayout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, *, into_flat: bool
-    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        key = (layout, flat.data_ptr(), flat.numel(), into_flat, tuple(t.data_ptr() for t in tensors))
-        for k, v in self._cache:
-            if k == key:
-                return v
-        lists = [bucket_pairs(layout, b, tensors, flat, into_flat=into_flat) for b in layout.buckets]
-        self._cache = [*self._cache, (key, lists)][-self._entries :]
-        return lists
+    ) -> list[list[Pair]]:
+        return self._entry(layout, tensors, flat, into_flat)[1]
 
     def pairs(
         self, layout: BucketLayout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, *, into_flat: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> list[Pair]:
         return [p for b in self.per_bucket(layout, tensors, flat, into_flat=into_flat) for p in b]
+
+    def plan(
+        self, layout: BucketLayout, tensors: Sequence[torch.Tensor], flat: torch.Tensor, *, into_flat: bool
+    ) -> CopyPlan:
+        """The copies of the whole version, planned once per entry."""
+        _, lists, plans = self._entry(layout, tensors, flat, into_flat)
+        if not plans:
+            plans.append(plan_copies([p for b in lists for p in b]))
+        return plans[0]
 
 
 def ordered_tensors(layout: BucketLayout, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -51,11 +51,13 @@ from polyrl_runtime.weights.api import (
 )
 from polyrl_runtime.weights.buckets import (
     BucketLayout,
+    CopyPlan,
     Segment,
     byte_view,
-    copy_pairs,
     layout_for,
     ordered_tensors,
+    plan_copies,
+    run_copies,
 )
 from polyrl_runtime.weights.staging import ALIGN, Staging
 
@@ -216,8 +218,9 @@ def _wait(work: Any, aborted: Callable[[], bool], backend: str) -> None:
             raise WeightSyncError("the sync was aborted (an engine of the group died)")
 
 
-# Per broadcast: the bytes to send, the copies that pack them, the packing buffer (-1: none).
-_Plan = list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]]
+# Per broadcast: the bytes to send, the copies that pack them (None: sent as it is), the packing
+# buffer (-1: none).
+_Plan = list[tuple[torch.Tensor, CopyPlan | None, int]]
 
 
 class CollectiveSender(WeightSender):
@@ -362,7 +365,7 @@ class CollectiveSender(WeightSender):
                 byte_view(ordered[s.tensor])[s.src_offset : s.src_offset + s.nbytes] for s in op.segments
             ]
             if op.direct:
-                plan.append((views[0], [], -1))
+                plan.append((views[0], None, -1))
                 continue
             slot = packed % 2
             packed += 1
@@ -371,7 +374,7 @@ class CollectiveSender(WeightSender):
                 (buf[s.flat_offset - op.offset : s.flat_offset - op.offset + s.nbytes], v)
                 for s, v in zip(op.segments, views, strict=True)
             ]
-            plan.append((buf[: op.nbytes], pairs, slot))
+            plan.append((buf[: op.nbytes], plan_copies(pairs), slot))
         self._plan_key, self._plan = key, plan
         return plan
 
@@ -392,11 +395,11 @@ class CollectiveSender(WeightSender):
         group = self._ensure_group()
         works = []
         in_use: list[Any] = [None, None]  # the broadcast each packing buffer is on the wire with
-        for data, pairs, slot in plan:
-            if slot >= 0:
+        for data, copies, slot in plan:
+            if copies is not None:
                 if in_use[slot] is not None:
                     _wait(in_use[slot], self._abort.is_set, self.backend)
-                copy_pairs(pairs)
+                run_copies(copies)
             work = _broadcast(group, data)
             works.append(work)
             if slot >= 0:
@@ -436,6 +439,16 @@ class CollectiveReceiver(WeightReceiver):
         self._store: Any = None
         self.rank = -1
         self._staging = Staging()
+        # Per (layout object, staging buffer): the slices the broadcasts land in (two buffers alternate).
+        self._pieces_cache: list[tuple[BucketLayout, int, list[torch.Tensor]]] = []
+
+    def _pieces(self, layout: BucketLayout, staging: torch.Tensor) -> list[torch.Tensor]:
+        for cached_layout, ptr, pieces in self._pieces_cache:
+            if cached_layout is layout and ptr == staging.data_ptr():
+                return pieces
+        pieces = [staging[op.offset : op.offset + op.nbytes] for op in broadcast_ops(layout)]
+        self._pieces_cache = [*self._pieces_cache, (layout, staging.data_ptr(), pieces)][-2:]
+        return pieces
 
     def _ensure_group(self, address: GroupAddress) -> Any:
         key = (address.host, address.port, address.generation)
@@ -476,9 +489,7 @@ class CollectiveReceiver(WeightReceiver):
         staging = self._staging.buffer(layout, target, device)
         try:
             group = self._ensure_group(address)
-            works = [
-                _broadcast(group, staging[op.offset : op.offset + op.nbytes]) for op in broadcast_ops(layout)
-            ]
+            works = [_broadcast(group, piece) for piece in self._pieces(layout, staging)]
             key = abort_key(address.generation)
             for w in works:
                 _wait(w, lambda: bool(self._store.check([key])), address.backend)
@@ -503,4 +514,5 @@ class CollectiveReceiver(WeightReceiver):
         self._group = None
         self._store = None
         self._key = None
+        self._pieces_cache = []
         self._staging.close()

@@ -46,7 +46,7 @@ from polyrl_runtime.weights.api import (
     check_manifest,
     make_report,
 )
-from polyrl_runtime.weights.buckets import BucketLayout, PairCache, copy_pairs, layout_for, ordered_tensors
+from polyrl_runtime.weights.buckets import BucketLayout, PairCache, layout_for, ordered_tensors, run_copies
 from polyrl_runtime.weights.staging import ALIGN, flat_views, swappable
 
 log = structlog.get_logger(__name__)
@@ -165,7 +165,7 @@ class ShmSender(WeightSender):
         seg, slot = self._claim_slot(layout)
         try:
             seg.words[_SLOT_VERSION + slot] = _WRITING
-            copy_pairs(self._pairs.pairs(layout, ordered, seg.slot(slot), into_flat=True))
+            run_copies(self._pairs.plan(layout, ordered, seg.slot(slot), into_flat=True))
             seg.words[_SLOT_VERSION + slot] = version
             seg.words[_LATEST] = version
         finally:
@@ -248,10 +248,10 @@ class ShmReceiver(WeightReceiver):
             else:
                 own = target.named_tensors()
                 ordered = [own[s.name] for s in manifest.layout.specs]
-                pairs = self._pairs.pairs(manifest.layout, ordered, data, into_flat=False)
+                plan = self._pairs.plan(manifest.layout, ordered, data, into_flat=False)
                 pause_start = time.perf_counter()
                 with target.paused(manifest.version):
-                    copy_pairs(pairs)
+                    run_copies(plan)
                 pause = time.perf_counter() - pause_start
         finally:
             if not keep:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from polyrl_runtime.weights.api import TensorTarget, WeightManifest, WeightTarget
-from polyrl_runtime.weights.buckets import BucketLayout, PairCache, copy_pairs, tensor_offsets
+from polyrl_runtime.weights.buckets import BucketLayout, PairCache, run_copies, tensor_offsets
 
 # Tensor starts in flat buffers: enough for any dtype (and for vectorised copies).
 ALIGN = 64
@@ -106,10 +106,10 @@ class Staging:
             return time.perf_counter() - start
         own: Mapping[str, torch.Tensor] = target.named_tensors()
         ordered = [own[s.name] for s in layout.specs]
-        pairs = self._pairs.pairs(layout, ordered, flat, into_flat=False)
+        plan = self._pairs.plan(layout, ordered, flat, into_flat=False)
         start = time.perf_counter()
         with target.paused(manifest.version):
-            copy_pairs(pairs)
+            run_copies(plan)
             if flat.device.type == "cuda":
                 torch.cuda.synchronize(flat.device)
         return time.perf_counter() - start

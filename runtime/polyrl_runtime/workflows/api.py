@@ -17,6 +17,7 @@ draw the task: every member of the group then plays the same task.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import random
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from polyrl_runtime.engines.api import SamplingParams
+from polyrl_runtime.engines.api import PromptTooLongError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.types import Turn
 from polyrl_runtime.models import Tokenizer
@@ -112,25 +113,33 @@ class Agent:
         max_new_tokens: int | None = None,
         allowed: Sequence[str] | Sequence[int] | None = None,
         stop: Sequence[str] | None = None,
+        include_stop: bool = False,
         temperature: float | None = None,
     ) -> Reply:
-        """One turn. `prompt` text is encoded with a leading BOS; `allowed` restricts the tokens
-        (text pieces or ids) the reply may use; generation stops at EOS, a `stop` piece or
+        """One turn. `prompt` text is encoded with the tokenizer's special tokens (a leading BOS where
+        the model has one), token ids are sent as they are (e.g. from `chat_prompt`); `allowed`
+        restricts the tokens (text pieces or ids) the reply may use; generation stops at the
+        model's end ids (EOS), at a `stop` string of any length (cut from the reply text unless
+        `include_stop`; its tokens stay in the trained turn, since they were sampled), or after
         `max_new_tokens` (the policy's `sampling.maxNewTokens` by default)."""
         tok = self.tokenizer
         ids = tok.encode(prompt, bos=True) if isinstance(prompt, str) else [int(i) for i in prompt]
         base = self.ctx.sampling[self.policy]
         allowed_ids = tuple(tok.token_id(a) if isinstance(a, str) else int(a) for a in allowed or ())
-        eos = getattr(tok, "eos_id", None)
-        stop_ids = tuple(tok.token_id(s) for s in stop or ()) + ((eos,) if isinstance(eos, int) else ())
         params = SamplingParams(
             temperature=base.temperature if temperature is None else temperature,
             top_p=base.top_p,
             max_new_tokens=max_new_tokens or base.max_new_tokens,
-            stop_ids=stop_ids,
+            stop_ids=tuple(tok.stop_ids),
             allowed_ids=allowed_ids,
+            stop=tuple(stop or ()),
+            include_stop_str=include_stop,
+            seed=self.ctx.sampling_seed(self.name),
         )
-        gen = await self.ctx.pool.generate(self.policy, ids, params)
+        try:
+            gen = await self.ctx.pool.generate(self.policy, ids, params)
+        except PromptTooLongError as e:
+            raise PromptTooLongError(e.policy, e.prompt_len, e.limit, agent=self.name) from None
         self.ctx.turns.append(
             Turn(
                 agent=self.name,
@@ -142,7 +151,22 @@ class Agent:
                 allowed_ids=np.asarray(allowed_ids, dtype=np.int32),
             )
         )
-        return Reply(tok.decode(gen.token_ids.tolist()), gen.token_ids.tolist(), ids, gen.finish_reason)
+        text = tok.decode(gen.token_ids.tolist())
+        if gen.stop_str and not include_stop and gen.stop_str in text:
+            text = text[: text.index(gen.stop_str)]
+        return Reply(text, gen.token_ids.tolist(), ids, gen.finish_reason)
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of `messages` rendered with the policy's chat template (for `generate`)."""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
 
 
 @dataclass
@@ -161,6 +185,16 @@ class EpisodeContext:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)  # same in every episode of the group: same task
+        self._turns_drawn: dict[str, int] = {}
+
+    def sampling_seed(self, agent: str) -> int:
+        """The sampling seed of `agent`'s next turn: a function of (group seed, episode index, agent,
+        the agent's turn number) only, so a seeded job samples the same tokens whichever requests
+        an engine happens to batch together (engines draw each seeded request from its own RNG)."""
+        k = self._turns_drawn.get(agent, 0)
+        self._turns_drawn[agent] = k + 1
+        key = f"{self.seed}/{self.index}/{agent}/{k}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
 
     def agent(self, name: str) -> Agent:
         policy = self.agent_policies.get(name, name)

@@ -87,7 +87,10 @@ class WorkflowWorker:
         self.buffer = buffer
         self.pool = EnginePool(routes)
         self.timeout = episode_timeout_s
-        self.tokenizers: dict[str, Tokenizer] = {p.name: load_tokenizer(p.model.uri) for p in spec.policies}
+        self.tokenizers: dict[str, Tokenizer] = {
+            p.name: load_tokenizer(p.model.uri, trust_remote_code=p.model.trust_remote_code)
+            for p in spec.policies
+        }
         self.sampling = {
             p.name: SamplingParams(
                 temperature=p.rollout.sampling.temperature,

@@ -48,8 +48,8 @@ def test_tokenizer_round_trip_and_specials() -> None:
 def test_unknown_builtin_model_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"unknown built-in model builtin://huge"):
         load_model("builtin://huge")
-    with pytest.raises(ValueError, match="only builtin://, file:// and pvc://"):
-        load_model("s3://bucket/model")
+    with pytest.raises(ValueError, match="gs://bucket/model: only builtin://, file://, pvc:// and s3://"):
+        load_model("gs://bucket/model")
 
 
 def test_kv_cache_decoding_matches_full_forward() -> None:

@@ -1,11 +1,13 @@
-"""Micro-batches group rows of similar length (padding is per micro-batch) and keep every row once."""
+"""Micro-batches group rows of similar length (padding is per micro-batch) and keep every row once;
+with a token budget each one's padded size (rows x longest row) stays within it."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from polyrl_runtime.experience.types import Sample, SampleBatch
-from polyrl_runtime.trainers.deepspeed_trainer import micro_batches
+from polyrl_runtime.trainers.batching import micro_batches, pack_rows, pad_to
 
 
 def _batch(response_lengths: list[int]) -> SampleBatch:
@@ -37,3 +39,64 @@ def test_rows_are_grouped_by_length_and_each_taken_once() -> None:
 def test_empty_micro_batches_pad_to_the_ranks_common_count() -> None:
     assert micro_batches(_batch([5, 3]), micro=4, n_micro=3) == [[1, 0], [], []]
     assert micro_batches(None, micro=4, n_micro=2) == [[], []]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "budget", "expected"),
+    [
+        # Short rows share a micro-batch; the long ones get fewer rows each.
+        ([10, 10, 10, 10, 40, 40], 40, [[0, 1, 2, 3], [4], [5]]),
+        ([10, 10, 10, 10, 40, 40], 80, [[0, 1, 2, 3], [4, 5]]),
+        # Sorted first: the padded size is counted against the longest row so far.
+        ([40, 10, 20, 10], 40, [[1, 3], [2], [0]]),
+        ([5, 6, 7], 18, [[0, 1], [2]]),  # 3 rows x 7 = 21 > 18
+        ([5, 6, 7], 21, [[0, 1, 2]]),
+        # A row longer than the budget trains alone rather than being dropped.
+        ([100, 3], 50, [[1], [0]]),
+        ([], 64, []),
+    ],
+)
+def test_token_budget_packs_sorted_rows_within_the_budget(
+    lengths: list[int], budget: int, expected: list[list[int]]
+) -> None:
+    groups = pack_rows(np.array(lengths, dtype=np.int64), micro=1000, max_tokens=budget)
+    assert groups == expected
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= budget
+
+
+@pytest.mark.parametrize(
+    ("lengths", "micro", "expected"),
+    [
+        ([3, 1, 2, 5, 4], 2, [[1, 2], [0, 4], [3]]),
+        ([3, 1, 2], 5, [[1, 2, 0]]),
+        ([2, 2, 2], 1, [[0], [1], [2]]),
+    ],
+)
+def test_rows_without_a_budget(lengths: list[int], micro: int, expected: list[list[int]]) -> None:
+    assert pack_rows(np.array(lengths, dtype=np.int64), micro) == expected
+
+
+def test_token_budget_through_a_sample_batch() -> None:
+    # prompt 3 + response: rows of 4, 4, 33, 63, 93 tokens
+    batch = _batch([1, 1, 30, 60, 90])
+    rows = micro_batches(batch, micro=8, n_micro=4, max_tokens=99)  # 3 x 33 fits, 2 x 63 does not
+    assert rows == [[0, 1, 2], [3], [4], []]
+    with pytest.raises(ValueError, match="common count 2"):
+        micro_batches(batch, micro=8, n_micro=2, max_tokens=99)
+
+
+def test_equal_lengths_are_ordered_by_sample_not_arrival() -> None:
+    batch = _batch([2, 2, 2, 2])
+    assert micro_batches(batch, micro=2, n_micro=2, max_tokens=10) == micro_batches(batch, micro=2, n_micro=2)
+
+
+@pytest.mark.parametrize(("micro", "budget"), [(0, None), (4, 0)])
+def test_limits_must_be_positive(micro: int, budget: int | None) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        pack_rows(np.array([1, 2], dtype=np.int64), micro, budget)
+
+
+def test_pad_to_adds_empty_micro_batches() -> None:
+    assert pad_to([[0], [1]], 4) == [[0], [1], [], []]

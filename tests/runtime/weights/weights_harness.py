@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ import torch
 from polyrl_runtime.weights import (
     SyncReport,
     TensorTarget,
+    WeightManifest,
     WeightReceiver,
     WeightSender,
     make_receiver,
@@ -36,9 +37,15 @@ def sync(
     targets: Sequence[TensorTarget],
     version: int,
     tensors: Mapping[str, torch.Tensor],
+    *,
+    relay: Callable[[WeightManifest], WeightManifest] | None = None,
 ) -> list[SyncReport | BaseException]:
-    """Publish and receive on every receiver concurrently (collectives need all ranks at once)."""
+    """Publish and receive on every receiver concurrently (collectives need all ranks at once).
+
+    `relay` stands for the way from the trainer to the engines (e.g. a pickling round trip)."""
     manifest = sender.publish(version, tensors)
+    if relay is not None:
+        manifest = relay(manifest)
     results: list[SyncReport | BaseException] = [RuntimeError("not run")] * len(receivers)
 
     def run(i: int) -> None:

@@ -189,6 +189,24 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].model.uri",),
     ),
     BadCase(
+        "gs-model-uri",  # the runtime cannot read gs://: the API does not accept it
+        _set("spec.policies.0.model.uri", "gs://models/qwen"),
+        "spec.policies[0].model.uri",
+        ("spec.policies[0].model.uri",),
+    ),
+    BadCase(
+        "gs-checkpoint-uri",
+        _set("spec.checkpoint.uri", "gs://ckpts/run"),
+        "spec.checkpoint.uri",
+        ("spec.checkpoint.uri",),
+    ),
+    BadCase(
+        "bad-credentials-secret",
+        _set("spec.storage.credentialsSecret", "S3_Creds"),
+        "spec.storage.credentialsSecret",
+        ("spec.storage.credentialsSecret",),
+    ),
+    BadCase(
         "missing-training",
         lambda d: d["spec"].pop("training"),
         "spec.training",

@@ -1,0 +1,77 @@
+"""Micro-batches: which rows of a rank's share go through one forward/backward pass together.
+
+Rows are sorted by sequence length (prompt + response) first: a micro-batch is padded to its longest
+row, so mixing short turns with long ones (a long-tail reply beside one-token answers) would pay for
+the long one in every row. GRPO sums the micro losses into one optimizer step, so grouping does not
+change its gradient; PPO's per-micro-batch updates see rows grouped by length instead of by arrival,
+an order as arbitrary as before.
+
+Two ways to cut the sorted rows:
+- by rows (`trainer.microBatchSize`): at most `micro` rows each;
+- by tokens (`trainer.maxTokensPerMicroBatch`): as many rows as keep the padded size, rows x longest
+  row, within the budget (a row longer than the budget goes alone), so long sequences get small
+  micro-batches and short ones large.
+
+The count then differs between ranks; every rank must run the same number of passes (each backward
+is collective under ZeRO), so ranks agree on the largest count and pad with empty micro-batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from polyrl_runtime.experience.ordering import canonical_rank
+from polyrl_runtime.experience.types import SampleBatch
+
+
+def row_lengths(batch: SampleBatch | None) -> npt.NDArray[np.int64]:
+    """Tokens of each row (prompt + response), the width it pads its micro-batch to."""
+    if batch is None:
+        return np.zeros(0, dtype=np.int64)
+    return (np.diff(batch.prompt_offsets) + np.diff(batch.response_offsets)).astype(np.int64)
+
+
+def pack_rows(
+    lengths: npt.NDArray[np.int64],
+    micro: int,
+    max_tokens: int | None = None,
+    tiebreak: npt.NDArray[np.int64] | None = None,
+) -> list[list[int]]:
+    """Row indices of each micro-batch, rows in ascending length order (equal lengths by `tiebreak`,
+    else by index): `micro` rows at a time, or with `max_tokens` as many as keep
+    rows x longest row <= max_tokens (never fewer than one row)."""
+    if micro < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"micro-batch limits must be positive (rows {micro}, tokens {max_tokens})")
+    keys = (np.arange(len(lengths)) if tiebreak is None else tiebreak, lengths)
+    order = [int(i) for i in np.lexsort(keys)]
+    if max_tokens is None:
+        return [order[i : i + micro] for i in range(0, len(order), micro)]
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        # Ascending order: the row being added is the longest of its micro-batch.
+        if current and (len(current) + 1) * int(lengths[i]) > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def pad_to(groups: list[list[int]], n_micro: int) -> list[list[int]]:
+    """`groups` followed by empty micro-batches up to `n_micro` (the count every rank runs)."""
+    if len(groups) > n_micro:
+        raise ValueError(f"{len(groups)} micro-batches do not fit the ranks' common count {n_micro}")
+    return groups + [[] for _ in range(n_micro - len(groups))]
+
+
+def micro_batches(
+    batch: SampleBatch | None, micro: int, n_micro: int, max_tokens: int | None = None
+) -> list[list[int]]:
+    """Row indices of each of `n_micro` micro-batches (see `pack_rows`), empty ones padding the list.
+    Equal lengths are ordered by a canonical rank, not arrival order: the same samples give the same
+    micro-batches, and so the same update."""
+    tiebreak = None if batch is None else canonical_rank(batch)
+    return pad_to(pack_rows(row_lengths(batch), micro, max_tokens, tiebreak), n_micro)
