@@ -373,15 +373,15 @@ class TorchEngine(EngineWeights):
         if all(r.params.temperature == 0 for r in batch):  # all greedy: argmax and gather, no lists
             top = lp.argmax(dim=-1)
             return top.tolist(), lp.gather(1, top[:, None])[:, 0].tolist()
-        # Plain sampling shares one draw over its rows and greedy rows one argmax; top-p and seeded
-        # rows (a seed promises the same tokens whatever else is in the batch) are sampled one by one.
+        # Plain sampling shares one draw over its rows and greedy rows one argmax. A seeded row (a
+        # seed promises the same tokens whatever else is in the batch) draws its uniform number from
+        # its own generator, then all seeded rows invert their CDFs at once; top-p rows are sampled
+        # one by one.
         tokens = [0] * len(batch)
         greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
-        plain = [
-            i
-            for i, r in enumerate(batch)
-            if r.params.temperature > 0 and r.params.top_p >= 1.0 and r.generator is None
-        ]
+        full = [i for i, r in enumerate(batch) if r.params.temperature > 0 and r.params.top_p >= 1.0]
+        plain = [i for i in full if batch[i].generator is None]
+        seeded = [i for i in full if batch[i].generator is not None]
         if greedy:
             for i, tok in zip(greedy, lp[greedy].argmax(dim=-1).tolist(), strict=True):
                 tokens[i] = tok
@@ -390,10 +390,25 @@ class TorchEngine(EngineWeights):
             drawn = torch.multinomial(probs, 1, generator=self._rng)[:, 0].tolist()
             for i, tok in zip(plain, drawn, strict=True):
                 tokens[i] = tok
-        for i in sorted(set(range(len(batch))) - set(plain) - set(greedy)):
+        if seeded:
+            for i, tok in zip(seeded, self._inverse_cdf(lp[seeded], [batch[i] for i in seeded]), strict=True):
+                tokens[i] = tok
+        for i in sorted(set(range(len(batch))) - set(full) - set(greedy)):
             tokens[i] = self._sample(lp[i], batch[i].params, batch[i].generator)
         picked = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
         return tokens, picked
+
+    @staticmethod
+    def _inverse_cdf(lp: torch.Tensor, rows: list[_Request]) -> list[int]:
+        """One token per row of `lp` [n, vocab], each from a uniform number of the row's own
+        generator: the first id whose cumulative probability exceeds it (an id of probability 0 is
+        never drawn). Each row's result depends on its own logits and generator only."""
+        u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])
+        cdf = lp.exp().cumsum(dim=-1)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        over = drawn >= lp.shape[-1]  # u * total rounded up to the total: the likeliest id instead
+        drawn[over] = lp[over].argmax(dim=-1)
+        return [int(t) for t in drawn.tolist()]
 
     def _sample(self, lp: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
         if p.temperature == 0:

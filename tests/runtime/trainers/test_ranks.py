@@ -85,7 +85,7 @@ def _shards(trainer: DeepSpeedTrainer) -> tuple[int, int]:
 def _step(trainer: DeepSpeedTrainer) -> dict[str, torch.Tensor]:
     """One DeepSpeed step on this rank's own rows; returns the whole model after it."""
     engine = trainer.engine
-    ids = torch.arange(trainer.rank * 40, trainer.rank * 40 + 16).reshape(2, 8) % 300
+    ids = (torch.arange(trainer.rank * 40, trainer.rank * 40 + 16).reshape(2, 8) % 300).to(engine.device)
     logits = engine(input_ids=ids).logits.float()
     loss = torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
@@ -100,36 +100,56 @@ def _whole(trainer: DeepSpeedTrainer) -> dict[str, torch.Tensor]:
 
     module = trainer.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        return {n: p.detach().clone() for n, p in module.named_parameters()}
+        return {n: p.detach().float().cpu() for n, p in module.named_parameters()}
 
 
+def _gpus(n: int) -> Any:
+    return pytest.mark.skipif(
+        torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPU(s) (NCCL, one rank per device)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer"),
+    [
+        pytest.param({"dtype": "float32"}, {"gpus": 0, "ranksPerPod": 2}, id="cpu-gloo"),
+        # One rank per GPU with NCCL, the model in bfloat16 and partitioned at construction.
+        pytest.param({"dtype": "bfloat16"}, {"gpus": 1}, id="gpu-1-bf16", marks=[pytest.mark.gpu, _gpus(1)]),
+        pytest.param(
+            {"dtype": "bfloat16"}, {"gpus": 2}, id="gpu-2-nccl-bf16", marks=[pytest.mark.gpu, _gpus(2)]
+        ),
+    ],
+)
 def test_two_ranks_of_one_pod_partition_the_model_and_step_together(
-    ray_here: Any, tiny_qwen2_dir: Path
+    ray_here: Any, tiny_qwen2_dir: Path, model: dict[str, Any], trainer: dict[str, Any]
 ) -> None:
     p = policy(
-        model={"uri": f"file://{tiny_qwen2_dir}", "dtype": "float32"},
-        trainer={"gpus": 0, "ranksPerPod": 2, "zeroStage": 3, "microBatchSize": 2},
+        model={"uri": f"file://{tiny_qwen2_dir}", **model},
+        trainer={**trainer, "zeroStage": 3, "microBatchSize": 2},
     )
     job = make_job(policies=[p])
     spec: Policy = job.spec.policies[0]
     fleet = Fleet(job, "objectstore", place_by_resource=False)
     ranks = fleet.new_trainers(spec, buffer=None)
+    n = spec.trainer.ranks
     try:
-        assert len(ranks) == 2
+        assert len(ranks) == n
         addr, port = ray.get(ranks[0].address.remote())
         ray.get([r.setup.remote(addr, port) for r in ranks])
         identity = ray.get([r.__ray_call__.remote(_identity) for r in ranks])
-        assert identity == [(0, 0, 2, "0"), (1, 1, 2, "0")]  # LOCAL_RANK names the (CPU) device
+        # LOCAL_RANK names the device in the rank's view (Ray shows each GPU rank only its own GPU).
+        assert identity == [(i, i, n, "0") for i in range(n)]
         shards = ray.get([r.__ray_call__.remote(_shards) for r in ranks])
         held, whole = zip(*shards, strict=True)
-        assert whole[0] == whole[1] and sum(held) >= whole[0]
-        assert all(h <= whole[0] // 2 + 64 for h in held)  # each rank about half, never the whole
+        assert len(set(whole)) == 1 and sum(held) >= whole[0]
+        assert all(h <= whole[0] // n + 64 for h in held)  # each rank its share, never more
         before = ray.get([r.__ray_call__.remote(_whole) for r in ranks])[0]
         after = ray.get([r.__ray_call__.remote(_step) for r in ranks])
-        assert after[0].keys() == after[1].keys() == before.keys()
-        for name in after[0]:  # one optimizer step over both ranks' rows: the same model on each
-            torch.testing.assert_close(after[0][name], after[1][name], msg=name)
-        assert sum(not torch.equal(before[n], after[0][n]) for n in before) > len(before) // 2
+        assert all(a.keys() == before.keys() for a in after)
+        for other in after[1:]:  # one optimizer step over every rank's rows: the same model on each
+            for name in after[0]:
+                torch.testing.assert_close(after[0][name], other[name], msg=name)
+        assert sum(not torch.equal(before[k], after[0][k]) for k in before) > len(before) // 2
     finally:
         for r in ranks:
             ray.kill(r)
