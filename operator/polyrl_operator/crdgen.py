@@ -3,7 +3,7 @@
 pydantic's JSON Schema is close to, but not, a Kubernetes *structural* schema. This module turns one into
 the other: ``$ref`` inlined, titles dropped, ``X | None`` collapsed to an optional ``X``, closed objects
 left to the server's pruning and strict field validation, free-form maps marked
-``x-kubernetes-preserve-unknown-fields``, draft-2020 ``exclusiveMinimum`` rewritten to the OpenAPI v3 form,
+``x-kubernetes-preserve-unknown-fields``, draft-2020 ``exclusiveMinimum``/``exclusiveMaximum`` rewritten to the OpenAPI v3 form,
 and ``default: {}`` on optional sub-objects so the server fills in their nested defaults.
 """
 
@@ -122,9 +122,10 @@ class _Converter:
             if key in _DROP_KEYS or key in {"properties", "items", "required"}:
                 continue
             out[key] = value
-        if "exclusiveMinimum" in out and not isinstance(out["exclusiveMinimum"], bool):
-            out["minimum"] = out.pop("exclusiveMinimum")
-            out["exclusiveMinimum"] = True
+        for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if exclusive in out and not isinstance(out[exclusive], bool):
+                out[bound] = out.pop(exclusive)
+                out[exclusive] = True
 
         if s.get("type") == "object":
             props = s.get("properties")
@@ -159,7 +160,17 @@ class _Converter:
         return converted
 
 
-_KEY_ORDER = ["description", "type", "format", "enum", "default", "minimum", "exclusiveMinimum", "maximum"]
+_KEY_ORDER = [
+    "description",
+    "type",
+    "format",
+    "enum",
+    "default",
+    "minimum",
+    "exclusiveMinimum",
+    "maximum",
+    "exclusiveMaximum",
+]
 
 
 def _ordered(s: Schema) -> Schema:

@@ -159,3 +159,15 @@ def test_crd_defaults_agree_with_model_defaults() -> None:
     assert server_view["spec"]["weightSync"] == model_view["spec"]["weightSync"]
     assert server_view["spec"]["policies"][0]["algorithm"] == model_view["spec"]["policies"][0]["algorithm"]
     assert server_view["spec"]["policies"][0]["trainer"] == model_view["spec"]["policies"][0]["trainer"]
+
+
+def test_exclusive_bounds_use_the_openapi_v3_form() -> None:
+    # The API server reads exclusiveMinimum/exclusiveMaximum as booleans beside minimum/maximum; the
+    # draft-2020 number form (what pydantic emits for gt=/lt=) makes it refuse the whole CRD.
+    found = 0
+    for path, node in _walk(SCHEMA):
+        for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if exclusive in node:
+                found += 1
+                assert node[exclusive] is True and bound in node, (path, node)
+    assert found >= 2  # gt= (lr) and lt= (lora dropout) both occur in the API
