@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,3 +72,16 @@ def s3_env(s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> A
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("POLYRL_CACHE", str(tmp_path / "polyrl-cache"))
     return s3_server
+
+
+_buckets = itertools.count()
+
+
+@pytest.fixture
+def bucket(s3_env: Any) -> str:
+    """A new, empty bucket on the test S3 server (created as a user would, not by the first upload)."""
+    from polyrl_runtime import storage
+
+    name = f"polyrl-test-{os.getpid()}-{next(_buckets)}"
+    storage._filesystem().mkdir(name)
+    return name

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from polyrl_runtime import storage
 from polyrl_runtime.storage import StorageError
-
-_buckets = itertools.count()
-
-
-@pytest.fixture
-def bucket(s3_env: Any) -> str:
-    """A new, empty bucket on the test server (created as a user would, not by the first upload)."""
-    name = f"polyrl-test-{os.getpid()}-{next(_buckets)}"
-    storage._filesystem().mkdir(name)
-    return name
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -4,8 +4,6 @@ that checkpoints to s3:// and resumes from it."""
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +14,6 @@ from polyrl_runtime import storage
 from polyrl_runtime.coordinator.checkpoint import BUFFER, STATE, CheckpointStore, checkpoint_root
 from polyrl_runtime.coordinator.driver import Driver, DriverOptions
 from polyrl_runtime.experience.buffer import BufferSnapshot
-
-_buckets = itertools.count()
-
-
-@pytest.fixture
-def bucket(s3_env: Any) -> str:
-    name = f"polyrl-ckpt-{os.getpid()}-{next(_buckets)}"
-    storage._filesystem().mkdir(name)
-    return name
 
 
 def _snapshot(marker: int) -> BufferSnapshot:
