@@ -35,8 +35,8 @@ def test_every_committed_copy_is_checked_and_generated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The kustomize base and the chart vendor the CRD: `polyrl crds generate` (as `make crds` runs it,
-    at the repository root) writes every copy, and `make test`'s check covers every one (session 11
-    regenerated only crds/ and the install test caught the stale kustomize copy)."""
+    at the repository root) writes every copy, and `make test`'s check covers every one (a copy left
+    stale would install an old schema)."""
     monkeypatch.chdir(REPO)
     assert main(["crds", "check"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out

@@ -140,7 +140,8 @@ def _check_bucket_gathers(module: torch.nn.Module, published: dict[str, torch.Te
 
 
 def test_a_buffer_is_not_accepted_by_an_engine_target(tiny_qwen2_dir: Path) -> None:
-    """What ZeRO-3 used to publish (the state dict plus buffers) is refused: the sides must agree."""
+    """A state dict plus buffers (a tied head under its own name, rotary inv_freq) is refused: the
+    published names must be exactly the engine's parameters."""
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
     with_buffers = {**{n: p.detach() for n, p in model.named_parameters()}, **dict(model.named_buffers())}
     assert len(with_buffers) > len(dict(model.named_parameters()))
