@@ -5,7 +5,7 @@ becomes one `Chunk` per policy: that policy's token columns (views of the put's 
 per-row arrays (reward, oldest version, which episode and which (episode, policy) pair a row is of).
 The buffer queues and leases row ranges of chunks and settles its accounts per range with numpy.
 Building a Turn, an Episode and a Sample object per row, and settling each sample in Python, was most
-of the buffer actor's CPU (docs/performance-dataplane.md, sessions 13, 15 and 16).
+of the buffer actor's CPU (docs/performance.md, experience streaming).
 """
 
 from __future__ import annotations
