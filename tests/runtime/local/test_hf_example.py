@@ -33,7 +33,7 @@ def test_the_hugging_face_example_learns_and_exports(tmp_path: Path) -> None:
     assert summary["steps"] == {"left": 80, "right": 80}
     for policy in ("left", "right"):
         # At the start the reward is about 0.1 (the right digit first 1 time in 5, then the end id 1
-        # time in 5); the seeded sync run ends near 0.75 (docs/models.md): 0.5 leaves room for the
+        # time in 5); the seeded sync run ends near 0.75 (docs/performance.md): 0.5 leaves room for the
         # float differences of another machine.
         assert summary["first_reward"][policy] < 0.25, summary
         assert summary["last_steps_mean"][policy]["reward_mean"] >= 0.5, summary
