@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from polyrl_operator.kube import CHILD_API_VERSIONS, PLURALS, Credentials, KubeClient, path_for  # noqa: E402
-from polyrl_operator.main import render  # noqa: E402
+from polyrl_operator.planning import render  # noqa: E402
 from polyrl_operator.settings import OperatorSettings  # noqa: E402
 from polyrl_testenv import ControlPlane  # noqa: E402
 

@@ -10,8 +10,8 @@
 # Nothing is installed system-wide: every package is fetched with `apt-get download` through a
 # PRIVATE apt configuration (own sources.list pointing at sid on the mirror this machine already
 # uses, own lists/cache/state under the cache folder) and unpacked with `dpkg-deb -x`. The
-# system's apt sources are never touched. That recipe lives in hack/lib/debian-go.sh (dgo_*),
-# shared with hack/helmrender/prepare.sh. Why sid: it is the only Debian suite that packages
+# system's apt sources are never touched. That recipe lives in hack/lib/debian-go.sh (dgo_*).
+# Why sid: it is the only Debian suite that packages
 # the Kubernetes 1.36 libraries, and Debian's mirrors are reachable where GitHub/dl.k8s.io are not.
 #
 # Idempotent: when the binaries and the recipe stamp are in the cache it prints what is there and

@@ -1,8 +1,7 @@
 # shellcheck shell=bash
 # Shared recipe: build a Go program from Debian sid source packages, without installing anything.
 #
-# Sourced (not run) by hack/controlplane/prepare.sh and hack/helmrender/prepare.sh (the approach
-# first written for the control plane, factored into functions):
+# Sourced (not run) by hack/controlplane/prepare.sh:
 #
 #   * a PRIVATE apt configuration (own sources.list pointing at sid on the mirror this machine
 #     already uses, own lists/cache/state) -- the system's apt sources are never touched;

@@ -19,9 +19,10 @@ import structlog
 
 from polyrl_operator import naming
 from polyrl_operator.builders.common import Manifest
-from polyrl_operator.kube import CHILD_API_VERSIONS, ApiError, KubeClient, merge_patch, path_for
+from polyrl_operator.kinds import child_kind
+from polyrl_operator.kube import ApiError, KubeClient, merge_patch, path_for
 from polyrl_operator.observed import Child
-from polyrl_operator.plan import Plan
+from polyrl_operator.planning import Plan
 
 log = structlog.get_logger("polyrl.apply")
 
@@ -43,12 +44,8 @@ class ApplyResult:
         return len(self.created) + len(self.patched) + len(self.deleted)
 
 
-def _api_version(kind: str) -> str:
-    return CHILD_API_VERSIONS[kind]
-
-
 def _path(kind: str, namespace: str, name: str | None = None) -> str:
-    return path_for(_api_version(kind), kind, namespace, name)
+    return path_for(child_kind(kind).api_version, kind, namespace, name)
 
 
 def _metadata_patch(child: Child | None, manifest: Manifest) -> dict[str, Any]:

@@ -117,5 +117,20 @@ def operator_checks(job: RLJob, settings: OperatorSettings) -> list[Problem]:
     return problems
 
 
+def queue_label_problems(job: RLJob, labels: dict[str, str], settings: OperatorSettings) -> list[Problem]:
+    """A ``kueue.x-k8s.io/queue-name`` label with this operator's Kueue integration off: the job
+    would bypass the queue its owner chose, so it is rejected, naming the label."""
+    named_in_spec = job.spec.scheduling is not None and job.spec.scheduling.queue_name
+    if settings.kueue.enabled or named_in_spec or not labels.get(naming.LABEL_KUEUE_QUEUE):
+        return []
+    return [
+        (
+            f"metadata.labels.{naming.LABEL_KUEUE_QUEUE}",
+            "this operator's Kueue integration is off (operator settings kueue.enabled): "
+            "remove the label, or ask the cluster admin to turn it on",
+        )
+    ]
+
+
 def format_problems(problems: list[Problem]) -> str:
     return "; ".join(f"{path}: {message}" if path else message for path, message in problems)

@@ -19,30 +19,11 @@ import kopf
 
 from polyrl_operator import naming
 from polyrl_operator.api import GROUP, PLURAL, VERSION
-from polyrl_operator.builders.workload import KUEUE_GROUP, KUEUE_VERSION
+from polyrl_operator.kinds import CHILD_KINDS
 from polyrl_operator.kube import Credentials
 from polyrl_operator.observed import summarize
 from polyrl_operator.reconcile import Reconciler
 
-NETWORKING_GROUP = "networking.k8s.io"
-INDEXES = {
-    "Pod": "polyrl_pods",
-    "Service": "polyrl_services",
-    "ConfigMap": "polyrl_configmaps",
-    "Secret": "polyrl_secrets",
-    "ServiceAccount": "polyrl_serviceaccounts",
-    "NetworkPolicy": "polyrl_networkpolicies",
-    "Workload": "polyrl_workloads",
-}
-_SELECTORS: dict[str, tuple[str, ...]] = {
-    "Pod": ("v1", "pods"),
-    "Service": ("v1", "services"),
-    "ConfigMap": ("v1", "configmaps"),
-    "Secret": ("v1", "secrets"),
-    "ServiceAccount": ("v1", "serviceaccounts"),
-    "NetworkPolicy": (NETWORKING_GROUP, "v1", "networkpolicies"),
-    "Workload": (KUEUE_GROUP, KUEUE_VERSION, "workloads"),
-}
 LABELS = {naming.LABEL_JOB: kopf.PRESENT}
 
 
@@ -66,16 +47,15 @@ def build_registry(
     namespace names needs neither, and its Roles grant neither."""
     registry = kopf.OperatorRegistry()
     tasks: list[asyncio.Task[None]] = []
-    kinds = reconciler.settings.child_kinds()
+    rows = reconciler.settings.child_kind_rows()
 
     def capture(kwargs: dict[str, Any]) -> None:
-        for kind, name in INDEXES.items():
-            if name in kwargs:
-                reconciler.indexes[kind] = kwargs[name]
+        for row in CHILD_KINDS:
+            if row.index in kwargs:
+                reconciler.indexes[row.kind] = kwargs[row.index]
 
-    for kind, index_name in INDEXES.items():
-        if kind not in kinds:
-            continue
+    for row in rows:
+        kind, index_name = row.kind, row.index
 
         def make_index(kind: str = kind) -> Any:
             def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
@@ -84,7 +64,7 @@ def build_registry(
 
             return index
 
-        kopf.index(*_SELECTORS[kind], id=index_name, labels=LABELS, registry=registry)(make_index())
+        kopf.index(*row.selector(), id=index_name, labels=LABELS, registry=registry)(make_index())
 
         def make_child_handler(kind: str = kind) -> Any:
             async def on_child(event: dict[str, Any], **kwargs: Any) -> None:
@@ -97,7 +77,7 @@ def build_registry(
 
             return on_child
 
-        kopf.on.event(*_SELECTORS[kind], id=f"{index_name}_event", labels=LABELS, registry=registry)(
+        kopf.on.event(*row.selector(), id=f"{index_name}_event", labels=LABELS, registry=registry)(
             make_child_handler()
         )
 

@@ -21,27 +21,16 @@ from typing import Any
 
 import aiohttp
 
-CORE = {
-    "Pod": "pods",
-    "Service": "services",
-    "ConfigMap": "configmaps",
-    "Secret": "secrets",
-    "Event": "events",
-    "ServiceAccount": "serviceaccounts",
-}
+from polyrl_operator.kinds import CHILD_KINDS
+
 PLURALS = {
-    **CORE,
-    "NetworkPolicy": "networkpolicies",
+    **{k.kind: k.plural for k in CHILD_KINDS},
+    "Event": "events",
     "RLJob": "rljobs",
-    "Workload": "workloads",
     "ResourceFlavor": "resourceflavors",
 }
-CHILD_API_VERSIONS = {
-    **dict.fromkeys(("Pod", "Service", "ConfigMap", "Secret", "ServiceAccount"), "v1"),
-    "NetworkPolicy": "networking.k8s.io/v1",
-    "Workload": "kueue.x-k8s.io/v1beta2",
-}
-"""apiVersion of every kind of child the operator creates."""
+CHILD_API_VERSIONS = {k.kind: k.api_version for k in CHILD_KINDS}
+"""apiVersion of every kind of child the operator creates (from the one table in ``kinds``)."""
 CLUSTER_SCOPED = frozenset({"ResourceFlavor"})
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"

@@ -22,6 +22,8 @@ LABEL_ATTEMPT: Final = f"{DOMAIN}/attempt"
 """Coordinator and trainer pods carry the restart attempt they belong to (status.restarts when
 created); a failure of a pod of an older attempt was already counted."""
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_KUEUE_QUEUE: Final = "kueue.x-k8s.io/queue-name"
+"""Kueue's label naming a job's LocalQueue; read when ``spec.scheduling.queueName`` is unset."""
 MANAGER: Final = "polyrl-operator"
 
 ANNOTATION_HASH: Final = f"{DOMAIN}/spec-hash"

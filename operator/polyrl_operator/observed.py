@@ -11,8 +11,7 @@ from typing import Any
 
 from polyrl_operator import naming
 from polyrl_operator.api.progress import Progress
-
-KINDS = ("Pod", "Service", "ConfigMap", "Secret", "ServiceAccount", "NetworkPolicy", "Workload")
+from polyrl_operator.builders.priority import Priority, PriorityNotFound
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,8 @@ class Child:
     # Workloads
     active: bool | None = None
     workload_status: dict[str, Any] | None = None
+    workload_priority: tuple[str, str, int] | None = None
+    """(kind, name, value) of the class the Workload's priority came from."""
 
     def label(self, key: str) -> str | None:
         return dict(self.labels).get(key)
@@ -131,9 +132,17 @@ def summarize(kind: str, body: dict[str, Any]) -> Child:
         )
     if kind == "Workload":
         spec = body.get("spec") or {}
+        ref = spec.get("priorityClassRef") or {}
+        value = spec.get("priority")
+        recorded = (
+            (str(ref.get("kind")), str(ref.get("name")), value)
+            if ref.get("name") and isinstance(value, int)
+            else None
+        )
         return _with(
             child,
             active=spec.get("active", True),
+            workload_priority=recorded,
             workload_status={
                 "admission": status.get("admission"),
                 "conditions": status.get("conditions") or [],
@@ -156,6 +165,14 @@ class Observed:
     progress_error: str | None = None
     flavors: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Kueue ResourceFlavor specs by name (only those the admission names)."""
+    priority: Priority | PriorityNotFound | None = None
+    """``spec.scheduling.priorityClassName`` resolved as Kueue does, for a job with a queue (None:
+    the job names no class, or has no queue and so needs no resolution)."""
 
     def of(self, kind: str) -> list[Child]:
         return [c for c in self.children if c.kind == kind]
+
+    @property
+    def resolved_priority(self) -> Priority | None:
+        """The priority found (None: none named, none needed, or the class does not exist)."""
+        return self.priority if isinstance(self.priority, Priority) else None

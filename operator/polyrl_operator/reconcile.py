@@ -13,7 +13,8 @@ import asyncio
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,20 +26,20 @@ from polyrl_operator import naming
 from polyrl_operator.api import API_VERSION, KIND
 from polyrl_operator.api.progress import Progress
 from polyrl_operator.apply import apply_plan, delete_pods, patch_for_status
-from polyrl_operator.builders.workload import KUEUE_API_VERSION, admission_flavors
-from polyrl_operator.kube import CHILD_API_VERSIONS, ApiError, KubeClient, path_for
+from polyrl_operator.builders.workload import admission_flavors
+from polyrl_operator.kinds import KUEUE_API_VERSION
+from polyrl_operator.kube import ApiError, KubeClient, path_for
 from polyrl_operator.metrics import Metrics
 from polyrl_operator.observed import Child, Observed, summarize
-from polyrl_operator.plan import Event, JobMemory, Plan, plan
+from polyrl_operator.planning import Event, JobMemory, Plan, QuotaRefusal, active_status, plan
+from polyrl_operator.planning.conditions import rfc3339
+from polyrl_operator.priority import observe_priority
 from polyrl_operator.settings import OperatorSettings
-from polyrl_operator.status import rfc3339, with_quota_exceeded
 
 log = structlog.get_logger("polyrl.reconcile")
 
 Key = tuple[str, str]
 Index = Mapping[Key, Iterable[Child]]
-CHILD_KINDS = ("Pod", "Service", "ConfigMap", "Secret", "ServiceAccount", "NetworkPolicy", "Workload")
-"""Every kind of child there is; ``settings.child_kinds()`` says which ones this operator manages."""
 EVENT_DEDUP_SECONDS = 300.0
 
 
@@ -194,14 +195,14 @@ class Reconciler:
         namespace, name = key
         selector = f"{naming.LABEL_JOB}={name}"
         out: list[Child] = []
-        for kind in self.settings.child_kinds():
+        for row in self.settings.child_kind_rows():
             try:
-                items = await self.client.list(path_for(CHILD_API_VERSIONS[kind], kind, namespace), selector)
+                items = await self.client.list(path_for(row.api_version, row.kind, namespace), selector)
             except ApiError as exc:
-                if exc.status == 404 and kind == "Workload":
+                if exc.status == 404 and row.gate == "kueue":
                     continue  # Kueue is not installed
                 raise
-            out.extend(summarize(kind, item) for item in items)
+            out.extend(summarize(row.kind, item) for item in items)
         return out
 
     async def reconcile(self, key: Key) -> Plan | None:
@@ -230,21 +231,16 @@ class Reconciler:
                 # The spec renders an object the API server refuses: no retry can fix that. The next
                 # plan reports InvalidSpec (naming what was refused) and removes what was created.
                 log.warning("invalid spec: a child was refused", error=applied.rejected)
-                self.memory[key].rejected = ((body.get("metadata") or {}).get("generation"), applied.rejected)
+                generation = (body.get("metadata") or {}).get("generation")
+                self.memory[key] = replace(self.memory[key], rejected=(generation, applied.rejected))
                 self.kick(key)
                 return result
             if applied.quota_error is not None:
-                await self._quota_refused(
-                    key,
-                    body=body,
-                    result=result,
-                    message=applied.quota_error,
-                    required=applied.quota_required,
-                    children=children,
-                )
+                refusal = QuotaRefusal(applied.quota_error, applied.quota_required)
+                await self._quota_refused(key, body=body, result=result, refusal=refusal, children=children)
             elif applied.created and result.running and result.memory.quota_message is not None:
-                self.memory[key].quota_message = None  # created without refusal: quota is back
-                self.memory[key].quota_failures = 0
+                # Created without refusal: quota is back.
+                self.memory[key] = replace(self.memory[key], quota_message=None, quota_failures=0)
                 self.kick(key, 0.5)
             if not applied.quota_required:  # a rollback is reported as QuotaExceeded instead
                 await self._report_apply(key, body, applied.created, applied.deleted)
@@ -261,7 +257,7 @@ class Reconciler:
             if applied.writes or deleting:
                 log.info(
                     "reconciled",
-                    phase=result.status.get("phase"),
+                    phase=result.status.phase if result.status else None,
                     created=len(applied.created),
                     deleted=len(applied.deleted),
                     patched=len(applied.patched),
@@ -275,7 +271,12 @@ class Reconciler:
         meta = body.get("metadata") or {}
         if meta.get("deletionTimestamp"):
             return body
-        patch = patch_for_status(body.get("status") or {}, result.status, meta.get("resourceVersion"))
+        new = result.status.to_k8s() if result.status is not None else None
+        patch = (
+            None
+            if new is None
+            else patch_for_status(body.get("status") or {}, new, meta.get("resourceVersion"))
+        )
         if patch is not None:
             try:
                 body = await self.client.patch(_rljob_path(*key, "status"), patch)
@@ -320,40 +321,36 @@ class Reconciler:
         *,
         body: dict[str, Any],
         result: Plan,
-        message: str,
-        required: bool,
+        refusal: QuotaRefusal,
         children: list[Child],
     ) -> None:
-        """All or nothing: a job whose pods do not all fit runs none of them, waits and retries."""
+        """All or nothing: a job whose pods do not all fit runs none of them, waits and retries.
+        The refusal is an input of the status function, which says so in the status."""
         memory = self.memory[key]
-        memory.quota_failures += 1
-        memory.quota_message = message
-        delay = min(
-            self.settings.quota_backoff * 2 ** (memory.quota_failures - 1), self.settings.quota_backoff_max
+        failures = memory.quota_failures + 1
+        delay = min(self.settings.quota_backoff * 2 ** (failures - 1), self.settings.quota_backoff_max)
+        retry_at = self.clock().timestamp() + delay if refusal.required else memory.quota_retry_at
+        self.memory[key] = replace(
+            memory, quota_failures=failures, quota_message=refusal.message, quota_retry_at=retry_at
         )
         namespace = key[0]
-        if required:
-            memory.quota_retry_at = self.clock().timestamp() + delay
+        if refusal.required:
             own = {c.name for c in children if c.kind == "Pod" and c.owner_uid == result.ref.uid}
             names = sorted(own | {name for kind, name in result.desired if kind == "Pod"})
             await delete_pods(self.client, namespace, names, concurrency=self.settings.max_concurrent_writes)
         meta = body.get("metadata") or {}
-        status = with_quota_exceeded(
-            result.status, message, generation=meta.get("generation"), now=self.clock()
-        )
-        if not required:
-            status["phase"] = result.status.get("phase", "Running")
-        patch = patch_for_status(body.get("status") or {}, status, meta.get("resourceVersion"))
-        if patch is not None:
-            try:
-                updated = await self.client.patch(_rljob_path(*key, "status"), patch)
-                self._store_newer(key, updated)
-            except ApiError as exc:
-                if exc.status != 409:
-                    raise
-        text = (
-            f"{message}; {'removed the job' + chr(39) + 's pods, ' if required else ''}retrying in {delay:g}s"
-        )
+        if result.status_inputs is not None:
+            status = active_status(result.status_inputs, refusal).to_k8s()
+            patch = patch_for_status(body.get("status") or {}, status, meta.get("resourceVersion"))
+            if patch is not None:
+                try:
+                    updated = await self.client.patch(_rljob_path(*key, "status"), patch)
+                    self._store_newer(key, updated)
+                except ApiError as exc:
+                    if exc.status != 409:
+                        raise
+        removed = "removed the job's pods, " if refusal.required else ""
+        text = f"{refusal.message}; {removed}retrying in {delay:g}s"
         await self._emit(key, body, [Event("Warning", "QuotaExceeded", text)])
         self.kick(key, delay)
 
@@ -377,7 +374,7 @@ class Reconciler:
             )
         await self._emit(key, body, events)
 
-    async def _emit(self, key: Key, body: dict[str, Any], events: list[Event]) -> None:
+    async def _emit(self, key: Key, body: dict[str, Any], events: Sequence[Event]) -> None:
         """Kubernetes Events on the RLJob, deduplicated like the event recorder does."""
         if not events:
             return
@@ -429,6 +426,8 @@ class Reconciler:
         if workload is not None and workload.workload_status:
             names = admission_flavors({"status": workload.workload_status})
             observed.flavors = {n: await self._flavor(n) for n in sorted(names)}
+        live = workload if workload is not None and not workload.deleting else None
+        observed.priority = await observe_priority(self.client, body, live, self.settings.kueue.enabled)
 
     async def _progress_of(self, key: Key) -> tuple[Progress | None, str | None]:
         cached = self._progress.get(key)

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from polyrl_operator.kinds import ChildKind, enabled
 
 GPU_TYPE_LABEL = "polyrl.dev/gpu-type"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -54,6 +56,28 @@ class Kueue(_Model):
     them); a job that names a queue is rejected (InvalidSpec) instead of silently bypassing quota."""
 
     enabled: bool = True
+
+
+class LeaderElection(_Model):
+    """Leader election on a coordination.k8s.io Lease (``polyrl_operator.leader``): with it on, only
+    the replica holding the Lease runs the handlers, so a Deployment may run several replicas."""
+
+    enabled: bool = False
+    lease_name: str = "polyrl-operator"
+    lease_namespace: str | None = None
+    """Default: the operator's own namespace (``POD_NAMESPACE``)."""
+    lease_duration: float = Field(15.0, gt=0)
+    """Seconds a standby waits after the leader's last renewal before it takes the Lease."""
+    renew_deadline: float = Field(10.0, gt=0)
+    """The leader stops when it could not renew for this long (less than leaseDuration)."""
+    retry_period: float = Field(2.0, gt=0)
+    """Seconds between a standby's tries and between the leader's renewals."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LeaderElection:
+        if not self.retry_period < self.renew_deadline < self.lease_duration:
+            raise ValueError("leaderElection needs retryPeriod < renewDeadline < leaseDuration")
+        return self
 
 
 class NetworkPolicySettings(_Model):
@@ -122,15 +146,15 @@ class OperatorSettings(_Model):
     kueue: Kueue = Field(default_factory=Kueue)
     network_policy: NetworkPolicySettings = Field(default_factory=NetworkPolicySettings)
     pod_security: PodSecurity = Field(default_factory=PodSecurity)
+    leader_election: LeaderElection = Field(default_factory=LeaderElection)
 
     def child_kinds(self) -> tuple[str, ...]:
         """The kinds of children the operator creates, watches and cleans up with these settings."""
-        kinds = ["Pod", "Service", "ConfigMap", "Secret", "ServiceAccount"]
-        if self.network_policy.enabled:
-            kinds.append("NetworkPolicy")
-        if self.kueue.enabled:
-            kinds.append("Workload")
-        return tuple(kinds)
+        return tuple(k.kind for k in self.child_kind_rows())
+
+    def child_kind_rows(self) -> tuple[ChildKind, ...]:
+        """The rows of the child-kind table these settings turn on."""
+        return enabled({"networkPolicy": self.network_policy.enabled, "kueue": self.kueue.enabled})
 
     def placement(self, gpu_type: str | None) -> Placement:
         """Placement for a role's gpuType; unmapped names select nodes labelled with the name."""

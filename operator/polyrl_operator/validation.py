@@ -18,10 +18,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from polyrl_operator.api import API_VERSION, KIND, RLJob, RuleViolation
+from polyrl_operator.api import API_VERSION, GROUP, KIND, RLJob, RuleViolation
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, ENV_NAME_PATTERN, QUANTITY_PATTERN
 from polyrl_operator.api.spec import (
     CHECKPOINT_URI_PATTERN,
+    DATA_URI_PATTERN,
     ENTRYPOINT_PATTERN,
     GPU_TYPE_PATTERN,
     MODEL_URI_PATTERN,
@@ -50,6 +51,8 @@ class Document:
     file: str
     line: int
     body: Any
+    index: int = 1
+    """Position of the document in its file (1-based)."""
 
 
 class _Loader(yaml.SafeLoader):
@@ -68,12 +71,14 @@ def load_documents(path: Path) -> Iterator[Document]:
     """Yield each document of a YAML file; raises yaml.YAMLError with a line on a syntax error."""
     text = path.read_text(encoding="utf-8")
     loader = _Loader(text)
+    index = 0
     try:
         while loader.check_node():
             node = loader.get_node()
             if node is None:  # pragma: no cover - check_node said there is one
                 break
-            yield Document(str(path), node.start_mark.line + 1, loader.construct_document(node))
+            index += 1
+            yield Document(str(path), node.start_mark.line + 1, loader.construct_document(node), index)
     finally:
         loader.dispose()
 
@@ -84,6 +89,7 @@ _PATTERN_HINTS = {
     MODEL_URI_PATTERN: "must be pvc://CLAIM/PATH, file:///PATH, s3://BUCKET/PREFIX or builtin://NAME "
     "(gs:// is not supported)",
     CHECKPOINT_URI_PATTERN: "must be pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/PREFIX (gs:// is not supported)",
+    DATA_URI_PATTERN: "must be a .jsonl, .json or .parquet file at pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/KEY",
     SECRET_NAME_PATTERN: "must be a Secret name: lower-case letters, digits, '-' and '.'",
     GPU_TYPE_PATTERN: "must be a GPU type name (letters, digits, '-', '_', '.')",
     ENV_NAME_PATTERN: "must be a valid environment variable name",
@@ -172,7 +178,7 @@ def validate_document(doc: Document) -> list[Problem]:
     if not isinstance(body, dict):
         return [Problem(doc.file, doc.line, "", "document is not a mapping (expected a Kubernetes object)")]
     if body.get("kind") != KIND:
-        return []
+        return _misspelled_kind(doc)
     if body.get("apiVersion") != API_VERSION:
         return [
             Problem(
@@ -191,6 +197,20 @@ def validate_document(doc: Document) -> list[Problem]:
             problems.append(Problem(doc.file, doc.line, _format_loc(loc), message))
         return problems
     return []
+
+
+def _misspelled_kind(doc: Document) -> list[Problem]:
+    """A document of the polyrl.dev group (or one whose kind is RLJob in another spelling) that is not
+    an RLJob: a typo that would otherwise pass as "not ours" (the API server would refuse it)."""
+    kind = doc.body.get("kind")
+    api_version = str(doc.body.get("apiVersion") or "")
+    ours = api_version.split("/", 1)[0] == GROUP
+    looks_like = isinstance(kind, str) and kind.lower().rstrip("s") in {"rljob", "rlj"}
+    if not ours and not looks_like:
+        return []
+    hint = f"; did you mean {KIND!r}?" if isinstance(kind, str) and kind else ""
+    message = f"unknown kind {kind!r} for apiVersion {api_version!r} in document {doc.index}: polyrl.dev serves only kind {KIND!r}{hint}"
+    return [Problem(doc.file, doc.line, "kind", message)]
 
 
 @dataclass

@@ -121,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A pod's process logs JSON (POLYRL_LOG_FORMAT may ask for console) and says that it started
+    # before it imports pydantic, aiohttp or Ray, or takes any lock.
+    from polyrl_runtime.logs import LogConfigError, configure_logging, started
+
+    try:
+        configure_logging("json")
+    except LogConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    started(
+        args.command, role=getattr(args, "role", None) or "coordinator", policy=getattr(args, "policy", None)
+    )
     return int(args.func(args))
 
 

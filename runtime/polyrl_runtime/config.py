@@ -8,13 +8,11 @@ name the file and the field.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
 import yaml
 from pydantic import ValidationError
 
@@ -31,17 +29,9 @@ class JobFileError(ValueError):
     """The job file cannot be read or is not a valid RLJob; the message names the file and field."""
 
 
-def configure_logging(level: str | None = None) -> None:
-    """structlog at INFO (or POLYRL_LOG_LEVEL) for the runtime's processes."""
-    name = (level or os.environ.get("POLYRL_LOG_LEVEL", "INFO")).upper()
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, name, logging.INFO))
-    )
-
-
 def set_env_defaults() -> None:
-    """Environment every runtime process wants before torch/ray start (explicit settings win)."""
-    configure_logging()
+    """Environment every runtime process wants before torch/ray start (explicit settings win).
+    Logging is configured by each entry point (`polyrl_runtime.logs`), before this."""
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "polyrl" / "torch_extensions"))
@@ -137,3 +127,13 @@ def read_annotations(podinfo_dir: str) -> dict[str, str]:
 def resource_name(policy: str | None, role: str) -> str:
     """The Ray custom resource that places a role's actors: `polyrl/<policy>/<role>` or `polyrl/<role>`."""
     return f"polyrl/{policy}/{role}" if policy else f"polyrl/{role}"
+
+
+def placement_resources(job: RLJob) -> dict[str, float]:
+    """The units of each placement resource the job's actors need at their minimum replica counts:
+    what a one-machine cluster offers, and what a coordinator waits to see joined in pods."""
+    res: dict[str, float] = {resource_name(None, "workflow"): float(job.spec.workflow.replicas.min)}
+    for p in job.spec.policies:
+        res[resource_name(p.name, "rollout")] = float(p.rollout.replicas.min)
+        res[resource_name(p.name, "trainer")] = float(p.trainer.replicas * p.trainer.ranks)
+    return res

@@ -12,12 +12,15 @@ unchanged. The file is re-read on every call: the kubelet rewrites it as pods co
 
 `free_port` picks the ports a pod's Ray node and a trainer's rendezvous listen on; on a shared host it
 reserves each one host-wide so that processes picking at the same moment never get the same port.
+The registry's lock is taken through `waiting.locked`: a process that has to wait for it says so.
+
+`resolve` is cheap and is meant to be called on every connection attempt: the map changes as pods
+come and go, and an address resolved once, before its Service had an endpoint, would stay wrong.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import random
@@ -27,6 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from polyrl_runtime.waiting import locked
 
 ENV = "POLYRL_NETMAP"
 
@@ -63,6 +68,9 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+REGISTRY_LOCK_S = 120.0
+"""A holder keeps the registry's lock for milliseconds; a wait this long means a stuck holder."""
+
 RESERVE_S = 300.0
 """How long a port `free_port` handed out stays reserved for its taker (long enough for a `ray start`
 to bind it, even on a loaded machine); after that, a port still in use is skipped for being bound."""
@@ -81,23 +89,20 @@ def _registry() -> Path:
 def _reservations() -> Iterator[dict[int, float]]:
     """This host's live port reservations (port -> expiry), read and written back under an flock
     (the kernel releases it if the holder dies)."""
-    with open(_registry(), "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    path = _registry()
+    with open(path, "a+") as f, locked(f, path, what="port registry", deadline_s=REGISTRY_LOCK_S):
+        f.seek(0)
         try:
-            f.seek(0)
-            try:
-                held = {int(k): float(v) for k, v in json.loads(f.read() or "{}").items()}
-            except (ValueError, AttributeError):  # a torn or foreign file: start over
-                held = {}
-            now = time.time()
-            held = {port: until for port, until in held.items() if until > now}
-            yield held
-            f.seek(0)
-            f.truncate()
-            f.write(json.dumps(held))
-            f.flush()
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            held = {int(k): float(v) for k, v in json.loads(f.read() or "{}").items()}
+        except (ValueError, AttributeError):  # a torn or foreign file: start over
+            held = {}
+        now = time.time()
+        held = {port: until for port, until in held.items() if until > now}
+        yield held
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(held))
+        f.flush()
 
 
 def _bindable(port: int) -> int | None:

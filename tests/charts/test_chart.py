@@ -1,13 +1,16 @@
-"""The Helm chart: values against their schema, Chart.yaml, the README's values table, and the
-templates rendered (``helmrender``: Go text/template + sprig with helm's functions, see
-tests/support/polyrl_testenv/helm.py) for the defaults and every documented option, each checked
-against the operator's own code and the kustomize install, and applied to the control plane."""
+"""The Helm chart: values against their schema, Chart.yaml, the README's values table, ``helm lint
+--strict``, and the templates rendered by the genuine ``helm template`` (hack/helm/prepare.sh) for the
+defaults and every documented option, each checked against the operator's own code and the kustomize
+install, applied to the control plane, and installed, upgraded and uninstalled there by ``helm``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import tomllib
+import uuid
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -19,7 +22,7 @@ from polyrl_operator.kube import PLURALS
 from polyrl_operator.settings import OperatorSettings
 from polyrl_testenv import ControlPlane
 from polyrl_testenv.bad_rljobs import EXAMPLES, REPO
-from polyrl_testenv.helm import HelmRenderError, find_helmrender, render_chart, render_chart_text
+from polyrl_testenv.helm import HelmError, find_helm, helm, release_args, render_chart, render_chart_text
 from polyrl_testenv.install import (
     CHART,
     MANIFESTS,
@@ -62,12 +65,28 @@ OPTIONS: dict[str, dict[str, Any]] = {
                    "podAnnotations": {"example.com/owner": "ml-platform"}},
     "extra-settings": {"extraSettings": {"resyncSeconds": 60, "drainTimeout": 120,
                                          "podSecurity": {"runAsUser": 2000, "runAsGroup": 2000, "fsGroup": 2000}}},
+    "names": {"nameOverride": "rl", "serviceAccount": {"create": True, "name": "rl-operator-sa",
+              "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/polyrl"}}},
+    "fullname": {"fullnameOverride": "polyrl-controller"},
+    "own-serviceaccount": {"serviceAccount": {"create": False, "name": "platform-operator", "annotations": {}},
+                           "rbac": {"scope": "cluster", "aggregateToDefaultRoles": False}},
+    "replicas": {"replicas": 2, "leaderElection": {"enabled": True}},
+    "single-no-election": {"replicas": 1, "leaderElection": {"enabled": False}},
+    "security-contexts": {"podSecurityContext": {"runAsNonRoot": True, "runAsUser": 65532, "fsGroup": 65532},
+                          "securityContext": {"allowPrivilegeEscalation": False, "privileged": False}},
 }  # fmt: skip
 BAD_VALUES: dict[str, dict[str, Any]] = {
     "namespaced-without-namespaces": {"rbac": {"scope": "namespaced"}},
     "namespaces-without-namespaced": {"watchNamespaces": ["team-a"]},
     "unknown-scope": {"rbac": {"scope": "everything"}},
-    "unknown-key": {"replicas": 2},
+    "unknown-key": {"replica": 2},
+    "replicas-without-leader-election": {"replicas": 2, "leaderElection": {"enabled": False}},
+    "zero-replicas": {"replicas": 0},
+    "existing-serviceaccount-without-name": {
+        "serviceAccount": {"create": False, "name": "", "annotations": {}}
+    },
+    "bad-fullname": {"fullnameOverride": "Polyrl_Operator"},
+    "setting-owned-by-leader-election": {"extraSettings": {"leaderElection": {"enabled": False}}},
     "setting-owned-by-a-value": {"extraSettings": {"defaultImage": "x"}},
     "bad-namespace": {"rbac": {"scope": "namespaced"}, "watchNamespaces": ["Team_A"]},
     "bad-port": {
@@ -75,9 +94,7 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     },
 }
 
-needs_helm = pytest.mark.skipif(
-    find_helmrender()[0] is None, reason=f"HELM RENDERER NOT AVAILABLE: {find_helmrender()[1]}"
-)
+needs_helm = pytest.mark.skipif(find_helm()[0] is None, reason=f"HELM NOT AVAILABLE: {find_helm()[1]}")
 
 
 def merged(values: dict[str, Any]) -> dict[str, Any]:
@@ -130,11 +147,15 @@ def test_defaults_agree_with_the_operator_code() -> None:
     assert VALUES["livenessPort"] == defaults.liveness_port
 
 
+WHOLE_OBJECTS = ("resources", "gpuTypes", "podSecurityContext", "securityContext")
+"""Values documented as one object in the README's table, not key by key."""
+
+
 def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in d.items():
         full = f"{prefix}{key}"
-        if isinstance(value, dict) and value and full not in ("resources", "gpuTypes"):
+        if isinstance(value, dict) and value and full not in WHOLE_OBJECTS:
             out.update(_leaves(value, full + "."))
         else:
             out[full] = value
@@ -163,20 +184,44 @@ def test_crds_folder_is_only_the_generated_crd() -> None:
 
 @pytest.fixture(scope="module")
 def renderings() -> dict[str, list[dict[str, Any]]]:
-    if find_helmrender()[0] is None:
-        pytest.skip(f"HELM RENDERER NOT AVAILABLE: {find_helmrender()[1]}")
+    if find_helm()[0] is None:
+        pytest.skip(f"HELM NOT AVAILABLE: {find_helm()[1]}")
     return {name: render_chart(CHART, values) for name, values in OPTIONS.items()}
 
 
-def _granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+def _bound(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Roles and ClusterRoles bound to the operator's ServiceAccount (not the aggregated
+    view/edit roles, which are for namespace users)."""
+    namespace, account = operator_subject(docs)
+    refs = {
+        (b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace", ""))
+        for b in find(docs, "ClusterRoleBinding") + find(docs, "RoleBinding")
+        if {"kind": "ServiceAccount", "name": account, "namespace": namespace} in b["subjects"]
+    }
+    return [
+        r
+        for r in find(docs, "ClusterRole") + find(docs, "Role")
+        if (
+            r["kind"],
+            r["metadata"]["name"],
+            r["metadata"].get("namespace", "") if r["kind"] == "Role" else "",
+        )
+        in {(k, n, ns if k == "Role" else "") for k, n, ns in refs}
+    ]
+
+
+def _rules(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     return {
         (group, resource, verb)
-        for role in find(docs, "ClusterRole") + find(docs, "Role")
         for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
+
+
+def _granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {grant for role in _bound(docs) for grant in _rules(role)}
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
@@ -197,7 +242,7 @@ def test_rendering_is_consistent_with_the_operator(
     assert settings.network_policy.operator_namespace == namespace == "polyrl-system"
     pod = operator_deployment(docs)["spec"]["template"]
     assert settings.network_policy.operator_pod_labels.items() <= pod["metadata"]["labels"].items()
-    assert one(docs, "ServiceAccount", account)
+    assert one(docs, "ServiceAccount", account) if values["serviceAccount"]["create"] else True
 
     container = operator_container(docs)
     args = build_parser().parse_args(["operator", *container["args"]])
@@ -208,18 +253,28 @@ def test_rendering_is_consistent_with_the_operator(
     resources = {r for _, r, _ in granted}
     children = {PLURALS[k] for k in settings.child_kinds()}
     expected = children | {"rljobs", "rljobs/status", "events"}
+    if values["leaderElection"]["enabled"]:
+        expected.add("leases")
+        assert settings.leader_election.lease_namespace == "polyrl-system"
+        assert settings.leader_election.lease_name == operator_deployment(docs)["metadata"]["name"]
+    assert settings.leader_election.enabled == values["leaderElection"]["enabled"]
     if settings.kueue.enabled:
-        expected.add("resourceflavors")
+        expected |= {"resourceflavors", "workloadpriorityclasses", "priorityclasses"}
     if values["rbac"]["scope"] == "cluster":
         expected.add("customresourcedefinitions")
-        assert args.all_namespaces and not find(docs, "Role")
+        assert args.all_namespaces
+        assert all(r["metadata"]["namespace"] == "polyrl-system" for r in find(docs, "Role"))
     else:
         assert set(args.namespace) == set(values["watchNamespaces"])
-        assert {r["metadata"]["namespace"] for r in find(docs, "Role")} == set(values["watchNamespaces"])
-        cluster = _granted(find(docs, "ClusterRole"))
-        assert cluster == (
-            {("kueue.x-k8s.io", "resourceflavors", "get")} if settings.kueue.enabled else set()
-        )
+        watched = {r["metadata"]["namespace"] for r in find(docs, "Role") if "leases" not in str(r["rules"])}
+        assert watched == set(values["watchNamespaces"])
+        cluster = _granted([d for d in docs if d["kind"] != "Role"])
+        kueue_reads = {
+            ("kueue.x-k8s.io", "resourceflavors", "get"),
+            ("kueue.x-k8s.io", "workloadpriorityclasses", "get"),
+            ("scheduling.k8s.io", "priorityclasses", "get"),
+        }
+        assert cluster == (kueue_reads if settings.kueue.enabled else set())
     assert resources == expected
     assert not any("*" in g for g in granted)
     # Metrics.
@@ -247,6 +302,41 @@ def test_rendering_is_consistent_with_the_operator(
     assert container["resources"] == values["resources"]
     assert values["podLabels"].items() <= pod["metadata"]["labels"].items()
     assert spec.get("imagePullSecrets", []) == values["imagePullSecrets"]
+    # Names, ServiceAccount, replicas and security contexts.
+    fullname = values["fullnameOverride"] or f"polyrl-{values['nameOverride'] or 'operator'}"
+    assert operator_deployment(docs)["metadata"]["name"] == fullname
+    assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == values["nameOverride"] or "polyrl-operator"
+    sa = values["serviceAccount"]
+    assert account == spec["serviceAccountName"] == (sa["name"] or fullname)
+    accounts = find(docs, "ServiceAccount")
+    if sa["create"]:
+        assert [a["metadata"]["name"] for a in accounts] == [account]
+        assert accounts[0]["metadata"].get("annotations", {}) == sa["annotations"]
+    else:
+        assert accounts == []
+    deployment = operator_deployment(docs)["spec"]
+    assert deployment["replicas"] == values["replicas"]
+    assert deployment["strategy"]["type"] == (
+        "RollingUpdate" if values["leaderElection"]["enabled"] else "Recreate"
+    )
+    assert spec["securityContext"] == values["podSecurityContext"]
+    assert container["securityContext"] == values["securityContext"]
+    # Aggregated roles for namespace users: read-only view; edit/admin manage RLJobs.
+    aggregated = {
+        r["metadata"]["name"]: r
+        for r in find(docs, "ClusterRole")
+        if any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in r["metadata"]["labels"])
+    }
+    if values["rbac"]["aggregateToDefaultRoles"]:
+        view, edit = aggregated["polyrl-view"], aggregated["polyrl-edit"]
+        assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+        assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+        assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+        assert {v for _, _, v in _rules(view)} == {"get", "list", "watch"}
+        assert {"create", "update", "patch", "delete"} <= {v for _, r, v in _rules(edit) if r == "rljobs"}
+        assert {r for _, r, _ in _rules(view) | _rules(edit)} == {"rljobs", "rljobs/status"}
+    else:
+        assert aggregated == {}
 
 
 def test_settings_change_rolls_the_deployment(renderings: dict[str, list[dict[str, Any]]]) -> None:
@@ -270,6 +360,7 @@ def test_default_chart_is_the_kustomize_base() -> None:
     # The chart names its namespace and release in the settings; the base reads POD_NAMESPACE.
     chart_np, base_np = chart_settings.pop("networkPolicy"), base_settings.pop("networkPolicy")
     assert chart_np.pop("operatorNamespace") == "polyrl-system"
+    assert chart_settings["leaderElection"].pop("leaseNamespace") == "polyrl-system"
     assert chart_np.pop("extraIngress") == []
     assert base_np["operatorPodLabels"].items() <= chart_np.pop("operatorPodLabels").items()
     base_np.pop("operatorPodLabels")
@@ -283,7 +374,7 @@ def test_default_chart_is_the_kustomize_base() -> None:
 @pytest.mark.parametrize("name", list(BAD_VALUES))
 @needs_helm
 def test_helm_refuses_bad_values(name: str) -> None:
-    with pytest.raises(HelmRenderError, match="values don't meet the specifications"):
+    with pytest.raises(HelmError, match="values don't meet the specifications"):
         render_chart_text(CHART, BAD_VALUES[name])
 
 
@@ -330,3 +421,91 @@ def test_rendering_applies_and_the_examples_apply_after_it(
         cp.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-", input=text, timeout=120)
         for ns in created:
             cp.delete_namespace(ns)
+
+
+# ---- the genuine helm: lint, install, upgrade, uninstall ------------------------------------------
+
+
+@needs_helm
+def test_helm_lint_strict_passes() -> None:
+    out = helm("lint", "--strict", str(CHART))
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+
+
+@needs_helm
+def test_helm_lint_strict_refuses_bad_values(tmp_path: Path) -> None:
+    with pytest.raises(HelmError, match="/leaderElection/enabled': value must be true"):
+        helm(
+            "lint",
+            "--strict",
+            str(CHART),
+            *release_args(tmp_path, BAD_VALUES["replicas-without-leader-election"]),
+        )
+
+
+@pytest.mark.controlplane
+@needs_helm
+def test_helm_installs_upgrades_and_uninstalls(controlplane: ControlPlane, tmp_path: Path) -> None:
+    cp = controlplane
+    suffix = uuid.uuid4().hex[:6]
+    namespace, release = f"t-helm-{suffix}", f"t{suffix}"
+    cp.create_namespace(namespace)
+    deployment = f"/apis/apps/v1/namespaces/{namespace}/deployments/{release}-operator"
+    cluster_role = f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{release}-operator"
+    edit_role = f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{release}-edit"
+    lease_role = (
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles/{release}-operator-leader-election"
+    )
+
+    def run(*args: str) -> str:
+        return helm(*args, "--namespace", namespace, kubeconfig=cp.kubeconfig)
+
+    def status() -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(run("status", release, "--output", "json"))
+        return out
+
+    try:
+        run("install", release, str(CHART))
+        assert (status()["info"]["status"], status()["version"]) == ("deployed", 1)
+        code, live = cp.request("GET", deployment)
+        assert code == 200, live
+        assert live["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
+        assert live["spec"]["replicas"] == 1
+        assert (
+            cp.request("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/rljobs.polyrl.dev")[0]
+            == 200
+        )
+        for path in (cluster_role, edit_role, lease_role):
+            assert cp.request("GET", path)[0] == 200, path
+
+        upgrade = {
+            "kueue": {"enabled": True},
+            "replicas": 2,
+            "rbac": {"scope": "cluster", "aggregateToDefaultRoles": False},
+        }
+        run("upgrade", release, str(CHART), *release_args(tmp_path, upgrade))
+        assert (status()["info"]["status"], status()["version"]) == ("deployed", 2)
+        assert cp.request("GET", deployment)[1]["spec"]["replicas"] == 2
+        rules = cp.request("GET", cluster_role)[1]["rules"]
+        assert any("workloads" in rule["resources"] for rule in rules)
+        assert cp.request("GET", edit_role)[0] == 404  # helm removed what the new values leave out
+
+        bad = BAD_VALUES["replicas-without-leader-election"]
+        with pytest.raises(HelmError, match="values don't meet the specifications"):
+            run("upgrade", release, str(CHART), *release_args(tmp_path, bad))
+        assert (status()["info"]["status"], status()["version"]) == ("deployed", 2)
+
+        run("uninstall", release)
+        for path in (deployment, cluster_role, lease_role):
+            assert cp.request("GET", path)[0] == 404, path
+        with pytest.raises(HelmError, match="not found"):
+            status()
+        # helm never deletes a chart's CRD (nor so the users' RLJobs).
+        assert (
+            cp.request("GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/rljobs.polyrl.dev")[0]
+            == 200
+        )
+    finally:
+        with contextlib.suppress(HelmError):
+            run("uninstall", release)
+        cp.delete_namespace(namespace)

@@ -164,7 +164,7 @@ def test_suspend_and_resume_continue_from_the_checkpoint(e2e: E2E, namespace: st
     log = (e2e.kubelet.current(namespace, f"{JOB}-coordinator").directory / "main.log").read_text()  # type: ignore[union-attr]
     resumed = [line for line in log.splitlines() if "job.resumed" in line]
     assert resumed, log[-2000:]  # from the checkpoint it wrote on request (status may lag behind it)
-    assert int(resumed[-1].split("'agent': ")[1].split("}")[0]) >= checkpointed, resumed
+    assert json.loads(resumed[-1])["steps"]["agent"] >= checkpointed, resumed
     trained_exactly_once(e2e.counters(JOB, namespace), LONG)
 
 

@@ -69,10 +69,10 @@ def test_two_jobs_in_two_namespaces_one_through_kueue_do_not_interfere(
             runs = e2e.kubelet.started(ns)
             assert len(runs) == 4 and all(r.namespace == ns for r in runs)
             # each job's pods reached only their own job's Ray head: the join address in their logs
-            heads = {line.split("address=")[1].split()[0] for r in runs
+            heads = {json.loads(line)["address"] for r in runs
                      for line in (r.directory / "main.log").read_text().splitlines() if "worker.joined" in line}  # fmt: skip
             assert len(heads) == 1, heads
-        ports = [{line.split("address=")[1].split()[0] for r in e2e.kubelet.started(ns)
+        ports = [{json.loads(line)["address"] for r in e2e.kubelet.started(ns)
                   for line in (r.directory / "main.log").read_text().splitlines() if "worker.joined" in line}
                  for ns in (namespace, other)]  # fmt: skip
         assert ports[0] != ports[1]

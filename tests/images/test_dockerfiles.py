@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from polyrl_operator.cli import build_parser as operator_parser
-from polyrl_operator.main import render
+from polyrl_operator.planning import render
 from polyrl_operator.settings import OperatorSettings
 from polyrl_testenv.bad_rljobs import EXAMPLES, REPO
 

@@ -48,3 +48,16 @@ def test_install_commands_name_real_paths() -> None:
     assert "kubectl apply --server-side -k manifests/base" in DOC
     assert "helm install polyrl charts/polyrl" in DOC
     assert "kubectl apply --server-side -f crds/" in DOC
+
+
+def test_readme_and_contributing_name_real_files_and_make_targets() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    for doc in ("README.md", "CONTRIBUTING.md"):
+        text = (REPO / doc).read_text()
+        for path in re.findall(r"\]\(([\w./-]+)\)", text):  # markdown links to files in the tree
+            assert (REPO / path).exists(), f"{doc}: {path}"
+        for path in re.findall(r"((?:manifests|docs|benchmarks|charts|hack)/[\w./-]*\w)", text):
+            assert (REPO / path).exists(), f"{doc}: {path}"
+        for target in re.findall(r"`make (\w+)`|^make (\w+)", text, re.M):
+            name = target[0] or target[1]
+            assert re.search(rf"^{name}:", makefile, re.M), f"{doc}: make {name}"

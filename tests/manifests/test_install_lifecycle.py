@@ -33,7 +33,7 @@ import yaml
 
 from polyrl_operator import naming
 from polyrl_testenv import ControlPlane
-from polyrl_testenv.helm import find_helmrender
+from polyrl_testenv.helm import find_helm
 from polyrl_testenv.install import (
     operator_subject,
     without_crds,
@@ -89,7 +89,7 @@ def test_rbac_grants_exactly_what_the_operator_uses(lifecycle: Run) -> None:
 
 def test_chart_rbac_grants_exactly_what_the_operator_uses(lifecycle: Run) -> None:
     if lifecycle.chart is None:
-        pytest.skip(f"HELM RENDERER NOT AVAILABLE: {find_helmrender()[1]}")
+        pytest.skip(f"HELM NOT AVAILABLE: {find_helm()[1]}")
     problems = _check_rbac(lifecycle, lifecycle.chart)
     assert not problems, f"chart {lifecycle.install.chart_values}:\n" + "\n".join(problems)
 

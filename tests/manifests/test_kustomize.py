@@ -13,7 +13,9 @@ from polyrl_operator.cli import build_parser
 from polyrl_operator.settings import OperatorSettings
 from polyrl_testenv import ControlPlane
 from polyrl_testenv.bad_rljobs import EXAMPLES, REPO
+from polyrl_testenv.helm import find_helm, render_chart
 from polyrl_testenv.install import (
+    CHART,
     MANIFESTS,
     OVERLAYS,
     assert_apply_is_idempotent,
@@ -79,8 +81,8 @@ def test_deployment_args_are_the_real_cli(rendered: dict[str, list[dict[str, Any
     probe = container["livenessProbe"]["httpGet"]
     assert (probe["path"], probe["port"]) == ("/healthz", "liveness")
     if name == "namespaced":
-        roles = {r["metadata"]["namespace"] for r in find(rendered[name], "Role")}
-        assert args.namespace and set(args.namespace) == roles
+        watched = [r for r in find(rendered[name], "Role") if r["metadata"]["name"] == "polyrl-operator"]
+        assert args.namespace and set(args.namespace) == {r["metadata"]["namespace"] for r in watched}
         assert not find(rendered[name], "ClusterRole") and not find(rendered[name], "ClusterRoleBinding")
     else:
         assert args.all_namespaces and not args.namespace
@@ -128,6 +130,46 @@ def test_with_kueue_maps_the_example_gpu_types(rendered: dict[str, list[dict[str
     assert used <= set(settings.gpu_types)
     for name, placement in settings.gpu_types.items():
         assert placement.node_selector, name
+
+
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def _aggregated(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, str], list[Any]]]:
+    """The ClusterRoles aggregated into the default roles: name -> (aggregation labels, rules)."""
+    return {
+        r["metadata"]["name"]: (
+            {k: v for k, v in r["metadata"]["labels"].items() if k.startswith(AGGREGATE)},
+            r["rules"],
+        )
+        for r in find(docs, "ClusterRole")
+        if any(k.startswith(AGGREGATE) for k in r["metadata"].get("labels") or {})
+    }
+
+
+@pytest.mark.parametrize("name", list(RENDERINGS))
+def test_view_and_edit_roles_aggregate_rljobs_except_in_the_namespaced_install(
+    rendered: dict[str, list[dict[str, Any]]], name: str
+) -> None:
+    aggregated = _aggregated(rendered[name])
+    if name == "namespaced":
+        assert aggregated == {}
+        return
+    assert set(aggregated) == {"polyrl-view", "polyrl-edit"}
+    view_labels, view_rules = aggregated["polyrl-view"]
+    edit_labels, edit_rules = aggregated["polyrl-edit"]
+    assert view_labels == {AGGREGATE + "view": "true"}
+    assert edit_labels == {AGGREGATE + "edit": "true", AGGREGATE + "admin": "true"}
+    verbs = {(r, v) for rule in view_rules for r in rule["resources"] for v in rule["verbs"]}
+    assert verbs == {(r, v) for r in ("rljobs", "rljobs/status") for v in ("get", "list", "watch")}
+    writes = {v for rule in edit_rules if "rljobs" in rule["resources"] for v in rule["verbs"]}
+    assert {"create", "update", "patch", "delete"} <= writes
+    assert all(rule["apiGroups"] == ["polyrl.dev"] for rule in view_rules + edit_rules)
+    helm, why = find_helm()
+    if helm is None:
+        pytest.skip(f"HELM NOT AVAILABLE: {why}")
+    # The same roles as the chart's default (release "polyrl"), so both installs grant users alike.
+    assert aggregated == _aggregated(render_chart(CHART))
 
 
 def test_overlays_differ_from_base_only_where_they_say(rendered: dict[str, list[dict[str, Any]]]) -> None:

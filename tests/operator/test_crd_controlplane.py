@@ -114,7 +114,14 @@ def test_defaults_come_back_and_match_the_models(crd: Any, namespace: str) -> No
 def test_printer_columns(crd: Any, namespace: str) -> None:
     doc = base_job("columns")
     assert _apply(crd, doc, namespace).returncode == 0
-    status = {"status": {"phase": "Running", "step": 4, "policySummary": "speaker@5,listener@4"}}
+    status = {
+        "status": {
+            "phase": "Running",
+            "step": 4,
+            "policySummary": "speaker:v5 listener:v4",
+            "startTime": "2026-01-01T12:00:00Z",
+        }
+    }
     patched = crd.kubectl(
         "patch",
         "rljob",
@@ -129,11 +136,25 @@ def test_printer_columns(crd: Any, namespace: str) -> None:
     assert patched.returncode == 0, patched.stderr
     table = crd.kubectl("get", "rljobs", "-n", namespace, "columns").stdout.splitlines()
     assert table[0].split() == ["NAME", "PHASE", "POLICIES", "STEP", "AGE"]
-    assert table[1].split()[:4] == ["columns", "Running", "speaker@5,listener@4", "4"]
+    assert table[1].split()[:5] == ["columns", "Running", "speaker:v5", "listener:v4", "4"]
     short = crd.kubectl("get", "rlj", "-n", namespace, "columns", "-o", "wide").stdout.splitlines()
-    assert short[0].split() == ["NAME", "PHASE", "POLICIES", "STEP", "TOTAL", "MODE", "RESTARTS", "AGE"]
-    category = crd.kubectl("get", "polyrl", "-n", namespace).stdout
-    assert "columns" in category
+    assert short[0].split() == [
+        "NAME",
+        "PHASE",
+        "POLICIES",
+        "STEP",
+        "TOTAL",
+        "MODE",
+        "RESTARTS",
+        "STARTED",
+        "COMPLETED",
+        "AGE",
+    ]
+    for category in ("polyrl", "all"):
+        listed = crd.kubectl("get", category, "-n", namespace)
+        assert listed.returncode == 0, listed.stderr
+        names = {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
+        assert names & {"columns", "rljob.polyrl.dev/columns"}, (category, listed.stdout)
 
 
 def test_status_subresource_is_separate_from_spec(crd: Any, namespace: str) -> None:

@@ -96,6 +96,7 @@ def test_free_form_only_where_intended() -> None:
         ".spec.workflow.podTemplate.spec",
         ".spec.policies[*].rollout.env[*].valueFrom",
         ".spec.policies[*].rollout.podTemplate.spec",
+        ".spec.policies[*].rollout.engineArgs",
         ".spec.policies[*].trainer.env[*].valueFrom",
         ".spec.policies[*].trainer.podTemplate.spec",
         ".spec.coordinator.env[*].valueFrom",
@@ -106,11 +107,26 @@ def test_free_form_only_where_intended() -> None:
 def test_names_printer_columns_and_subresources() -> None:
     spec = CRD["spec"]
     assert spec["names"]["shortNames"] == ["rlj"]
-    assert spec["names"]["categories"] == ["polyrl"]
+    assert spec["names"]["categories"] == ["polyrl", "all"]
     version = spec["versions"][0]
     assert version["subresources"] == {"status": {}}
-    columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
-    assert columns == ["Phase", "Policies", "Step", "Age"]
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    assert [name for name, c in columns.items() if "priority" not in c] == [
+        "Phase",
+        "Policies",
+        "Step",
+        "Age",
+    ]
+    assert columns["Policies"]["jsonPath"] == ".status.policySummary"
+    for name, path in (("Started", ".status.startTime"), ("Completed", ".status.completionTime")):
+        assert columns[name]["type"] == "date" and columns[name]["jsonPath"] == path
+    # Every column reads a field the schema has: a column on a missing field stays empty forever.
+    for column in columns.values():
+        node = SCHEMA
+        for part in column["jsonPath"].lstrip(".").split("."):
+            if part == "metadata":
+                break
+            node = node["properties"][part]
 
 
 def test_cel_rules_are_emitted_where_their_models_sit() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,18 @@ class Cluster:
         items = await self.api.list(path_for("v1", "Event", self.ns))
         return [e["reason"] for e in items]
 
+    async def printed(self, job: str) -> dict[str, str]:
+        """The row of ``kubectl get rljobs -o wide`` for ``job``, by column header (the server's
+        printer columns, as a user sees them)."""
+        result = await self.kubectl("get", "rljobs", "-o", "wide")
+        assert result.returncode == 0, result.stderr
+        header, *rows = result.stdout.splitlines()
+        starts = [m.start() for m in re.finditer(r"\S+", header)]
+        names = header.split()
+        row = next(r for r in rows if r.split()[0] == job)
+        bounds = [*starts[1:], None]
+        return {n: row[a:b].strip() for n, a, b in zip(names, starts, bounds, strict=True)}
+
     async def wait_for(self, job: str, condition: str) -> None:
         result = await self.kubectl("wait", f"--for=condition={condition}", "--timeout=60s", f"rljob/{job}")
         assert result.returncode == 0, result.stderr
@@ -173,6 +186,11 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
             return "signal-game-speaker-rollout-1" in await k8s.pod_names("signal-game")
 
         await eventually(scaled_out)
+        # `kubectl get rljobs` shows each policy's version and the job's step.
+        row = await k8s.printed("signal-game")
+        assert row["POLICIES"] == "speaker:v12 listener:v11" and row["STEP"] == "11"
+        assert row["PHASE"] == "Running" and row["TOTAL"] == "80" and row["STARTED"] not in ("", "<none>")
+        assert row["COMPLETED"] in ("", "<none>")  # not finished
         await k8s.kubelet("signal-game", only={"signal-game-speaker-rollout-1"})
         coordinator.documents[(k8s.ns, "signal-game")] = progress_doc("idle")
 
@@ -234,6 +252,9 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
 
         final = await k8s.job("signal-game")
         assert final["status"]["phase"] == "Succeeded"
+        row = await k8s.printed("signal-game")
+        assert row["POLICIES"] == "speaker:v60 listener:v60" and row["STEP"] == "60"
+        assert row["PHASE"] == "Succeeded" and row["COMPLETED"] not in ("", "<none>")
         assert final["status"]["restarts"] == 1
         # GitOps: the operator never wrote spec. Only the user's two edits bumped the generation,
         # and spec is exactly what the user last applied.
@@ -287,8 +308,18 @@ async def test_kueue_admission_gates_pods_and_eviction_suspends(
     }
     result = await k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(flavor))
     assert result.returncode == 0, result.stderr
+    priority_class = {
+        "apiVersion": WORKLOADS,
+        "kind": "WorkloadPriorityClass",
+        "metadata": {"name": f"batch-{k8s.ns}"},
+        "value": 1500,
+        "description": "RL training",
+    }
     doc = cpu_job()
-    doc["spec"]["scheduling"] = {"queueName": "team-a"}
+    doc["spec"]["scheduling"] = {
+        "queueName": "team-a",
+        "priorityClassName": priority_class["metadata"]["name"],
+    }
     async with operator_in_process(k8s.cp.server, fast_settings(coordinator), namespaces=[k8s.ns]):
         await k8s.apply(doc)
         workload_path = path_for(WORKLOADS, "Workload", k8s.ns, "signal-game")
@@ -299,8 +330,26 @@ async def test_kueue_admission_gates_pods_and_eviction_suspends(
             except ApiError:
                 return None
 
-        wl = await eventually(workload)
+        # The class does not exist yet: the job waits, naming the field, and has no Workload.
+        async def missing_class() -> bool:
+            admitted = await k8s.condition("signal-game", "Admitted")
+            return admitted.get("reason") == "PriorityNotFound"
+
+        await eventually(missing_class)
+        admitted = await k8s.condition("signal-game", "Admitted")
+        assert admitted["message"].startswith("spec.scheduling.priorityClassName:"), admitted
+        assert await workload() is None and "PriorityNotFound" in await k8s.events()
+        result = await k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(priority_class))
+        assert result.returncode == 0, result.stderr
+
+        wl = await eventually(workload)  # the resync finds the class
         assert wl["metadata"]["ownerReferences"][0]["kind"] == "RLJob"
+        assert wl["spec"]["priorityClassRef"] == {
+            "group": "kueue.x-k8s.io",
+            "kind": "WorkloadPriorityClass",
+            "name": priority_class["metadata"]["name"],
+        }
+        assert wl["spec"]["priority"] == 1500
         podsets = [(p["name"], p["count"]) for p in wl["spec"]["podSets"]]
         assert podsets == [
             ("coordinator", 1),
@@ -324,6 +373,7 @@ async def test_kueue_admission_gates_pods_and_eviction_suspends(
 
         await eventually(created)
         pod = (await k8s.pods("signal-game"))["signal-game-speaker-trainer-0"]
+        assert "priorityClassName" not in pod["spec"]  # a WorkloadPriorityClass is Kueue's alone
         assert pod["spec"]["nodeSelector"] == {"pool": "cpu-spot"}
         assert pod["spec"]["tolerations"] == flavor["spec"]["tolerations"]
         evicted = {
@@ -356,6 +406,7 @@ async def test_kueue_admission_gates_pods_and_eviction_suspends(
 
         await eventually(inactive)
     await k8s.kubectl("delete", "resourceflavor", flavor["metadata"]["name"])
+    await k8s.kubectl("delete", "workloadpriorityclass", priority_class["metadata"]["name"])
 
 
 async def test_quota_refusal_removes_the_partial_job_and_retries(
@@ -391,7 +442,7 @@ async def test_quota_refusal_removes_the_partial_job_and_retries(
 async def test_examples_reconcile_to_what_render_prints(
     k8s: Cluster, coordinator: FakeCoordinator, path: Path
 ) -> None:
-    from polyrl_operator.main import render
+    from polyrl_operator.planning import render
 
     settings = fast_settings(coordinator)
     doc = yaml.safe_load(path.read_text())

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from polyrl_operator import naming
-from polyrl_operator.main import render
+from polyrl_operator.planning import render
 from polyrl_operator.settings import OperatorSettings
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, REPO
 from polyrl_testenv.operator_fixtures import pod_status

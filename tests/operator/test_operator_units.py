@@ -23,11 +23,12 @@ from polyrl_operator.builders import (
     strategic_merge,
 )
 from polyrl_operator.builders.common import manifest_hash
+from polyrl_operator.builders.priority import Priority
 from polyrl_operator.cli import main
 from polyrl_operator.kube import merge_patch, path_for
-from polyrl_operator.main import render
+from polyrl_operator.planning import render
+from polyrl_operator.planning.conditions import set_conditions
 from polyrl_operator.settings import Autoscale, OperatorSettings, Placement, load_settings
-from polyrl_operator.status import set_condition
 from polyrl_testenv.bad_rljobs import EXAMPLES
 from polyrl_testenv.operator_fixtures import PROGRESS_SAMPLES, T0, gpu_job, later, stored_job
 
@@ -52,7 +53,10 @@ def test_pod_builder_places_gpus_by_admin_mapping_and_falls_back_to_a_label() ->
             )
         }
     )
-    rollout = build_pod(job, REF, PodRequest("rollout", 3, "proposer"), settings)
+    # The job names a queue: its pods name the class only once it resolved to a PriorityClass.
+    rollout = build_pod(
+        job, REF, PodRequest("rollout", 3, "proposer"), settings, Priority("rl-batch", "PriorityClass", 9)
+    )
     assert rollout["metadata"]["name"] == "debate-proposer-rollout-3"
     assert rollout["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "g6e.xlarge"}
     assert rollout["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
@@ -189,16 +193,15 @@ def test_autoscale_hysteresis_and_cooldown() -> None:
 
 
 def test_conditions_keep_transition_time_until_status_flips() -> None:
-    conds = set_condition([], "Ready", False, reason="Creating", message="", generation=1, now=T0)
-    same = set_condition(
-        conds, "Ready", False, reason="PodsNotReady", message="x", generation=2, now=later(10)
+    conds = set_conditions([], {"Ready": (False, "Creating", "")}, generation=1, now=T0)
+    same = set_conditions(conds, {"Ready": (False, "PodsNotReady", "x")}, generation=2, now=later(10))
+    assert same[0].last_transition_time == conds[0].last_transition_time and same[0].reason == "PodsNotReady"
+    flipped = set_conditions(same, {"Ready": (True, "PodsReady", "")}, generation=2, now=later(20))
+    assert flipped[0].last_transition_time == "2026-01-01T12:00:20Z"
+    ordered = set_conditions(
+        flipped, {"Failed": (False, "NotFailed", ""), "Admitted": (True, "NoQueue", "")}, generation=2, now=T0
     )
-    assert (
-        same[0]["lastTransitionTime"] == conds[0]["lastTransitionTime"]
-        and same[0]["reason"] == "PodsNotReady"
-    )
-    flipped = set_condition(same, "Ready", True, reason="PodsReady", message="", generation=2, now=later(20))
-    assert flipped[0]["lastTransitionTime"] == "2026-01-01T12:00:20Z"
+    assert [c.type for c in ordered] == ["Admitted", "Ready", "Failed"]
 
 
 def test_merge_patch_is_minimal_and_removes_keys() -> None:
@@ -345,7 +348,7 @@ def test_network_policies_and_service_account_of_a_job() -> None:
 
 
 def test_operator_namespace_comes_from_the_pod_unless_set() -> None:
-    from polyrl_operator.main import with_own_namespace
+    from polyrl_operator.cli import with_own_namespace
 
     assert OperatorSettings().network_policy.namespace() == "polyrl-system"
     mine = with_own_namespace(OperatorSettings(), "ops")

@@ -247,6 +247,42 @@ async def test_suspend_without_checkpoint_answer_times_out() -> None:
     assert sim.pods() == set()
 
 
+async def test_the_deadline_checkpoints_then_fails_the_job_and_survives_a_restart() -> None:
+    job = stored_job()
+    job["spec"]["activeDeadlineSeconds"] = 120
+    sim = await running_sim(job)
+    started = sim.status["startTime"]
+    sim.progress = progress("idle")
+    await sim.step(60)
+    assert sim.status["phase"] == "Running"
+    # A restart of the training roles does not reset the clock: startTime stays.
+    sim.api.set_pod_status("signal-game-speaker-trainer-0", pod_status("Failed"), "team-a")
+    await sim.step()
+    assert sim.status["restarts"] == 1 and sim.status["startTime"] == started
+    await sim.converge(2)
+    sim.kubelet()
+    await sim.step()
+    sim.progress = progress("idle").model_copy(update={"attempt": 1})
+    await sim.step(60)
+    coordinator = sim.api.obj("pods", "signal-game-coordinator")
+    request = coordinator["metadata"]["annotations"][naming.ANNOTATION_CHECKPOINT]
+    assert request.startswith("deadlineexceeded-")
+    assert sim.pods() == CPU_PODS  # kept until the checkpoint is done
+    assert sim.condition("Progressing")["reason"] == "DeadlineExceeded"
+    assert sim.status["phase"] == "Running"
+    sim.progress = progress("checkpointed", REQUEST=request).model_copy(update={"attempt": 1})
+    await sim.step()
+    assert sim.status["phase"] == "Failed"
+    failed = sim.condition("Failed")
+    assert failed["status"] == "True" and failed["reason"] == "DeadlineExceeded"
+    assert "activeDeadlineSeconds (120s" in failed["message"]
+    assert sim.pods() == set()
+    reasons = [e["reason"] for (pl, _, _), e in sim.api.objects.items() if pl == "events"]
+    assert {"CheckpointRequested", "Checkpointed", "DeadlineExceeded"} <= set(reasons)
+    await sim.step(600)
+    assert sim.status["phase"] == "Failed" and sim.pods() == set()
+
+
 async def test_done_succeeds_frees_workers_and_ttl_deletes_the_job() -> None:
     job = stored_job()
     job["spec"]["ttlSecondsAfterFinished"] = 600
@@ -381,6 +417,8 @@ async def test_quota_refusal_rolls_the_job_back_and_retries() -> None:
 async def test_kueue_workload_gates_pods_and_admission_places_them() -> None:
     job = gpu_job()
     sim = Sim(job)
+    # The class the example's scheduling.priorityClassName names (Kueue's, cluster-scoped).
+    sim.api._create("workloadpriorityclasses", None, {"metadata": {"name": "rl-batch"}, "value": 100})
     await sim.step()
     assert sim.api.names("workloads") == {"debate"}
     assert sim.pods() == set()

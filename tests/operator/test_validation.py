@@ -95,3 +95,36 @@ def test_yaml12_exponent_floats_are_numbers(tmp_path: Path) -> None:
     path = tmp_path / "lr.yaml"
     path.write_text(text)
     assert validate_file(path).problems == []
+
+
+@pytest.mark.parametrize(
+    ("api_version", "kind"),
+    [
+        ("polyrl.dev/v1alpha1", "RLjob"),
+        ("polyrl.dev/v1alpha1", "RLJobs"),
+        ("polyrl.dev/v1alpha1", "TrainingJob"),
+        ("polyrl.dev/v1alpha1", None),
+        ("v1", "rljob"),
+    ],
+)
+def test_a_misspelled_kind_is_rejected_naming_file_document_and_kind(
+    api_version: str, kind: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = base_job()
+    doc["apiVersion"] = api_version
+    doc["kind"] = kind
+    other = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}
+    path = _write(tmp_path, "typo.yaml", [other, doc])
+    assert main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith(str(path))]
+    assert line.startswith(f"{path}:") and ": kind: unknown kind" in line
+    assert "document 2" in line and repr(kind) in line and "'RLJob'" in line
+
+
+def test_other_groups_kinds_are_not_ours(tmp_path: Path) -> None:
+    docs: list[object] = [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "q"}},
+    ]
+    assert validate_file(_write(tmp_path, "others.yaml", docs)).problems == []

@@ -208,6 +208,26 @@ def test_create_without_content_type(controlplane: ControlPlane, namespace: str)
         conn.close()
 
 
+def test_put_without_resource_version_replaces_a_builtin_object(
+    controlplane: ControlPlane, namespace: str
+) -> None:
+    """As on a real API server (helm records its releases so); the CRD behind the shim would refuse it."""
+    path = f"/api/v1/namespaces/{namespace}/secrets"
+    body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "r", "labels": {"status": "pending"}}}
+    code, created = controlplane.request("POST", path, body)
+    assert code == 201, created
+    body["metadata"]["labels"] = {"status": "deployed"}
+    code, replaced = controlplane.request("PUT", f"{path}/r", body)
+    assert code == 200, replaced
+    assert replaced["metadata"]["labels"] == {"status": "deployed"}
+    assert replaced["metadata"]["resourceVersion"] != created["metadata"]["resourceVersion"]
+    stale = {
+        **body,
+        "metadata": {**body["metadata"], "resourceVersion": created["metadata"]["resourceVersion"]},
+    }
+    assert controlplane.request("PUT", f"{path}/r", stale)[0] == 409  # a stated precondition still holds
+
+
 def test_secret_string_data_and_field_selectors(api: Any, namespace: str) -> None:
     core: Any = client.CoreV1Api(api)  # plain dicts as bodies, as tests use them
     core.create_namespaced_secret(namespace, {"metadata": {"name": "s"}, "stringData": {"token": "abc"}})

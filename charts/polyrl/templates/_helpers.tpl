@@ -1,10 +1,30 @@
-{{/* Names and labels. */}}
+{{/*
+Names and labels. The app.kubernetes.io/name label is nameOverride or "polyrl-operator"; objects
+are named fullnameOverride, else "<release>-<nameOverride>", else "<release>-operator".
+*/}}
+{{- define "polyrl.name" -}}
+{{- default "polyrl-operator" .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "polyrl.fullname" -}}
-{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (default "operator" .Values.nameOverride) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator's ServiceAccount: the chart's, or one the admin manages (serviceAccount.create=false). */}}
+{{- define "polyrl.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "polyrl.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "polyrl.selectorLabels" -}}
-app.kubernetes.io/name: polyrl-operator
+app.kubernetes.io/name: {{ include "polyrl.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
@@ -52,6 +72,7 @@ tests/manifests/test_rbac.py checks both against the requests the operator reall
 {{/* The operator settings file (operator/polyrl_operator/settings.py), from the values. */}}
 {{- define "polyrl.settings" -}}
 {{- $networkPolicy := dict "enabled" .Values.networkPolicy.enabled "operatorNamespace" .Release.Namespace "operatorPodLabels" (include "polyrl.selectorLabels" . | fromYaml) "extraIngress" .Values.networkPolicy.extraIngress -}}
-{{- $settings := dict "defaultImage" .Values.runtimeImage "kueue" (dict "enabled" .Values.kueue.enabled) "gpuTypes" .Values.gpuTypes "networkPolicy" $networkPolicy -}}
+{{- $leaderElection := dict "enabled" .Values.leaderElection.enabled "leaseName" (include "polyrl.fullname" .) "leaseNamespace" .Release.Namespace -}}
+{{- $settings := dict "defaultImage" .Values.runtimeImage "kueue" (dict "enabled" .Values.kueue.enabled) "gpuTypes" .Values.gpuTypes "networkPolicy" $networkPolicy "leaderElection" $leaderElection -}}
 {{- toYaml (mergeOverwrite $settings (deepCopy .Values.extraSettings)) -}}
 {{- end -}}

@@ -40,6 +40,18 @@ class StalenessStats(_Wire):
     max: int = Field(0, ge=0)
 
 
+class EvalProgress(_Wire):
+    """The latest evaluation pass of one policy on the job's eval rows (spec.evaluation)."""
+
+    step: int = Field(..., ge=0, description="The policy's step (weight version) the pass ran at.")
+    reward_mean: float | None = Field(None, description="Mean raw reward over the eval episodes.")
+    pass_at_k: float | None = Field(
+        None, ge=0, le=1, description="Fraction of eval rows solved by at least one of k episodes."
+    )
+    k: int = Field(1, ge=1, description="Episodes per eval row.")
+    rows: int = Field(0, ge=0, description="Eval rows with a finished episode of the policy.")
+
+
 class PolicyProgress(_Wire):
     """Progress of one policy."""
 
@@ -51,6 +63,9 @@ class PolicyProgress(_Wire):
     backlog: int = Field(0, ge=0, description="Generation requests waiting for one of its engines.")
     engines: list[Worker] = Field(default_factory=list, description="Its rollout engines.")
     last_checkpoint_step: int | None = Field(None, ge=0)
+    evaluation: EvalProgress | None = Field(
+        None, description="The latest evaluation pass, if the job evaluates."
+    )
 
 
 class WorkflowProgress(_Wire):

@@ -19,7 +19,8 @@ KIND = "RLJob"
 PLURAL = "rljobs"
 SINGULAR = "rljob"
 SHORT_NAMES = ("rlj",)
-CATEGORIES = ("polyrl",)
+CATEGORIES = ("polyrl", "all")
+"""`kubectl get polyrl` lists polyrl's kinds; `kubectl get all` includes RLJobs, as it does KubeRay's jobs."""
 
 _DNS_1035 = re.compile(DNS_LABEL_PATTERN)
 ROLE_NAME_LEN = len("rollout")  # == len("trainer"): the two per-policy roles

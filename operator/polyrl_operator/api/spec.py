@@ -57,6 +57,57 @@ class Workflow(RoleOverrides):
     )
 
 
+DATA_URI_PATTERN = rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.*|file:///.*|{_S3_URI})\.(jsonl|json|parquet)$"
+
+
+class Data(ApiModel):
+    """Prompt data: each episode group plays one row of `train` (the workflow reads it as
+    `ctx.sample`); `eval` rows are played by `evaluation`, never trained on."""
+
+    train: str = Field(
+        ...,
+        max_length=1024,
+        pattern=DATA_URI_PATTERN,
+        description="Training rows: a JSONL (one JSON object per line) or Parquet file by URI "
+        "(pvc://claim/path, file:///path, s3://bucket/key).",
+    )
+    eval: str | None = Field(
+        None, max_length=1024, pattern=DATA_URI_PATTERN, description="Evaluation rows (same formats)."
+    )
+    shuffle: bool = Field(True, description="Shuffle the training rows each epoch, with training.seed.")
+    epochs: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Passes over the training rows; the job ends after them or at totalSteps, whichever "
+        "comes first. Unset: as many as totalSteps needs.",
+    )
+
+
+class Evaluation(ApiModel):
+    """Periodic evaluation on `data.eval`: the current policies play every eval row without training
+    on it; the results go to the metrics, /progress and the RLJob status per policy."""
+
+    __rules__ = (
+        Rule(
+            cel="!self.greedy || self.k == 1",
+            message="greedy evaluation plays each row once: k must be 1 (set greedy: false for pass@k)",
+            check=lambda e: not e.greedy or e.k == 1,
+            field=".k",
+        ),
+    )
+
+    every_steps: int = Field(10, ge=1, le=10_000_000, description="Evaluate every N steps (and at the end).")
+    k: int = Field(1, ge=1, le=64, description="Episodes per eval row: pass@k counts a row solved if any is.")
+    greedy: bool = Field(True, description="Greedy decoding (temperature 0); false samples as in training.")
+    max_rows: int | None = Field(
+        None, ge=1, le=1_000_000, description="Play only the first N eval rows (unset: all)."
+    )
+    pass_threshold: float = Field(
+        1.0, description="An episode solves its row for a policy when that policy's reward is at least this."
+    )
+
+
 class Model(ApiModel):
     """Where the policy's initial weights come from."""
 
@@ -118,10 +169,11 @@ class Algorithm(ApiModel):
     group_size: int = Field(
         8, ge=1, le=1024, description="Episodes sharing a prompt whose rewards are compared (grpo)."
     )
-    advantage_norm: Literal["per-policy", "global", "none"] = Field(
+    advantage_norm: Literal["per-policy", "per-agent", "global", "none"] = Field(
         "per-policy",
-        description="Normalise advantages per policy (recommended for multi-agent training), over all "
-        "policies, or not at all.",
+        description="Normalise advantages per policy (recommended for multi-agent training), per agent "
+        "(each agent's samples with that agent's own statistics, for agents that share a policy through "
+        "workflow.args.policies), over all policies, or not at all.",
     )
     lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
     clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO clipping range.")
@@ -141,13 +193,14 @@ class Algorithm(ApiModel):
         0,
         ge=0,
         le=10_000_000,
-        description="Optimizer steps over which the learning rate rises linearly from 0 to lr (0: none).",
+        description="Training steps over which the learning rate rises linearly from 0 to lr (0: none). "
+        "The schedule counts training steps (policy versions), whatever the number of optimizer steps "
+        "in each (ppo takes one per micro-batch); a resumed job continues it from its step.",
     )
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant",
         description="Learning rate after warmup: constant, or cosine decay to minLrRatio * lr at "
-        "training.totalSteps. The schedule counts optimizer steps: one per training step for grpo, one "
-        "per micro-batch for ppo.",
+        "training.totalSteps. Every optimizer step of a training step uses that step's rate.",
     )
     min_lr_ratio: float = Field(
         0.0, ge=0, le=1.0, description="Final learning rate of the cosine schedule, as a fraction of lr."
@@ -160,6 +213,24 @@ class Algorithm(ApiModel):
         description="Train low-rank adapters instead of all weights (Hugging Face models only); unset "
         "trains every weight.",
     )
+
+
+# vLLM engine arguments the runtime derives from the spec or needs for correctness (the logprob
+# convention, per-version prefix-cache reset, the weight-update worker extension, GPUs = TP size).
+RESERVED_ENGINE_ARGS = (
+    "model",
+    "tokenizer",
+    "dtype",
+    "seed",
+    "trust_remote_code",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "distributed_executor_backend",
+    "logprobs_mode",
+    "enable_prefix_caching",
+    "worker_extension_cls",
+)
 
 
 class Sampling(ApiModel):
@@ -194,6 +265,23 @@ class Rollout(RoleOverrides):
         description="Admin-defined GPU type name (e.g. l40s); mapped to node placement by the operator.",
     )
     sampling: Sampling = Field(default_factory=Sampling, description="Sampling parameters.")
+    engine_args: dict[str, Any] | None = Field(
+        None,
+        description="engine vllm: keyword arguments for vLLM's AsyncEngineArgs (snake_case, e.g. "
+        "max_model_len, gpu_memory_utilization, enforce_eager, quantization), validated by vLLM when the "
+        "engine starts. Keys the runtime sets itself are refused: " + ", ".join(RESERVED_ENGINE_ARGS) + ".",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_reserved_engine_args(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & set(RESERVED_ENGINE_ARGS))
+        if taken:
+            raise ValueError(
+                f"engineArgs.{taken[0]} is set by polyrl itself (from model, gpus, training.seed or the "
+                f"logprob convention); remove it. Reserved keys: {', '.join(RESERVED_ENGINE_ARGS)}"
+            )
+        return v
 
 
 class Trainer(RoleOverrides):
@@ -271,6 +359,13 @@ class WeightSync(ApiModel):
         "collective (gloo on CPU, NCCL on GPU).",
     )
     bucket_mb: int = Field(256, ge=1, le=16384, alias="bucketMB", description="Flattened bucket size in MiB.")
+    inflight: Literal["keep", "wait", "abort"] = Field(
+        "keep",
+        description="What a weight update does to generations in progress (engine vllm): keep pauses "
+        "them between two decoding steps and continues them on the new weights (partial rollouts; each "
+        "token records the version that sampled it), wait lets them finish on the old weights first, "
+        "abort stops them and issues them again on the new weights.",
+    )
 
 
 class Checkpoint(ApiModel):
@@ -310,6 +405,83 @@ class Storage(ApiModel):
     )
 
 
+MLFLOW_URI_PATTERN = r"^(file:///.*|https?://.+|databricks(://.*)?)$"
+
+
+class MetricsSink(ApiModel):
+    """One place the per-step metrics also go, beside the JSONL series next to the checkpoints."""
+
+    __rules__ = (
+        Rule(
+            cel="self.type != 'wandb' || has(self.project)",
+            message="a wandb sink needs a project",
+            check=lambda s: s.type != "wandb" or s.project is not None,
+            field=".project",
+        ),
+        Rule(
+            cel="self.type != 'mlflow' || has(self.trackingUri)",
+            message="an mlflow sink needs a trackingUri",
+            check=lambda s: s.type != "mlflow" or s.tracking_uri is not None,
+            field=".trackingUri",
+        ),
+    )
+
+    type: Literal["tensorboard", "wandb", "mlflow"] = Field(
+        ...,
+        description="tensorboard (event files), wandb (Weights & Biases) or mlflow. Each needs the "
+        "runtime's `metrics` extra (pip install 'polyrl-runtime[metrics]').",
+    )
+    log_dir: str | None = Field(
+        None,
+        max_length=1024,
+        pattern=CHECKPOINT_URI_PATTERN,
+        description="tensorboard: where the event files go (pvc://, file:// or s3://); unset: "
+        "<metrics directory>/tensorboard.",
+    )
+    project: str | None = Field(None, max_length=128, description="wandb: the project (required for wandb).")
+    entity: str | None = Field(
+        None, max_length=128, description="wandb: the team or user (unset: the key's)."
+    )
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="wandb: online sends to the server (WANDB_API_KEY from metrics.credentialsSecret); "
+        "offline writes a run directory to sync later with `wandb sync`.",
+    )
+    tracking_uri: str | None = Field(
+        None,
+        max_length=1024,
+        pattern=MLFLOW_URI_PATTERN,
+        description="mlflow: the tracking server (https://..., databricks) or a file:/// store "
+        "(required for mlflow); MLFLOW_TRACKING_TOKEN etc. from metrics.credentialsSecret.",
+    )
+    experiment: str | None = Field(
+        None, max_length=256, description="mlflow: the experiment name (unset: the job's name)."
+    )
+
+
+class Metrics(ApiModel):
+    """Per-step metrics: always a JSONL series next to the checkpoints; optionally sinks."""
+
+    sinks: list[MetricsSink] = Field(
+        default_factory=list, max_length=8, description="Where the per-step metrics also go."
+    )
+    credentials_secret: str | None = Field(
+        None,
+        max_length=253,
+        pattern=SECRET_NAME_PATTERN,
+        description="A Secret in the job's namespace whose keys the coordinator pod gets as environment "
+        "variables (envFrom), read by the sinks' clients: WANDB_API_KEY, MLFLOW_TRACKING_TOKEN or "
+        "MLFLOW_TRACKING_USERNAME/PASSWORD, ... Never logged.",
+    )
+    max_sink_failures: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="A sink that fails this many times in a row is disabled for the rest of the attempt "
+        "(training never stops for a metrics sink).",
+    )
+
+
 class FailurePolicy(ApiModel):
     """What to do when pods fail."""
 
@@ -328,15 +500,32 @@ class Scheduling(ApiModel):
         None,
         max_length=63,
         pattern=DNS_LABEL_PATTERN,
-        description="Kueue LocalQueue that admits the job as one unit.",
+        description="Kueue LocalQueue that admits the job as one unit. Unset: the job's "
+        "kueue.x-k8s.io/queue-name label, as Kueue reads it on its own jobs; when both are set, this "
+        "field wins.",
     )
     priority_class_name: str | None = Field(
-        None, max_length=253, description="PriorityClass for every pod of the job."
+        None,
+        max_length=253,
+        description=(
+            "The job's priority. With a queue it is resolved as Kueue does: a Kueue "
+            "WorkloadPriorityClass of this name first (it orders admission and preemption; pods get "
+            "no priorityClassName), else a scheduling.k8s.io PriorityClass (the Workload and every "
+            "pod use it). Without a queue: the PriorityClass of every pod."
+        ),
     )
 
 
 class Coordinator(RoleOverrides):
     """The coordinator pod (Ray head and driver)."""
+
+    dashboard: bool = Field(
+        False,
+        description="Serve the Ray dashboard from the head on port 8265 of the coordinator pod and "
+        "Service (kubectl port-forward svc/<job>-coordinator 8265). Off by default: the dashboard's "
+        "processes cost the head memory and CPU, and without it neither the pod nor the Service "
+        "exposes the port.",
+    )
 
 
 class RLJobSpec(ApiModel):
@@ -348,6 +537,12 @@ class RLJobSpec(ApiModel):
             message="must be 0 or unset in sync mode (sync training is strictly on-policy)",
             check=lambda s: s.mode == "async" or not s.max_staleness,
             field=".maxStaleness",
+        ),
+        Rule(
+            cel="!has(self.evaluation) || (has(self.data) && has(self.data.eval))",
+            message="needs eval rows: set data.eval",
+            check=lambda s: s.evaluation is None or (s.data is not None and s.data.eval is not None),
+            field=".evaluation",
         ),
         Rule(
             cel="self.policies.all(p, p.algorithm.name != 'grpo' || "
@@ -389,14 +584,26 @@ class RLJobSpec(ApiModel):
         description="The policies (agents) trained together; names must be unique.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+    data: Data | None = Field(None, description="Prompt data rows played by the workflow (ctx.sample).")
+    evaluation: Evaluation | None = Field(None, description="Periodic evaluation on data.eval (unset: none).")
     weight_sync: WeightSync = Field(default_factory=WeightSync, description="Weight transport settings.")
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpoint settings.")
     storage: Storage = Field(default_factory=Storage, description="Object storage credentials.")
+    metrics: Metrics = Field(
+        default_factory=Metrics, description="Per-step metrics: the JSONL series and optional sinks."
+    )
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget.")
     scheduling: Scheduling | None = Field(None, description="Kueue queue and priority class.")
     coordinator: Coordinator = Field(default_factory=Coordinator, description="Coordinator pod overrides.")
     ttl_seconds_after_finished: int | None = Field(
         None, ge=0, description="Delete the job this long after it Succeeded or Failed (unset: keep)."
+    )
+    active_deadline_seconds: int | None = Field(
+        None,
+        ge=1,
+        description="Fail the job (reason DeadlineExceeded) once it has run this long, counted from "
+        "status.startTime over the whole job (restarts and suspensions included); the coordinator is "
+        "asked to checkpoint first, waiting at most the operator's checkpoint timeout. Unset: no limit.",
     )
 
     @field_validator("policies")

@@ -50,6 +50,17 @@ class Staleness(ApiModel):
     max: int = Field(0, ge=0, description="Largest lag over recent samples.")
 
 
+class EvalStatus(ApiModel):
+    """The latest evaluation pass of a policy on the job's eval rows (spec.evaluation)."""
+
+    step: int = Field(..., ge=0, description="The policy's step when the pass ran.")
+    reward_mean: float | None = Field(None, description="Mean raw reward over the eval episodes.")
+    pass_at_k: float | None = Field(
+        None, ge=0, le=1, description="Fraction of eval rows solved by at least one of k episodes."
+    )
+    k: int = Field(1, ge=1, description="Episodes per eval row.")
+
+
 class PolicyStatus(ApiModel):
     """Progress of one policy."""
 
@@ -61,6 +72,7 @@ class PolicyStatus(ApiModel):
     rollout: RoleCounts = Field(default_factory=RoleCounts, description="Rollout pods.")
     trainer: RoleCounts = Field(default_factory=RoleCounts, description="Trainer pods.")
     last_checkpoint_step: int | None = Field(None, ge=0, description="Step of the newest checkpoint.")
+    evaluation: EvalStatus | None = Field(None, description="The latest evaluation pass (spec.evaluation).")
 
 
 class RLJobStatus(ApiModel):
@@ -81,14 +93,22 @@ class RLJobStatus(ApiModel):
     policy_summary: str | None = Field(
         None,
         max_length=4096,
-        description="Compact per-policy progress for `kubectl get`: name@version, comma-separated "
-        "(printer columns can show only one element of a list).",
+        description="Compact per-policy progress for `kubectl get`: name:vVERSION per policy, "
+        "space-separated, e.g. `speaker:v41 listener:v40` (printer columns can show only one "
+        "element of a list).",
     )
     workflow: RoleCounts | None = Field(None, description="Workflow pods.")
-    step: int | None = Field(None, ge=0, description="Job progress: the smallest step over all policies.")
+    step: int | None = Field(
+        None,
+        ge=0,
+        description="Job progress: the smallest step over all policies while it runs; the "
+        "final step (the largest) once it Succeeded.",
+    )
     restarts: int = Field(0, ge=0, description="Restarts of the training roles so far.")
     start_time: str | None = Field(
-        None, json_schema_extra={"format": "date-time"}, description="When it started."
+        None,
+        json_schema_extra={"format": "date-time"},
+        description="When its pods were first created; activeDeadlineSeconds counts from here.",
     )
     completion_time: str | None = Field(
         None, json_schema_extra={"format": "date-time"}, description="When it Succeeded or Failed."

@@ -11,15 +11,9 @@ from polyrl_operator.builders.merge import strategic_merge
 from polyrl_operator.builders.pods import PodRequest, build_pod
 from polyrl_operator.builders.security import build_network_policies, build_service_account
 from polyrl_operator.builders.services import build_coordinator_service, build_headless_service
-from polyrl_operator.builders.workload import (
-    KUEUE_API_VERSION,
-    admitted_placement,
-    build_workload,
-    podset_sizes,
-)
+from polyrl_operator.builders.workload import admitted_placement, build_workload, podset_sizes
 
 __all__ = [
-    "KUEUE_API_VERSION",
     "JobRef",
     "PodRequest",
     "admitted_placement",

@@ -17,6 +17,7 @@ from polyrl_operator import naming
 from polyrl_operator.api import Policy, RLJob, RoleOverrides
 from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_hash
 from polyrl_operator.builders.merge import strategic_merge
+from polyrl_operator.builders.priority import Priority, pod_priority_class
 from polyrl_operator.builders.security import (
     SCRATCH_DIR,
     SCRATCH_ENV,
@@ -131,11 +132,17 @@ def _claim(uri: str | None) -> str | None:
 def claims(job: RLJob, role: Role, policy: str | None) -> dict[str, bool]:
     """PersistentVolumeClaims the pod mounts (claim -> read-only): the checkpoint claim on the
     coordinator and every trainer (each rank writes its own shard), the policy's model claim on its
-    rollout engines (read-only) and trainers."""
+    rollout engines (read-only) and trainers, the prompt data's claims on the coordinator (read-only:
+    it reads spec.data and hands rows to the workflow workers)."""
     out: dict[str, bool] = {}
     model = _claim(_policy(job, policy).model.uri) if policy else None
     if model and role in ("rollout", "trainer"):
         out[model] = role == "rollout"
+    data = job.spec.data
+    for uri in (data.train, data.eval) if data is not None and role == "coordinator" else ():
+        claim = _claim(uri)
+        if claim:
+            out[claim] = True
     ckpt = _claim(job.spec.checkpoint.uri)
     if ckpt and role in ("coordinator", "trainer"):
         out[ckpt] = False
@@ -170,7 +177,22 @@ def _storage_credentials(job: RLJob, container: dict[str, Any]) -> None:
         container["env"].append({"name": "POLYRL_CREDENTIALS_SECRET", "value": secret})
 
 
-def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettings) -> Manifest:
+def _metrics_credentials(job: RLJob, role: str, container: dict[str, Any]) -> None:
+    """The coordinator (where the metrics sinks run) gets the metrics Secret's keys as environment
+    (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, ...: what the sinks' clients read); no other pod needs
+    them. The values never appear in the pod spec or the RLJob."""
+    secret = job.spec.metrics.credentials_secret
+    if not secret or role != "coordinator":
+        return
+    refs = container.setdefault("envFrom", [])
+    if {"secretRef": {"name": secret}} not in refs:
+        refs.append({"secretRef": {"name": secret}})
+
+
+def build_pod(
+    job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettings, priority: Priority | None = None
+) -> Manifest:
+    """The pod ``req`` names; ``priority``: the job's class as resolved for Kueue (a job with a queue)."""
     overrides, gpus, gpu_type = role_spec(job, req.role, req.policy)
     name = pod_name(ref.name, req)
     image = role_image(job, req.role, req.policy, settings)
@@ -215,13 +237,17 @@ def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettin
         container["ports"] += [
             {"name": "gcs", "containerPort": naming.PORT_RAY_GCS, "protocol": "TCP"},
             {"name": "client", "containerPort": naming.PORT_RAY_CLIENT, "protocol": "TCP"},
-            {"name": "dashboard", "containerPort": naming.PORT_RAY_DASHBOARD, "protocol": "TCP"},
         ]
+        if job.spec.coordinator.dashboard:  # the head serves it only then (spec.coordinator.dashboard)
+            container["ports"].append(
+                {"name": "dashboard", "containerPort": naming.PORT_RAY_DASHBOARD, "protocol": "TCP"}
+            )
     if req.role == "trainer":
         container["ports"].append(
             {"name": "rendezvous", "containerPort": naming.PORT_RENDEZVOUS, "protocol": "TCP"}
         )
     _storage_credentials(job, container)
+    _metrics_credentials(job, req.role, container)
     if settings.image_pull_policy:
         container["imagePullPolicy"] = settings.image_pull_policy
     resources = _resources(overrides, gpus)
@@ -259,8 +285,9 @@ def build_pod(job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettin
     }
     if subdomain:
         spec["subdomain"] = subdomain
-    if job.spec.scheduling and job.spec.scheduling.priority_class_name:
-        spec["priorityClassName"] = job.spec.scheduling.priority_class_name
+    priority_class = pod_priority_class(job, priority)
+    if priority_class:
+        spec["priorityClassName"] = priority_class
     for placement in (settings.placement(gpu_type) if gpus > 0 or gpu_type else None, req.flavor):
         if placement is None:
             continue

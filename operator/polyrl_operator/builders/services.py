@@ -12,7 +12,9 @@ from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_ha
 from polyrl_operator.naming import Role
 
 
-def build_coordinator_service(ref: JobRef) -> Manifest:
+def build_coordinator_service(ref: JobRef, *, dashboard: bool = False) -> Manifest:
+    """The coordinator's ClusterIP Service; the Ray dashboard's port only when the head serves it
+    (`spec.coordinator.dashboard`), so the Service never advertises a port nothing listens on."""
     ports = [
         {"name": "http", "port": naming.PORT_HTTP, "targetPort": naming.PORT_HTTP, "protocol": "TCP"},
         {"name": "gcs", "port": naming.PORT_RAY_GCS, "targetPort": naming.PORT_RAY_GCS, "protocol": "TCP"},
@@ -22,13 +24,16 @@ def build_coordinator_service(ref: JobRef) -> Manifest:
             "targetPort": naming.PORT_RAY_CLIENT,
             "protocol": "TCP",
         },
-        {
-            "name": "dashboard",
-            "port": naming.PORT_RAY_DASHBOARD,
-            "targetPort": naming.PORT_RAY_DASHBOARD,
-            "protocol": "TCP",
-        },
     ]
+    if dashboard:
+        ports.append(
+            {
+                "name": "dashboard",
+                "port": naming.PORT_RAY_DASHBOARD,
+                "targetPort": naming.PORT_RAY_DASHBOARD,
+                "protocol": "TCP",
+            }
+        )
     manifest: Manifest = {
         "apiVersion": "v1",
         "kind": "Service",

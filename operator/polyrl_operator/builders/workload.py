@@ -15,12 +15,11 @@ from polyrl_operator import naming
 from polyrl_operator.api import RLJob
 from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_hash
 from polyrl_operator.builders.pods import PodRequest, build_pod
+from polyrl_operator.builders.priority import Priority
+from polyrl_operator.kinds import KUEUE_API_VERSION
 from polyrl_operator.naming import Role
 from polyrl_operator.settings import OperatorSettings, Placement
 
-KUEUE_GROUP = "kueue.x-k8s.io"
-KUEUE_VERSION = "v1beta2"
-KUEUE_API_VERSION = f"{KUEUE_GROUP}/{KUEUE_VERSION}"
 MAX_PODSETS = 8 + 2 * 5
 """Kueue's Workload CRD allows at most 18 podSets: coordinator + workflow + 2 per policy => 8 policies."""
 
@@ -44,29 +43,42 @@ def podset_sizes(job: RLJob) -> list[PodSetSize]:
     return out
 
 
-def _template(job: RLJob, ref: JobRef, size: PodSetSize, settings: OperatorSettings) -> dict[str, Any]:
-    pod = build_pod(job, ref, PodRequest(size.role, 0, size.policy), settings)
+def _template(
+    job: RLJob, ref: JobRef, size: PodSetSize, settings: OperatorSettings, priority: Priority | None
+) -> dict[str, Any]:
+    pod = build_pod(job, ref, PodRequest(size.role, 0, size.policy), settings, priority)
     spec = dict(pod["spec"])
     spec.pop("hostname", None)  # per pod, not per podSet
     return {"metadata": {"labels": naming.labels(ref.name, size.role, size.policy)}, "spec": spec}
 
 
-def build_workload(job: RLJob, ref: JobRef, settings: OperatorSettings, active: bool) -> Manifest:
+def build_workload(
+    job: RLJob, ref: JobRef, settings: OperatorSettings, active: bool, priority: Priority | None = None
+) -> Manifest:
+    """The Workload; ``priority`` is the job's resolved ``scheduling.priorityClassName``."""
     assert job.spec.scheduling is not None and job.spec.scheduling.queue_name is not None
     podsets = [
-        {"name": size.name, "count": size.count, "template": _template(job, ref, size, settings)}
+        {"name": size.name, "count": size.count, "template": _template(job, ref, size, settings, priority)}
         for size in podset_sizes(job)
     ]
     manifest: Manifest = {
         "apiVersion": KUEUE_API_VERSION,
         "kind": "Workload",
         "metadata": metadata(ref, naming.workload(ref.name), naming.labels(ref.name)),
-        "spec": {"queueName": job.spec.scheduling.queue_name, "podSets": podsets},
+        "spec": {
+            "queueName": job.spec.scheduling.queue_name,
+            "podSets": podsets,
+            **({"priorityClassRef": priority.workload_ref()} if priority else {}),
+        },
     }
-    # The hash covers what Kueue treats as immutable once quota is reserved (podSets, queue);
-    # spec.active (suspend) is mutable and patched in place.
+    # The hash covers what Kueue treats as immutable once quota is reserved (podSets, queue,
+    # priorityClassRef); spec.active (suspend) is mutable and patched in place. The priority value
+    # is left out: it is the class's value when the Workload is made, and a class whose value
+    # changes later must not replace (and so requeue) a Workload that exists.
     stamp_hash(manifest)
     manifest["spec"]["active"] = active
+    if priority is not None:
+        manifest["spec"]["priority"] = priority.value
     return manifest
 
 

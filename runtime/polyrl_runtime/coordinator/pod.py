@@ -6,7 +6,17 @@
                                                  and waits; relays its drain annotation to the coordinator
 
 The Ray processes are children of a `ray start --block` process that we own: stopping it (SIGTERM)
-stops exactly this node's Ray, never other Ray sessions on the machine.
+stops exactly this node's Ray, never other Ray clusters on the machine.
+
+No wait is silent or endless (`polyrl_runtime.waiting`): a worker waits for the head at most
+`POLYRL_JOIN_TIMEOUT_S` (600 s) and resolves the head's address again on every try (the Service's
+endpoint may not exist yet, or may move), then exits 1 naming the address and the time waited; the
+coordinator waits for its own head (120 s) and for the job's actors to start, i.e. the worker pods
+to join and the models to load (`POLYRL_START_TIMEOUT_S`, 1800 s), saying which placement
+resources are still missing.
+
+With `spec.coordinator.dashboard` the head serves the Ray dashboard on 0.0.0.0:8265; without it the
+head starts none, and the operator exposes no dashboard port.
 """
 
 from __future__ import annotations
@@ -17,7 +27,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +47,8 @@ from polyrl_runtime.config import (
     resource_name,
     set_env_defaults,
 )
+from polyrl_runtime.coordinator.waits import head_attempt, split_address, wait_for_head, watch_start
+from polyrl_runtime.waiting import Attempt, Wait, WaitTimeout, wait_until
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +56,7 @@ DRAIN_ANNOTATION = "polyrl.dev/drain"
 CHECKPOINT_ANNOTATION = "polyrl.dev/checkpoint-request"
 RAY_GCS_PORT = 6379
 RAY_CLIENT_PORT = 10001
+RAY_DASHBOARD_PORT = 8265
 
 
 def _temp_dir(ray_port: int | None = None) -> str:
@@ -87,15 +99,6 @@ def start_ray(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def _reachable(address: str, timeout: float = 2.0) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def stop_ray(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -116,6 +119,27 @@ def _load(config: str) -> tuple[PodEnv, RLJob] | None:
         return None
 
 
+def head_args(ray_port: int, client_port: int, *, dashboard_port: int | None) -> list[str]:
+    """`ray start` arguments of the coordinator's head; `dashboard_port` None: no dashboard."""
+    # A private temp dir: `ray start` records its address there, not in /tmp/ray, so other Ray
+    # users on the machine (plain `ray.init()`) never find and join this cluster by accident.
+    dashboard = (
+        ["--include-dashboard=true", "--dashboard-host=0.0.0.0", f"--dashboard-port={dashboard_port}"]
+        if dashboard_port is not None
+        else ["--include-dashboard=false"]
+    )
+    return [
+        "--head",
+        f"--port={ray_port}",
+        f"--temp-dir={_temp_dir(ray_port)}",
+        *dashboard,
+        f"--ray-client-server-port={client_port}",
+        "--num-cpus=0",
+        '--resources={"polyrl/coordinator": 1}',
+        *_node_ports()[1:],
+    ]
+
+
 def _scratch(job_name: str) -> Path:
     """The pod's scratch (TMPDIR, the /tmp emptyDir): per pod, so never another job's files."""
     return Path(tempfile.gettempdir()) / "polyrl" / job_name
@@ -133,25 +157,19 @@ def run_coordinator(
     env, job = loaded
     out_dir = Path(out) if out else _scratch(job.metadata.name)
     ray_port = netmap.listen_port(RAY_GCS_PORT) if ray_port is None else ray_port
+    dashboard = netmap.listen_port(RAY_DASHBOARD_PORT) if job.spec.coordinator.dashboard else None
     head = start_ray(
-        # A private temp dir: `ray start` records its address there, not in /tmp/ray, so other Ray
-        # users on the machine (plain `ray.init()`) never find and join this cluster by accident.
-        [
-            "--head",
-            f"--port={ray_port}",
-            f"--temp-dir={_temp_dir(ray_port)}",
-            "--include-dashboard=false",
-            f"--ray-client-server-port={netmap.listen_port(RAY_CLIENT_PORT)}",
-            "--num-cpus=0",
-            '--resources={"polyrl/coordinator": 1}',
-            *_node_ports()[1:],
-        ],
+        head_args(ray_port, netmap.listen_port(RAY_CLIENT_PORT), dashboard_port=dashboard),
         out_dir / "ray-head.log",
     )
     try:
         return asyncio.run(
             _coordinate(job, env, out_dir, ray_port, env.http_port if http_port is None else http_port)
         )
+    except WaitTimeout as e:
+        log.error("coordinator.head_failed", error=str(e), ray_log=str(out_dir / "ray-head.log"))
+        sys.stderr.write(f"error: {e}\n")
+        return 1
     finally:
         stop_ray(head)
 
@@ -159,15 +177,16 @@ def run_coordinator(
 async def _connect(address: str, temp_dir: str, deadline_s: float = 120.0) -> None:
     import ray
 
-    start = time.monotonic()
-    while True:
+    async def attempt() -> Attempt[bool]:
         try:
             ray.init(address=address, _temp_dir=temp_dir, logging_level=logging.ERROR, log_to_driver=False)
-            return
+            return Attempt(True)
         except (ConnectionError, RuntimeError) as e:
-            if time.monotonic() - start > deadline_s:
-                raise RuntimeError(f"Ray head at {address} did not come up: {e}") from e
-            await asyncio.sleep(1.0)
+            return Attempt(None, str(e))
+
+    await wait_until(
+        attempt, what=f"this pod's Ray head at {address}", deadline_s=deadline_s, address=address
+    )
 
 
 async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int, http_port: int) -> int:
@@ -191,14 +210,31 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int, htt
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, driver.stop, "terminated")
     loop.add_signal_handler(signal.SIGINT, driver.stop, "interrupted")
+    start_deadline = float(os.environ.get("POLYRL_START_TIMEOUT_S", "1800"))
     try:
         await _connect(f"127.0.0.1:{ray_port}", _temp_dir(ray_port))
-        summary = await driver.run()
+        run = asyncio.create_task(driver.run())
+        watch = asyncio.create_task(watch_start(driver, job, start_deadline))
+        await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and not watch.cancelled() and isinstance(watch.exception(), WaitTimeout):
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            log.error("coordinator.start_timeout", error=str(watch.exception()))
+            return 1
+        watch.cancel()
+        summary = await run
     finally:
         # The operator reads the final /progress (final versions and rewards; done, or failed and not
         # retryable) before this pod ends: keep serving until it did, at most POLYRL_LINGER_S seconds.
         # A SIGTERM (the pod is being deleted) ends the wait.
-        served, deadline = server.served, time.monotonic() + float(os.environ.get("POLYRL_LINGER_S", "30"))
+        linger = float(os.environ.get("POLYRL_LINGER_S", "30"))
+        served, deadline = server.served, time.monotonic() + linger
+        if linger > 0 and not driver.interrupted:
+            log.info(
+                "coordinator.lingering",
+                waiting_for="the operator to read the final /progress",
+                up_to_s=linger,
+            )
         while server.served == served and not driver.interrupted and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         await server.stop()
@@ -232,9 +268,13 @@ def run_worker(
     if role in ("rollout", "trainer") and policy not in names:
         sys.stderr.write(f"error: --policy must name one of the job's policies {names} for role {role}\n")
         return 2
-    addr = address or netmap.resolve(env.coordinator_address)
-    if not addr:
+    target = address or env.coordinator_address
+    if not target:
         sys.stderr.write("error: no coordinator address (--address or POLYRL_COORDINATOR_ADDRESS)\n")
+        return 2
+    if split_address(target) is None:
+        source = "--address" if address else "POLYRL_COORDINATOR_ADDRESS"
+        sys.stderr.write(f"error: {source}={target!r}: expected HOST:PORT\n")
         return 2
     return asyncio.run(
         _work(
@@ -242,7 +282,7 @@ def run_worker(
             env,
             role=role,
             policy=policy if role != "workflow" else None,
-            address=addr,
+            target=target,
             http_port=env.http_port if http_port is None else http_port,
             units=_units(job, role, policy),
         )
@@ -258,8 +298,10 @@ def _units(job: RLJob, role: str, policy: str | None) -> int:
 
 
 async def _work(
-    job_name: str, env: PodEnv, *, role: str, policy: str | None, address: str, http_port: int, units: int
+    job_name: str, env: PodEnv, *, role: str, policy: str | None, target: str, http_port: int, units: int
 ) -> int:
+    """Join the head named `target` and stay in its cluster; rejoin when it goes away and comes back.
+    Exits 0 on SIGTERM, 1 when the head stays unreachable for `POLYRL_JOIN_TIMEOUT_S`."""
     resources = json.dumps({resource_name(policy, role): units})
     join_deadline = float(os.environ.get("POLYRL_JOIN_TIMEOUT_S", "600"))
     start_timeout = float(os.environ.get("POLYRL_RAY_START_TIMEOUT_S", "90"))
@@ -271,17 +313,20 @@ async def _work(
     loop.add_signal_handler(signal.SIGTERM, stopping.set)
     loop.add_signal_handler(signal.SIGINT, stopping.set)
     relay = asyncio.create_task(_relay_drain(env))
-    last_join = time.monotonic()
     code = 1
     try:
         while not stopping.is_set():
-            if not await asyncio.to_thread(_reachable, address):
-                # The head is not up (yet, or any more): wait for it, up to the join deadline.
-                if time.monotonic() - last_join > join_deadline:
-                    log.error("worker.head_gone", address=address)
-                    break
-                await asyncio.sleep(2.0)
-                continue
+            # The head is not up (yet, or any more): wait for it, up to the join deadline, resolving
+            # its name again on every try.
+            try:
+                address = await wait_for_head(target, deadline_s=join_deadline, stop=stopping)
+            except WaitTimeout as e:
+                log.error("worker.head_gone", address=target, error=str(e))
+                sys.stderr.write(f"error: {e}\n")
+                break
+            if address is None:  # SIGTERM while waiting
+                code = 0
+                break
             offset = log_path.stat().st_size if log_path.exists() else 0
             proc = start_ray(
                 [
@@ -292,25 +337,32 @@ async def _work(
                 ],
                 log_path,
             )
-            started = time.monotonic()
+            joining = Wait(
+                f"this node to join the Ray head at {address}",
+                start_timeout,
+                fields={"address": address, "ray_log": str(log_path)},
+            )
             unreachable = 0
             while proc.poll() is None and not stopping.is_set():
                 # The raylet outlives a dead head for a while; notice it ourselves and rejoin.
-                unreachable = 0 if await asyncio.to_thread(_reachable, address) else unreachable + 1
+                reachable = (await head_attempt(target)).value is not None
+                unreachable = 0 if reachable else unreachable + 1
                 if unreachable >= 10:
                     log.warning("worker.head_unreachable", address=address)
                     break
                 if not ready.is_set():
                     if _ray_started(log_path, offset):  # ready = this node really joined
                         ready.set()
+                        joining.done()
                         log.info("worker.joined", role=role, policy=policy, address=address)
-                    elif time.monotonic() - started > start_timeout:
+                    elif joining.expired():
                         # A `ray start` can wait forever on a GCS that is slow to answer (an
                         # overloaded head): start over rather than stay a pod that never joins.
                         log.warning("worker.start_timeout", address=address, after_s=start_timeout)
                         break
+                    else:
+                        joining.tick("`ray start` has not reported this node up yet")
                 await asyncio.sleep(1.0)
-            last_join = time.monotonic()  # the rejoin window starts when we lose the head
             ready.clear()
             stop_ray(proc)
             if stopping.is_set():

@@ -148,6 +148,14 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
         # engine, the trainer and the workflow; the driver placed each actor on its role's node
         for role in workers:
             assert "worker.joined" in (logs / f"{role}.log").read_text(), role
+        # each process said first that it started (JSON lines); the coordinator logged what it waited for
+        for name in ("coordinator", *workers):
+            first = json.loads((logs / f"{name}.log").read_text().splitlines()[0])
+            assert first["event"] == "runtime.started", name
+        events = [json.loads(line) for line in (logs / "coordinator.log").read_text().splitlines()
+                  if line.startswith('{"event"')]  # fmt: skip
+        waits = {e["waiting_for"]: e["event"] for e in events if e["event"].startswith("wait.")}
+        assert waits["the job's actors to start (worker pods joining, models loading)"] == "wait.done", waits
         ckpts = sorted(p.name for p in (tmp_path / "coord" / "checkpoints").iterdir())
         assert ckpts[-1] == "step-000003"
         final = json.loads((tmp_path / "coord" / "checkpoints" / ckpts[-1] / "state.json").read_text())

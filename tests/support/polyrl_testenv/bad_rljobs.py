@@ -212,4 +212,30 @@ BAD_CASES: tuple[BadCase, ...] = (
         "spec.training",
         ("spec.training",),
     ),
+    BadCase(
+        "data-not-jsonl-or-parquet",
+        _set("spec.data", {"train": "file:///d/train.csv"}),
+        "spec.data.train",
+        ("spec.data.train",),
+    ),
+    BadCase(
+        "data-zero-epochs",
+        _set("spec.data", {"train": "file:///d/train.jsonl", "epochs": 0}),
+        "spec.data.epochs",
+        ("spec.data.epochs",),
+    ),
+    BadCase(
+        "evaluation-without-eval-rows",
+        _set("spec.evaluation", {"everySteps": 5}),
+        "spec.evaluation",
+        ("spec.evaluation", "data.eval"),
+    ),
+    BadCase(
+        "evaluation-greedy-pass-at-k",
+        lambda d: d["spec"].update(
+            data={"train": "file:///d/t.jsonl", "eval": "file:///d/e.jsonl"}, evaluation={"k": 3}
+        ),
+        "spec.evaluation.k",
+        ("spec.evaluation.k", "greedy"),
+    ),
 )

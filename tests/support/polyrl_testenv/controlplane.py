@@ -201,7 +201,7 @@ class ControlPlane:
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"default={peer_url}", "--unsafe-no-fsync", "--log-level", "warn",
         ])  # fmt: skip
-        self._wait(deadline, etcd, lambda: _http_ok(f"{etcd_url}/health"))
+        self.wait(deadline, etcd, lambda: _http_ok(f"{etcd_url}/health"))
         self._spawn("apiextensions-apiserver", [
             str(self.binaries.apiserver), "--etcd-servers", etcd_url,
             "--bind-address", "127.0.0.1", "--secure-port", str(api_port),
@@ -241,7 +241,7 @@ class ControlPlane:
             ],
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SUPPORT_DIR), pythonpath]))},
         )
-        self._wait(deadline, shim, port_file.exists)
+        self.wait(deadline, shim, port_file.exists)
 
     def _admission_plugins(self) -> list[str]:
         """Every admission plugin the binary has (they all need core APIs), read from --help."""
@@ -260,7 +260,7 @@ class ControlPlane:
         self._processes.append(process)
         return process
 
-    def _wait(self, deadline: float, process: _Process, ready: Any) -> None:
+    def wait(self, deadline: float, process: _Process, ready: Any) -> None:
         while not ready():
             for p in self._processes:
                 p.check_alive()

@@ -99,6 +99,8 @@ GROUP_KINDS: tuple[CoreKind, ...] = (
     CoreKind("ClusterRole", "clusterroles", namespaced=False, group="rbac.authorization.k8s.io"),
     CoreKind("ClusterRoleBinding", "clusterrolebindings", namespaced=False, group="rbac.authorization.k8s.io"),
     CoreKind("NetworkPolicy", "networkpolicies", ("netpol",), group="networking.k8s.io"),
+    CoreKind("Lease", "leases", group="coordination.k8s.io"),  # the operator's leader election
+    CoreKind("PriorityClass", "priorityclasses", ("pc",), namespaced=False, group="scheduling.k8s.io"),
 )  # fmt: skip
 """Built-in kinds of named groups (served at /apis/<group>/v1)."""
 BUILTIN_KINDS = CORE_KINDS + GROUP_KINDS

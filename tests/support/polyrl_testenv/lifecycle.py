@@ -21,17 +21,19 @@ from lupa import lua51
 
 from polyrl_operator import naming
 from polyrl_operator.kube import CHILD_API_VERSIONS, path_for
-from polyrl_operator.main import render
+from polyrl_operator.leader import LEASES
+from polyrl_operator.planning import render
 from polyrl_operator.settings import OperatorSettings
 from polyrl_testenv import ControlPlane
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES
 from polyrl_testenv.controlplane import free_port
-from polyrl_testenv.helm import find_helmrender, render_chart
+from polyrl_testenv.helm import find_helm, render_chart
 from polyrl_testenv.install import (
     CHART,
     MANIFESTS,
     kubeconfig_for,
     kustomize_text,
+    operator_subject,
     settings_of,
     start_operator,
 )
@@ -121,8 +123,14 @@ def health(obj: dict[str, Any]) -> tuple[str, str]:
     return str(result["status"]), str(result["message"])
 
 
+def _is_write(r: Recorded) -> bool:
+    """A write to the cluster's objects; the leader's Lease renewals (every retryPeriod, forever)
+    are the operator's own bookkeeping, not a change it makes to jobs."""
+    return r.method not in ("GET", "HEAD") and "/apis/coordination.k8s.io/" not in r.path
+
+
 def _writes(proxy: RecordingProxy) -> int:
-    return sum(1 for r in proxy.snapshot() if r.method not in ("GET", "HEAD"))
+    return sum(1 for r in proxy.snapshot() if _is_write(r))
 
 
 def _settled(proxy: RecordingProxy, quiet_s: float = 3.0) -> bool:
@@ -199,7 +207,7 @@ def rendered_install(install: Install, namespaces: list[str]) -> str:
 
 
 def chart_install(install: Install, namespaces: list[str]) -> list[dict[str, Any]] | None:
-    if find_helmrender()[0] is None:
+    if find_helm()[0] is None:
         return None
     values = copy.deepcopy(install.chart_values)
     if install.namespaced:
@@ -222,6 +230,16 @@ def delete_manifests(cp: ControlPlane, manifests: list[dict[str, Any]]) -> None:
     cp.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-", input=text, timeout=120)
 
 
+def example_priority_class(install: Install) -> dict[str, Any]:
+    name = yaml.safe_load(install.example.read_text())["spec"]["scheduling"]["priorityClassName"]
+    return {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {"name": name},
+        "value": 1000,
+    }
+
+
 def example_doc(path: Path, namespace: str) -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load(path.read_text())
     doc["metadata"]["namespace"] = namespace
@@ -236,11 +254,20 @@ def run_lifecycle(cp: ControlPlane, install: Install, workdir: Path) -> Run:
         for crd in KUEUE_CRDS:
             result = cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd), timeout=120)
             assert result.returncode == 0, result.stderr
+        # The class the example's spec.scheduling.priorityClassName names, as a PriorityClass: the
+        # operator looks for a WorkloadPriorityClass of that name first, then finds this one.
+        code, body = cp.request(
+            "POST", "/apis/scheduling.k8s.io/v1/priorityclasses", example_priority_class(install)
+        )
+        assert code in (201, 409), body
     text = rendered_install(install, namespaces)
     manifests = [d for d in yaml.safe_load_all(text) if d]
     run = Run(install, manifests, namespaces, chart=chart_install(install, namespaces))
     apply_manifests(cp, text)
     settings = OperatorSettings.model_validate({**settings_of(manifests), **FAST})
+    # A fresh install has no leader Lease yet (an earlier install in this control plane left one).
+    lease_ns = settings.leader_election.lease_namespace or operator_subject(manifests)[0]
+    cp.request("DELETE", f"{LEASES.format(namespace=lease_ns)}/{settings.leader_election.lease_name}")
     try:
         with RecordingProxy(cp.server) as proxy:
             kubeconfig = kubeconfig_for(proxy.url, workdir / "kubeconfig")
@@ -338,7 +365,7 @@ def _drive(
         "writes": [
             str(request_attributes(r.method, r.path, r.query))
             for r in proxy.snapshot()[before_requests:]
-            if r.method not in ("GET", "HEAD")
+            if _is_write(r)
         ],
         "diff": (diff.returncode, diff.stdout + diff.stderr),
     }

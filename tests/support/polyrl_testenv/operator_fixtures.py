@@ -13,7 +13,7 @@ import yaml
 
 from polyrl_operator.api.progress import Progress
 from polyrl_operator.observed import Child, Observed, summarize
-from polyrl_operator.plan import Plan
+from polyrl_operator.planning import Plan
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES
 
 PROGRESS_SAMPLES = Path(__file__).resolve().parents[2] / "operator" / "data" / "progress"
@@ -83,7 +83,7 @@ def children_of(
 def with_status(job: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """The job after the operator wrote ``plan.status``."""
     out = copy.deepcopy(job)
-    out["status"] = json.loads(json.dumps(plan.status))
+    out["status"] = json.loads(json.dumps(plan.status.to_k8s() if plan.status else {}))
     return out
 
 
@@ -103,7 +103,8 @@ class Sim:
     instead of scheduled, so nothing happens behind the test's back."""
 
     def __init__(self, job: dict[str, Any], settings: Any = None) -> None:
-        from polyrl_operator.reconcile import CHILD_KINDS, Reconciler
+        from polyrl_operator.kinds import KIND_NAMES
+        from polyrl_operator.reconcile import Reconciler
         from polyrl_operator.settings import Autoscale, OperatorSettings
         from polyrl_testenv.fake_api import FakeApi
 
@@ -124,7 +125,7 @@ class Sim:
                 return sim.progress, None if sim.progress else "no progress"
 
         self.reconciler = _Reconciler(self.api, self.settings, clock=lambda: self.now)
-        for kind in CHILD_KINDS:
+        for kind in KIND_NAMES:
             self.reconciler.indexes[kind] = self.api.index(kind)
         meta = job["metadata"]
         self.key = (meta["namespace"], meta["name"])

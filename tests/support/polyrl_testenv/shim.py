@@ -277,6 +277,8 @@ class Shim:
             if content_type == "application/strategic-merge-patch+json":
                 return await self.strategic_patch(raw_path, query, headers, body)
             body = self.rewrite_request_body(body, content_type, target, request.method)
+            if request.method == "PUT" and target.name and content_type == "application/json":
+                body = await self.unconditional_update(raw_path, body)
         before: Any = None
         deletes_one = target and request.method == "DELETE" and target.name and not target.subresource
         if target and deletes_one and target.resource in RETURNS_DELETED_OBJECT:
@@ -375,6 +377,19 @@ class Shim:
             obj["data"] = data
         if resource == "namespaces" and method == "POST" and "status" not in obj:
             obj["status"] = {"phase": "Active"}
+        return json.dumps(obj).encode()
+
+    async def unconditional_update(self, path: str, body: bytes) -> bytes:
+        """A PUT without ``metadata.resourceVersion`` replaces the object unconditionally on the real
+        API server for built-in kinds (helm records its releases so); a CRD refuses it, so the
+        current resourceVersion is filled in."""
+        obj = json.loads(body)
+        metadata = obj.get("metadata") if isinstance(obj, dict) else None
+        if not isinstance(metadata, dict) or metadata.get("resourceVersion"):
+            return body
+        code, current = await self.get_json(path)
+        if code == 200 and isinstance(current, dict):
+            metadata["resourceVersion"] = (current.get("metadata") or {}).get("resourceVersion")
         return json.dumps(obj).encode()
 
     async def strategic_patch(

@@ -1,0 +1,321 @@
+"""The pod plan: which role pods must exist, which drain, which go; a value, like every step.
+
+Scale-in drains the highest index first (annotation, then delete once /progress reports it drained
+or the drain times out), so pod names stay dense (0..n-1) and no episode in flight is lost.
+Stopping for a suspension, a Kueue eviction or an exceeded deadline first asks the coordinator for a
+checkpoint (annotation on its pod) and waits for it, or for the checkpoint timeout, before the pods
+are deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+from polyrl_operator import naming
+from polyrl_operator.api import RLJob, RLJobStatus
+from polyrl_operator.autoscale import ScaleState, Signals, decide
+from polyrl_operator.builders import JobRef, PodRequest, build_pod
+from polyrl_operator.builders.common import Manifest
+from polyrl_operator.builders.workload import Admission
+from polyrl_operator.naming import Role
+from polyrl_operator.observed import Child, Observed
+from polyrl_operator.planning.conditions import parse_time, rfc3339
+from polyrl_operator.planning.types import Actions, Event, JobMemory, Key, PodPlan, RoleKey, combine
+from polyrl_operator.settings import OperatorSettings
+
+CHECKPOINT_FIRST = ("Suspended", "Evicted", "DeadlineExceeded")
+"""Stop reasons that checkpoint before deleting pods (the others have no training to save)."""
+
+
+def role_keys(job: RLJob) -> list[RoleKey]:
+    keys: list[RoleKey] = [("", "coordinator"), ("", "workflow")]
+    for p in job.spec.policies:
+        keys += [(p.name, "rollout"), (p.name, "trainer")]
+    return keys
+
+
+def empty_pod_plan(job: RLJob) -> PodPlan:
+    """No pod wanted: every role at 0 desired, 0 ready."""
+    keys = role_keys(job)
+    return PodPlan(desired=dict.fromkeys(keys, 0), ready=dict.fromkeys(keys, 0))
+
+
+@dataclass(frozen=True)
+class PodInputs:
+    job: RLJob
+    ref: JobRef
+    settings: OperatorSettings
+    observed: Observed
+    pods: list[Child]
+    restarts: int
+    old: RLJobStatus
+    memory: JobMemory
+    now: datetime
+
+
+def _old_desired(old: RLJobStatus, policy: str, role: str) -> int | None:
+    if not policy:
+        value = old.workflow.desired if old.workflow else None
+    else:
+        entry = next((p for p in old.policies or [] if p.name == policy), None)
+        counts = None if entry is None else (entry.rollout if role == "rollout" else entry.trainer)
+        value = counts.desired if counts else None
+    return value if value else None
+
+
+def _signals(observed: Observed, policy: str, ready: int) -> Signals | None:
+    progress = observed.progress
+    if progress is None or progress.state not in ("running", "checkpointing"):
+        return None
+    if policy:
+        entry = progress.policy(policy)
+        if entry is None:
+            return None
+        backlog, workers = entry.backlog, entry.engines
+    else:
+        backlog, workers = progress.workflow.backlog, progress.workflow.workers
+    active = [w for w in workers if not w.draining]
+    util = sum(w.utilisation for w in active) / len(active) if active else 0.0
+    return Signals(backlog=backlog, utilisation=util, ready=ready)
+
+
+def _worker_drained(observed: Observed, policy: str, pod: str) -> bool:
+    progress = observed.progress
+    if progress is None:
+        return False
+    if policy:
+        entry = progress.policy(policy)
+        workers = entry.engines if entry else []
+    else:
+        workers = progress.workflow.workers
+    return any(w.pod == pod and w.drained for w in workers)
+
+
+def _ready_count(inputs: PodInputs, policy: str, role: Role, limit: int) -> int:
+    return sum(
+        1
+        for p in inputs.pods
+        if p.role == role
+        and (p.policy or "") == policy
+        and p.index < limit
+        and p.ready
+        and not p.deleting
+        and (role not in ("coordinator", "trainer") or p.attempt == inputs.restarts)
+    )
+
+
+def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
+    """The pods of a job that should run now, with the autoscaler's decisions and drains."""
+    job, settings, now = inputs.job, inputs.settings, inputs.now
+    priority = inputs.observed.resolved_priority
+    by_name = {p.name: p for p in inputs.pods}
+    desired: dict[RoleKey, int] = {}
+    scale: dict[str, ScaleState] = dict(inputs.memory.scale)
+    scaled: list[tuple[str, str, int, int]] = []
+    parts: list[Actions] = []
+
+    # Fixed roles: one coordinator, trainer.replicas trainers. Elastic roles: the last decision
+    # recorded in status (never spec), moved by the autoscaler.
+    elastic: list[tuple[str, Role, int, int]] = [
+        ("", "workflow", job.spec.workflow.replicas.min, job.spec.workflow.replicas.max)
+    ]
+    elastic += [
+        (p.name, "rollout", p.rollout.replicas.min, p.rollout.replicas.max) for p in job.spec.policies
+    ]
+    for policy, role, lo, spec_hi in elastic:
+        podset = naming.podset(role, policy or None)
+        hi = spec_hi
+        if admission is not None and podset in admission.counts:
+            hi = max(lo, min(spec_hi, admission.counts[podset]))
+        current = _old_desired(inputs.old, policy, role) or lo
+        key = f"{policy}/{role}"
+        decision = decide(
+            current,
+            lo,
+            hi,
+            signals=_signals(inputs.observed, policy, _ready_count(inputs, policy, role, current)),
+            state=scale.get(key, ScaleState()),
+            now=now.timestamp(),
+            params=settings.autoscale,
+        )
+        scale[key] = decision.state
+        if decision.desired != current:
+            what = f"rollout of policy {policy}" if policy else "workflow"
+            scaled.append((policy, role, current, decision.desired))
+            message = f"{what}: {current} -> {decision.desired} replicas ({decision.reason})"
+            parts.append(Actions(events=(Event("Normal", "Scaled", message),)))
+        desired[(policy, role)] = decision.desired
+    desired[("", "coordinator")] = 1
+    for p in job.spec.policies:
+        desired[(p.name, "trainer")] = p.trainer.replicas
+
+    wanted: list[tuple[str, Role, int, int]] = [("", "coordinator", 1, 1)]
+    wanted.append(("", "workflow", desired[("", "workflow")], job.spec.workflow.replicas.min))
+    for p in job.spec.policies:
+        wanted.append((p.name, "rollout", desired[(p.name, "rollout")], p.rollout.replicas.min))
+        wanted.append((p.name, "trainer", p.trainer.replicas, p.trainer.replicas))
+
+    pods: dict[Key, Manifest] = {}
+    required: set[str] = set()
+    ready: dict[RoleKey, int] = {}
+    missing_required = 0
+    unschedulable: list[str] = []
+    for policy, role, count, minimum in wanted:
+        flavor = admission.placement.get(naming.podset(role, policy or None)) if admission else None
+        attempt = inputs.restarts if role in ("coordinator", "trainer") else 0
+        for i in range(count):
+            manifest = build_pod(
+                job, inputs.ref, PodRequest(role, i, policy or None, attempt, flavor), settings, priority
+            )
+            name = manifest["metadata"]["name"]
+            existing = by_name.get(name)
+            if i < minimum:
+                required.add(name)
+                current = (
+                    existing is not None
+                    and not existing.deleting
+                    and existing.spec_hash == manifest["metadata"]["annotations"][naming.ANNOTATION_HASH]
+                )
+                missing_required += 0 if current else 1
+            if existing is not None and existing.unschedulable:
+                unschedulable.append(f"{name}: {existing.unschedulable}")
+            if (
+                existing is not None
+                and existing.terminated
+                and role in ("workflow", "rollout")
+                and not existing.deleting
+            ):
+                # A finished worker is replaced: deleted now, created again next round.
+                why = f"pod {name} {existing.phase.lower()}: {existing.failure or 'exited'}; replacing it"
+                parts.append(Actions(events=(Event("Warning", "Replacing", why),), requeue_after=1.0))
+                continue
+            pods[("Pod", name)] = manifest
+            if existing is not None and existing.annotation(naming.ANNOTATION_DRAIN):
+                undrain = ((naming.ANNOTATION_DRAIN, None), (naming.ANNOTATION_DRAIN_SINCE, None))
+                parts.append(Actions(annotate=((name, undrain),)))
+        ready[(policy, role)] = _ready_count(inputs, policy, role, count)
+        if role in ("workflow", "rollout"):
+            parts.append(_scale_in(inputs, policy=policy, role=role, count=count))
+
+    waiting = sum(max(minimum - ready[(p, r)], 0) for p, r, _, minimum in wanted)
+    if unschedulable:
+        reason, message = "Unschedulable", "unschedulable: " + "; ".join(sorted(unschedulable)[:3])
+    elif missing_required:
+        # No count in the message: it would change (and cost a status write) with every pod created.
+        reason, message = "Creating", "creating pods"
+    else:
+        reason, message = "PodsNotReady", f"waiting for {waiting} pods to become ready"
+    return PodPlan(
+        desired=desired,
+        ready=ready,
+        pods=pods,
+        required=frozenset(required),
+        actions=combine(*parts),
+        scale=scale,
+        scaled=tuple(scaled),
+        all_required_exist=missing_required == 0,
+        ready_enough=waiting == 0,
+        any_live=bool(inputs.pods),
+        wait_message=message,
+        not_ready_reason=reason,
+    )
+
+
+def _scale_in(inputs: PodInputs, *, policy: str, role: Role, count: int) -> Actions:
+    """Pods of an elastic role with index >= count: drain the busy ones, delete the rest."""
+    settings, now = inputs.settings, inputs.now
+    parts: list[Actions] = []
+    for pod in sorted(inputs.pods, key=lambda p: p.index):
+        if pod.role != role or (pod.policy or "") != policy or pod.index < count or pod.deleting:
+            continue
+        if pod.terminated or not pod.ready:
+            continue  # nothing runs on it: it is simply deleted
+        since = parse_time(pod.annotation(naming.ANNOTATION_DRAIN_SINCE)) or now
+        if _worker_drained(inputs.observed, policy, pod.name):
+            parts.append(
+                Actions(events=(Event("Normal", "Drained", f"pod {pod.name} drained; deleting it"),))
+            )
+            continue
+        waited = (now - since).total_seconds()
+        if waited >= settings.drain_timeout:
+            why = f"pod {pod.name} not drained after {settings.drain_timeout:g}s; deleting it"
+            parts.append(Actions(events=(Event("Warning", "DrainTimeout", why),)))
+            continue
+        events: tuple[Event, ...] = ()
+        annotate: tuple[tuple[str, tuple[tuple[str, str | None], ...]], ...] = ()
+        if pod.annotation(naming.ANNOTATION_DRAIN) != "true":
+            values = ((naming.ANNOTATION_DRAIN, "true"), (naming.ANNOTATION_DRAIN_SINCE, rfc3339(now)))
+            annotate = ((pod.name, values),)
+            events = (Event("Normal", "Draining", f"draining pod {pod.name} before deleting it"),)
+        parts.append(
+            Actions(
+                events=events,
+                keep=frozenset({("Pod", pod.name)}),
+                annotate=annotate,
+                requeue_after=min(settings.progress_interval, settings.drain_timeout - waited),
+            )
+        )
+    return combine(*parts)
+
+
+def plan_stop(inputs: PodInputs, stop_reason: str) -> PodPlan:
+    """No pod should run: checkpoint first (suspend, eviction, deadline) when a coordinator is up,
+    then delete. The wait is bounded by the checkpoint timeout."""
+    settings, now, pods = inputs.settings, inputs.now, inputs.pods
+    coordinator = next(
+        (p for p in pods if p.role == "coordinator" and not p.deleting and p.phase == "Running"), None
+    )
+    if stop_reason not in CHECKPOINT_FIRST or coordinator is None:
+        return replace(empty_pod_plan(inputs.job), any_live=bool(pods), stop_message="deleting pods")
+    on_pod = coordinator.annotation(naming.ANNOTATION_CHECKPOINT)
+    on_pod_since = coordinator.annotation(naming.ANNOTATION_CHECKPOINT_SINCE)
+    asked: list[Actions] = []
+    if on_pod is not None and on_pod_since is not None and parse_time(on_pod_since) is not None:
+        remembered = (on_pod, on_pod_since)
+    else:
+        # Not visible on the pod yet: reuse a request made a moment ago (the index may lag our patch).
+        earlier = inputs.memory.checkpoint
+        if earlier is not None and parse_time(earlier[1]) is not None:
+            remembered = earlier
+        else:
+            remembered = (f"{stop_reason.lower()}-{now.strftime('%Y%m%dT%H%M%SZ')}", rfc3339(now))
+            why = f"asked the coordinator to checkpoint ({remembered[0]}) before deleting pods"
+            asked.append(Actions(events=(Event("Normal", "CheckpointRequested", why),)))
+        values = (
+            (naming.ANNOTATION_CHECKPOINT, remembered[0]),
+            (naming.ANNOTATION_CHECKPOINT_SINCE, remembered[1]),
+        )
+        asked.append(Actions(annotate=((coordinator.name, values),)))
+    request = remembered[0]
+    since = parse_time(remembered[1]) or now
+    progress = inputs.observed.progress
+    waited = (now - since).total_seconds()
+    if (
+        progress is not None
+        and progress.checkpoint.last_request_id == request
+        and not progress.checkpoint.in_progress
+    ):
+        why = f"checkpoint {request} done at step {progress.checkpoint.last_step}; deleting pods"
+        done = Actions(events=(Event("Normal", "Checkpointed", why),))
+        return _stopping(inputs, "deleting pods", combine(*asked, done), remembered)
+    if waited >= settings.checkpoint_timeout:
+        why = f"no checkpoint after {settings.checkpoint_timeout:g}s; deleting pods anyway"
+        late = Actions(events=(Event("Warning", "CheckpointTimeout", why),))
+        return _stopping(inputs, "deleting pods", combine(*asked, late), remembered)
+    hold = Actions(
+        keep=frozenset(("Pod", p.name) for p in pods if not p.deleting),
+        requeue_after=min(settings.progress_interval, settings.checkpoint_timeout - waited),
+    )
+    message = f"checkpointing before deleting pods (request {request})"
+    return replace(_stopping(inputs, message, combine(*asked, hold), remembered), checkpointing=True)
+
+
+def _stopping(inputs: PodInputs, message: str, actions: Actions, checkpoint: tuple[str, str]) -> PodPlan:
+    return replace(
+        empty_pod_plan(inputs.job),
+        any_live=True,
+        stop_message=message,
+        actions=actions,
+        checkpoint=checkpoint,
+    )

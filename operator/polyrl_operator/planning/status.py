@@ -1,0 +1,286 @@
+"""The RLJob status, computed once, typed: pure functions from the job, the observed children (as
+the pod plan counts them), the coordinator's report and the apply outcome to ``RLJobStatus``.
+
+Three shapes of job: invalid (nothing runs), finished (Succeeded or Failed) and live; one function
+each. A quota refusal reported by apply is an input of ``active_status``, so no other code writes
+status. Events that mark a change of state (admitted, suspended, resumed, invalid spec) are derived
+by comparing the old and the new status, never decided a second time.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from polyrl_operator.api import PolicyStatus, RLJob, RLJobStatus, RoleCounts, Staleness
+from polyrl_operator.api.progress import EvalProgress, Progress
+from polyrl_operator.api.status import ConditionType, EvalStatus, Phase
+from polyrl_operator.planning.conditions import Setting, clip, get_condition, rfc3339, set_conditions
+from polyrl_operator.planning.lifecycle import Verdict
+from polyrl_operator.planning.pods import empty_pod_plan
+from polyrl_operator.planning.types import Event, PodPlan, QuotaRefusal, StatusInputs
+
+SUMMARY_LIMIT = 4096
+"""The CRD's maxLength of status.policySummary."""
+
+
+def policy_statuses(
+    job: RLJob, old: RLJobStatus, progress: Progress | None, pods: PodPlan
+) -> list[PolicyStatus]:
+    """Each policy's progress (from the report, else as last written) and its pod counts."""
+    previous = {p.name: p for p in old.policies or []}
+    out = []
+    for p in job.spec.policies:
+        entry = previous.get(p.name) or PolicyStatus(name=p.name)
+        prog = progress.policy(p.name) if progress is not None else None
+        if prog is not None:
+            entry = entry.model_copy(
+                update={
+                    "version": prog.version,
+                    "step": prog.step,
+                    "reward_mean": prog.reward_mean if prog.reward_mean is not None else entry.reward_mean,
+                    "staleness": (
+                        Staleness(mean=prog.staleness.mean, max=prog.staleness.max)
+                        if prog.staleness is not None
+                        else entry.staleness
+                    ),
+                    "last_checkpoint_step": (
+                        prog.last_checkpoint_step
+                        if prog.last_checkpoint_step is not None
+                        else entry.last_checkpoint_step
+                    ),
+                    "evaluation": eval_status(prog.evaluation) or entry.evaluation,
+                }
+            )
+        out.append(
+            entry.model_copy(
+                update={
+                    "rollout": RoleCounts(
+                        desired=pods.desired[(p.name, "rollout")], ready=pods.ready[(p.name, "rollout")]
+                    ),
+                    "trainer": RoleCounts(
+                        desired=pods.desired[(p.name, "trainer")], ready=pods.ready[(p.name, "trainer")]
+                    ),
+                }
+            )
+        )
+    return out
+
+
+def eval_status(ev: EvalProgress | None) -> EvalStatus | None:
+    """The status form of a policy's latest evaluation pass in the report."""
+    if ev is None:
+        return None
+    return EvalStatus(step=ev.step, reward_mean=ev.reward_mean, pass_at_k=ev.pass_at_k, k=ev.k)
+
+
+def policy_summary(policies: list[PolicyStatus]) -> str:
+    """``speaker:v41 listener:v40``: what the ``Policies`` printer column shows."""
+    return clip(" ".join(f"{p.name}:v{p.version}" for p in policies), SUMMARY_LIMIT)
+
+
+def _with_policies(status: RLJobStatus, policies: list[PolicyStatus], step: int) -> RLJobStatus:
+    return status.model_copy(
+        update={"policies": policies, "policy_summary": policy_summary(policies), "step": step}
+    )
+
+
+def invalid_status(old: RLJobStatus, message: str, generation: int | None, now: datetime) -> RLJobStatus:
+    """The spec cannot run: Failed with reason InvalidSpec and the message naming the field."""
+    message = clip(message)
+    reason = "InvalidSpec"
+    conditions = set_conditions(
+        old.conditions,
+        {
+            "Admitted": (False, reason, message),
+            "Ready": (False, reason, message),
+            "Progressing": (False, reason, message),
+            "Suspended": (False, reason, ""),
+            "Succeeded": (False, reason, ""),
+            "Failed": (True, reason, message),
+            "QuotaExceeded": (False, reason, ""),
+        },
+        generation=generation,
+        now=now,
+    )
+    return old.model_copy(
+        update={
+            "phase": "Failed",
+            "observed_generation": generation,
+            "message": clip(f"invalid spec: {message}"),
+            "conditions": conditions,
+            "step": old.step or 0,
+            "policy_summary": old.policy_summary or "",
+        }
+    )
+
+
+def finished_status(
+    job: RLJob,
+    old: RLJobStatus,
+    *,
+    verdict: Verdict | None,
+    progress: Progress | None,
+    generation: int | None,
+    now: datetime,
+) -> RLJobStatus:
+    """Succeeded or Failed: ``verdict`` when it finished just now, else as ``old`` recorded it.
+
+    The step of a Succeeded job is its final step (the largest over its policies, from the final
+    report), not the last value read while it ran."""
+    status = old.model_copy(update={"observed_generation": generation})
+    values: dict[ConditionType, Setting] = {}
+    if verdict is not None and verdict.kind != "restart":
+        won = verdict.kind == "Succeeded"
+        status = status.model_copy(
+            update={"phase": verdict.kind, "completion_time": rfc3339(now), "message": clip(verdict.message)}
+        )
+        values["Succeeded"] = (won, verdict.reason if won else "NotSucceeded", verdict.message if won else "")
+        values["Failed"] = (not won, "NotFailed" if won else verdict.reason, "" if won else verdict.message)
+    succeeded = status.phase == "Succeeded"
+    message = status.message or ""
+    values |= {
+        "Admitted": (False, "Finished", ""),
+        "Ready": (False, "Finished", message),
+        "Progressing": (False, "Succeeded" if succeeded else "Failed", message),
+        "Suspended": (False, "Finished", ""),
+        "QuotaExceeded": (False, "Finished", ""),
+    }
+    conditions = set_conditions(status.conditions, values, generation=generation, now=now)
+    policies = policy_statuses(job, status, progress, empty_pod_plan(job))
+    steps = [p.step for p in policies]
+    step = (max(steps) if succeeded else min(steps)) if steps else 0
+    status = status.model_copy(update={"conditions": conditions, "workflow": RoleCounts()})
+    return _with_policies(status, policies, step)
+
+
+def active_status(inputs: StatusInputs, refusal: QuotaRefusal | None = None) -> RLJobStatus:
+    """The status of a job that is neither finished nor invalid.
+
+    ``refusal``: apply's report that the API server refused a pod for quota; when the pod was one
+    the job cannot run without, the job's pods were removed and it waits (phase Pending)."""
+    old, now, job = inputs.old, inputs.now, inputs.job
+    stop = inputs.stop_reason
+    pods = inputs.pods
+    quota = inputs.quota_message
+    if refusal is not None:
+        quota = refusal.message
+        if refusal.required:
+            stop, pods = "QuotaExceeded", empty_pod_plan(job)
+    policies = policy_statuses(job, old, inputs.progress, pods)
+    steps = [p.step for p in policies]
+    step = min(steps) if steps else 0
+    quota_now = (
+        stop == "QuotaExceeded" or refusal is not None or (quota is not None and not pods.all_required_exist)
+    )
+    ready = stop is None and pods.ready_enough
+    step_msg = f"step {step}/{job.spec.training.total_steps}"
+    adm = inputs.admission
+    phase: Phase
+    if stop in ("Suspended", "Evicted"):
+        phase = "Suspended"
+        suspended = not pods.any_live
+        reason = stop if suspended else "Suspending"
+        if not suspended:
+            msg = pods.stop_message
+        elif stop == "Suspended":
+            msg = "suspended: pods deleted, status kept"
+        else:
+            msg = f"evicted by Kueue: {adm.message}"
+        sus: Setting = (suspended, reason, msg)
+        prog: Setting = (False, stop, msg)
+    else:
+        was = get_condition(old, "Suspended")
+        sus = (False, "Resumed" if was is not None and was.status == "True" else "NotSuspended", "")
+        if stop == "DeadlineExceeded":
+            phase, msg = "Running", f"deadline exceeded: {pods.stop_message}"
+            prog = (False, stop, msg)
+        elif stop is not None:
+            phase = "Pending"
+            msg = f"waiting for quota: {quota}" if stop == "QuotaExceeded" else adm.message
+            prog = (False, stop, msg)
+        elif ready:
+            phase, msg = "Running", f"training: {step_msg}"
+            prog = (True, "Training", step_msg)
+        else:
+            phase = "Admitted" if pods.all_required_exist else "Pending"
+            msg = pods.wait_message or "starting pods"
+            prog = (True, "Starting", msg)
+    admitted: Setting = (adm.admitted, adm.reason, adm.message)
+    if adm.admitted and quota_now:
+        admitted = (False, "QuotaExceeded", quota or "")
+    conditions = set_conditions(
+        old.conditions,
+        {
+            "Admitted": admitted,
+            "Ready": (
+                ready,
+                "PodsReady" if ready else (stop or pods.not_ready_reason),
+                "all roles have their pods ready" if ready else msg,
+            ),
+            "Progressing": prog,
+            "Suspended": sus,
+            "Succeeded": (False, "NotSucceeded", ""),
+            "Failed": (False, "NotFailed", ""),
+            "QuotaExceeded": (
+                quota_now,
+                "QuotaExceeded" if quota_now else "WithinQuota",
+                (quota or "") if quota_now else "",
+            ),
+        },
+        generation=inputs.generation,
+        now=now,
+    )
+    start = old.start_time
+    if start is None and stop is None:
+        start = rfc3339(now)
+    status = old.model_copy(
+        update={
+            "phase": phase,
+            "observed_generation": inputs.generation,
+            "restarts": inputs.restarts,
+            "conditions": conditions,
+            "workflow": RoleCounts(
+                desired=pods.desired[("", "workflow")], ready=pods.ready[("", "workflow")]
+            ),
+            "start_time": start,
+            "completion_time": None,
+            "message": clip(msg),
+        }
+    )
+    return _with_policies(status, policies, step)
+
+
+def transition_events(old: RLJobStatus, new: RLJobStatus) -> tuple[Event, ...]:
+    """Events for changes of state seen between two statuses (each recorded once per change)."""
+    events: list[Event] = []
+    failed, was_failed = get_condition(new, "Failed"), get_condition(old, "Failed")
+    if failed is not None and failed.status == "True" and failed.reason == "InvalidSpec":
+        if not (
+            was_failed is not None
+            and was_failed.reason == "InvalidSpec"
+            and was_failed.message == failed.message
+        ):
+            events.append(Event("Warning", "InvalidSpec", failed.message))
+        return tuple(events)
+    adm, was_adm = get_condition(new, "Admitted"), get_condition(old, "Admitted")
+    newly = was_adm is None or was_adm.status != "True"
+    if adm is not None and adm.status == "True" and adm.reason == "Admitted" and newly:
+        events.append(Event("Normal", "Admitted", adm.message))
+    same = (
+        was_adm is not None
+        and adm is not None
+        and (was_adm.reason, was_adm.message) == (adm.reason, adm.message)
+    )
+    if adm is not None and adm.reason == "PriorityNotFound" and not same:
+        events.append(Event("Warning", "PriorityNotFound", adm.message))
+    sus, was_sus = get_condition(new, "Suspended"), get_condition(old, "Suspended")
+    if sus is not None and sus.reason in ("Suspended", "Evicted", "Suspending"):
+        if was_sus is None or was_sus.reason != sus.reason:
+            progressing = get_condition(new, "Progressing")
+            evicted = progressing is not None and progressing.reason == "Evicted"
+            events.append(Event("Warning" if evicted else "Normal", sus.reason, sus.message))
+    elif was_sus is not None and was_sus.status == "True" and sus is not None and sus.status == "False":
+        events.append(
+            Event("Normal", "Resumed", "recreating pods; the runtime resumes from the last checkpoint")
+        )
+    return tuple(events)
