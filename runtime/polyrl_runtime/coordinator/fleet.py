@@ -25,6 +25,7 @@ from polyrl_operator.api import Policy, RLJob
 from polyrl_runtime.config import resource_name
 from polyrl_runtime.cpusets import role_env
 from polyrl_runtime.engines.api import EngineStats
+from polyrl_runtime.engines.vllm_api import actor_options as vllm_actor_options
 
 log = structlog.get_logger(__name__)
 
@@ -127,6 +128,7 @@ class Fleet:
             seed=self.spec.training.seed + next(self._ids),
             dtype=policy.model.dtype,
             trust_remote_code=policy.model.trust_remote_code,
+            **(vllm_actor_options(self.spec, policy) if policy.rollout.engine == "vllm" else {}),
         )
         slot = Slot(name, handle, policy=policy.name)
         self._refill(policy.name, "rollout")

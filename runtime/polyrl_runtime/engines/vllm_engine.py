@@ -1,13 +1,22 @@
-"""`engine: vllm` — the rollout engine for GPU pods, an adapter around vLLM's async engine.
+"""`engine: vllm` — the rollout engine for GPU pods: an adapter around vLLM's v1 `AsyncLLM`.
 
-Same actor interface as the torch engine (`engines.api`). Generation goes through vLLM (continuous
-batching, paged attention, prefix caching) with `allowed_token_ids` for constrained decoding and one
-logprob per sampled token. Weight updates arrive through the job's weight-sync transport into a
-staging copy shaped like the trainer's (Hugging Face) state dict, then go into the running model in
-place with vLLM's own `model.load_weights` on every worker (`collective_rpc`), between two scheduler
-steps: vLLM maps checkpoint names to its fused layers itself. An update holds new requests back and
-waits for the running ones, so no request spans two versions; each token records the version that
-produced it.
+Same actor interface as the torch engine (`engines.api`). The engine is built from `AsyncEngineArgs`
+(`vllm_api.engine_args`: `rollout.gpus` as the tensor-parallel size, `rollout.engineArgs` on top)
+with `logprobs_mode="processed_logprobs"`, so each token's behaviour logprob is the log-softmax of
+logits / temperature over the allowed tokens, what the trainer's loss recomputes. Prefix caching is on.
+
+A weight sync (`receive_weights`, one manifest from the trainer's collective sender):
+1. pause the scheduler between two steps, as `spec.weightSync.inflight` says: `keep` freezes running
+   requests, `wait` lets them finish on the old weights, `abort` ends them (re-issued here after);
+2. every worker receives the version straight into the served parameters (`vllm_worker.py`, called
+   by name through `collective_rpc`);
+3. reset the prefix cache, preempting kept requests so their KV is recomputed by the new weights;
+4. label the version in vLLM (`update_weight_version`), which records on each output token the
+   version that sampled it (`CompletionOutput.weight_versions`), then resume.
+New requests wait while a sync runs. A failure before any tensor reached the model resumes on the old
+version and raises `WeightSyncError` (the driver's sync-failed path). A failure after that leaves the
+weights mixed: the engine never serves again; it shuts vLLM down and exits its actor, so the driver
+sees an engine lost and replaces it.
 
 vLLM is not a dependency of the runtime: install the `gpu` extra (`polyrl-runtime[gpu]`) in GPU images.
 """
@@ -15,67 +24,27 @@ vLLM is not a dependency of the runtime: install the `gpu` extra (`polyrl-runtim
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import numpy as np
 import structlog
-import torch
 
+from polyrl_runtime.engines import vllm_api
 from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
+from polyrl_runtime.engines.vllm_worker import address_args, layout_args
 from polyrl_runtime.models import model_dir
-from polyrl_runtime.weights.api import SyncReport, WeightManifest
-from polyrl_runtime.weights.endpoints import EngineWeights
+from polyrl_runtime.weights.api import SyncReport, VersionError, WeightManifest, WeightSyncError
+from polyrl_runtime.weights.collective import GroupAddress
 
 log = structlog.get_logger(__name__)
 
 
-class StagingTarget:
-    """A `WeightTarget` whose tensors are allocated from the first manifest (the trainer's names and
-    shapes) and, after each complete write, handed to `apply(named_tensors)`."""
-
-    def __init__(self, apply: Any, device: str = "cpu") -> None:
-        self._apply = apply
-        self._device = device
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._version = -1
-
-    def prepare(self, manifest: WeightManifest) -> None:
-        specs = manifest.layout.specs
-        if {s.name for s in specs} != set(self._tensors) or any(
-            tuple(self._tensors[s.name].shape) != s.shape or self._tensors[s.name].dtype != s.dtype
-            for s in specs
-        ):
-            self._tensors = {s.name: torch.empty(s.shape, dtype=s.dtype, device=self._device) for s in specs}
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def named_tensors(self) -> Mapping[str, torch.Tensor]:
-        return self._tensors
-
-    @contextmanager
-    def paused(self, new_version: int) -> Iterator[None]:
-        yield
-        self._apply(self._tensors)
-        self._version = new_version
-
-
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker process (collective_rpc): in-place update of the served model."""
-    model = worker.model_runner.model
-    model.load_weights(weights=iter(weights))
-    return len(weights)
-
-
-class VllmEngine(EngineWeights):
+class VllmEngine:
     def __init__(
         self,
         name: str,
@@ -83,85 +52,102 @@ class VllmEngine(EngineWeights):
         model_uri: str,
         *,
         transport: str = "collective",
-        transport_kwargs: dict[str, Any] | None = None,
+        transport_kwargs: Mapping[str, Any] | None = None,
         seed: int = 0,
         dtype: str = "auto",
         trust_remote_code: bool = False,
-        gpu_memory_utilization: float = 0.85,
-        max_model_len: int | None = None,
-        **engine_args: Any,
+        gpus: int = 1,
+        engine_args: Mapping[str, Any] | None = None,
+        inflight: str = "keep",
+        policy_path: str = "rollout",
     ) -> None:
+        self.name, self.policy = name, policy
+        if transport != "collective":
+            raise ValueError(
+                f"{name}: engine vllm receives weights through the collective transport (NCCL); "
+                f"spec.weightSync.transport is {transport!r}: set it to collective or auto"
+            )
+        if inflight not in vllm_api.INFLIGHT_MODES:
+            raise ValueError(
+                f"spec.weightSync.inflight: {inflight!r} is not one of {vllm_api.INFLIGHT_MODES}"
+            )
+        kwargs = vllm_api.engine_args(
+            str(model_dir(model_uri)),
+            gpus=gpus,
+            dtype=dtype,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            extra=engine_args,
+            policy_path=policy_path,
+        )
         try:
-            self._vllm: Any = importlib.import_module("vllm")
+            engine_args_cls = vllm_api.load("AsyncEngineArgs")
+            llm_cls = vllm_api.load("AsyncLLM")
+            self._sampling_cls = vllm_api.load("SamplingParams")
         except ImportError as e:
             raise RuntimeError(
                 f"{name}: engine vllm needs vLLM installed (polyrl-runtime[gpu]); use engine torch on CPU"
             ) from e
-        self.name, self.policy = name, policy
-        args = self._vllm.AsyncEngineArgs(
-            model=str(model_dir(model_uri)),
-            trust_remote_code=trust_remote_code,
-            dtype="bfloat16" if dtype == "auto" else dtype,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enable_prefix_caching=True,
-            **engine_args,
-        )
-        self.engine = self._vllm.AsyncLLMEngine.from_engine_args(args)
-        self.target = StagingTarget(
-            self._apply_weights, device="cuda" if torch.cuda.is_available() else "cpu"
-        )
-        self.init_weight_receiver(transport, self.target, **(transport_kwargs or {}))
+        log.info("vllm.starting", engine=name, tensor_parallel_size=kwargs["tensor_parallel_size"])
+        self._llm: Any = llm_cls.from_engine_args(engine_args_cls(**kwargs))
+        self._inflight = inflight
+        self._timeout_s = float((transport_kwargs or {}).get("timeout_s", 600.0))
+        self._version = -1
+        self._pauses = 0  # bumped as each sync pauses: a request it aborted (abort mode) is re-issued
+        self._retired = ""
+        self._sync_lock = asyncio.Lock()
+        self._open = asyncio.Event()  # cleared while a sync (or the driver's pause) holds new requests
+        self._open.set()
         self._ids = itertools.count()
-        self._unpaused = asyncio.Event()
-        self._unpaused.set()
         self._in_flight = self._queued = self._requests = self._tokens = 0
         self._busy_s = 0.0
 
-    def _apply_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        weights = list(tensors.items())
-        rpc = getattr(self.engine, "collective_rpc", None) or self.engine.engine.collective_rpc
-        result = rpc(_load_weights_on_worker, args=(weights,))
-        if asyncio.iscoroutine(result):
-            raise RuntimeError("collective_rpc must be synchronous here (called from the sync thread)")
-        log.info("vllm.weights_loaded", engine=self.name, tensors=len(weights))
+    # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        self._queued += 1
-        await self._unpaused.wait()
-        self._queued -= 1
-        self._in_flight += 1
-        self._requests += 1
-        version = self.target.version
-        sp = self._vllm.SamplingParams(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_tokens=params.max_new_tokens,
-            stop_token_ids=list(params.stop_ids) or None,
-            allowed_token_ids=list(params.allowed_ids) or None,
-            logprobs=0,
-            seed=params.seed,
-        )
-        start = time.perf_counter()
-        final: Any = None
-        try:
-            prompt = {"prompt_token_ids": list(prompt_ids)}
-            async for out in self.engine.generate(prompt, sp, f"{self.name}-{next(self._ids)}"):
-                final = out
-        finally:
-            self._in_flight -= 1
-            self._busy_s += time.perf_counter() - start
-        completion = final.outputs[0]
+        sampling = self._sampling_cls(**vllm_api.sampling_kwargs(params))
+        while True:
+            if not self._open.is_set():
+                self._queued += 1
+                try:
+                    await self._open.wait()
+                finally:
+                    self._queued -= 1
+            if self._retired:
+                raise WeightSyncError(f"{self.name}: retired ({self._retired})")
+            version, pauses = self._version, self._pauses
+            self._in_flight += 1
+            self._requests += 1
+            start = time.perf_counter()
+            final: Any = None
+            try:
+                prompt = {"prompt_token_ids": list(prompt_ids)}
+                async for out in self._llm.generate(prompt, sampling, f"{self.name}-{next(self._ids)}"):
+                    final = out
+            finally:
+                self._in_flight -= 1
+                self._busy_s += time.perf_counter() - start
+            completion = final.outputs[0]
+            reason, stop_str = vllm_api.finish_reason(completion.finish_reason, completion.stop_reason)
+            if reason == "abort" and self._inflight == "abort" and self._pauses != pauses:
+                continue  # ended by a weight update in abort mode: issue it again on the new weights
+            return self._generation(completion, reason, stop_str, version)
+
+    def _generation(self, completion: Any, reason: str, stop_str: str, version: int) -> Generation:
         ids = list(completion.token_ids)
-        lps = [float(step[tok].logprob) for step, tok in zip(completion.logprobs or [], ids, strict=True)]
+        lps = []
+        for step, tok in zip(completion.logprobs or [], ids, strict=True):
+            entry = step[tok]
+            lps.append(float(entry.logprob))
+        spans = [(span.version, span.start, span.end) for span in completion.weight_versions or ()]
         self._tokens += len(ids)
         return Generation(
             np.asarray(ids, dtype=np.int32),
             np.asarray(lps, dtype=np.float32),
-            np.full(len(ids), version, dtype=np.int32),
-            "stop" if completion.finish_reason == "stop" else "length",
+            np.asarray(vllm_api.token_versions(spans, len(ids), version), dtype=np.int32),
+            reason,
             self.name,
+            stop_str,
         )
 
     async def generate_many(self, requests: list[Request]) -> AsyncIterator[list[Answer]]:
@@ -170,38 +156,136 @@ class VllmEngine(EngineWeights):
         async for answers in stream_generations(self.generate, requests):
             yield answers
 
-    async def receive_weights(self, manifest: WeightManifest) -> SyncReport:  # type: ignore[override]
-        self.target.prepare(manifest)
-        self._unpaused.clear()  # new requests wait; running ones finish on the old weights
+    # -- weights -------------------------------------------------------------------------------
+
+    async def receive_weights(self, manifest: WeightManifest) -> SyncReport:
+        if self._retired:
+            raise WeightSyncError(f"{self.name}: retired ({self._retired})")
+        if not isinstance(manifest.handle, GroupAddress):
+            raise WeightSyncError(
+                f"{self.name}: manifest of transport {manifest.transport!r}, not collective"
+            )
+        async with self._sync_lock:
+            return await self._receive(manifest)
+
+    async def _receive(self, manifest: WeightManifest) -> SyncReport:
+        start = time.perf_counter()
+        if manifest.version < self._version:
+            # Still drain the broadcast: leaving would hang the sender and the other engines.
+            await self._rpc(manifest, apply=False)
+            raise VersionError(
+                f"{manifest.policy}: update to version {manifest.version} is older than {self.name}'s "
+                f"{self._version}"
+            )
+        apply = manifest.version != self._version  # a resend to a current engine is drained only
+        pause_start = time.perf_counter()
+        if apply:
+            self._open.clear()
+            self._pauses += 1
+            log.info("vllm.pausing", engine=self.name, mode=self._inflight, version=manifest.version)
+            await self._llm.pause_generation(mode=self._inflight, clear_cache=False)
         try:
-            while self._in_flight:
-                await asyncio.sleep(0.005)
-            return await asyncio.to_thread(EngineWeights.receive_weights, self, manifest)
+            written = await self._rpc(manifest, apply=apply)
+        except BaseException as e:
+            # Only a failure the workers reported before loading anything keeps the old version
+            # serving; anything else (loaded, RPC failed or timed out, cancelled) is of unknown extent.
+            if not isinstance(e, WeightSyncError) or isinstance(e, WeightsMixedError):
+                await self._retire(f"{type(e).__name__}: {e}")
+            if apply:
+                await self._llm.resume_generation()
+                self._open.set()
+            raise
+        if not apply:
+            return self._report(manifest, start, 0.0, applied=False)
+        try:
+            await self._llm.reset_prefix_cache(reset_running_requests=True)
+            await self._llm.update_weight_version(new_version=str(manifest.version))
+        except BaseException as e:
+            await self._retire(f"weights of version {manifest.version} loaded, then: {e}")
+            raise
+        self._version = manifest.version
+        await self._llm.resume_generation()
+        self._open.set()
+        pause = time.perf_counter() - pause_start
+        log.info(
+            "vllm.weights_applied", engine=self.name, version=manifest.version, tensors=written, pause_s=pause
+        )
+        return self._report(manifest, start, pause, applied=True)
+
+    async def _rpc(self, manifest: WeightManifest, *, apply: bool) -> int:
+        """Run the worker extension on every worker; the number of tensors loaded, or raise."""
+        log.info("vllm.receiving", engine=self.name, version=manifest.version, bytes=manifest.nbytes)
+        results = await self._llm.collective_rpc(
+            "polyrl_receive_version",
+            timeout=self._timeout_s + 60.0,
+            kwargs={
+                "address": address_args(manifest.handle),
+                "layout": layout_args(manifest.layout),
+                "timeout_s": self._timeout_s,
+                "apply": apply,
+            },
+        )
+        errors = [r for r in results if r.get("error")]
+        if any(r.get("written") for r in errors):
+            raise WeightsMixedError(f"{manifest.policy} version {manifest.version}: {errors[0]['error']}")
+        if errors:
+            raise WeightSyncError(f"{manifest.policy} version {manifest.version}: {errors[0]['error']}")
+        return int(results[0]["tensors"])
+
+    async def _retire(self, reason: str) -> None:
+        """The served weights are mixed: never serve again. Requests waiting here fail; vLLM shuts
+        down and the actor exits, which the driver handles as a lost engine (it starts another)."""
+        self._retired = reason
+        log.error("vllm.retired", engine=self.name, reason=reason)
+        self._open.set()
+        try:
+            self._llm.shutdown()
         finally:
-            self._unpaused.set()
+            os._exit(1)  # the caller's call fails as an actor death: the driver's engine-lost path
+
+    def _report(self, manifest: WeightManifest, start: float, pause: float, *, applied: bool) -> SyncReport:
+        return SyncReport(
+            policy=manifest.policy,
+            version=manifest.version,
+            transport=manifest.transport,
+            nbytes=manifest.nbytes if applied else 0,
+            num_tensors=len(manifest.layout.specs),
+            num_buckets=len(manifest.layout.buckets),
+            control_messages=1,
+            wall_s=time.perf_counter() - start,
+            pause_s=pause,
+            applied=applied,
+        )
+
+    # -- control -------------------------------------------------------------------------------
 
     async def pause(self) -> None:
-        self._unpaused.clear()
+        self._open.clear()
 
     async def resume(self) -> None:
-        self._unpaused.set()
+        if not self._sync_lock.locked():
+            self._open.set()
 
     def weight_version(self) -> int:
-        return self.target.version
+        return self._version
 
     def stats(self) -> EngineStats:
         return EngineStats(
             engine=self.name,
             policy=self.policy,
-            version=self.target.version,
+            version=self._version,
             in_flight=self._in_flight + self._queued,
             queued=self._queued,
             busy_s=self._busy_s,
             requests=self._requests,
             tokens=self._tokens,
-            paused=not self._unpaused.is_set(),
-            extra={"pod": os.environ.get("POLYRL_POD_NAME", "")},
+            paused=not self._open.is_set(),
+            extra={"pod": os.environ.get("POLYRL_POD_NAME", ""), "retired": self._retired},
         )
 
     def ping(self) -> str:
         return self.name
+
+
+class WeightsMixedError(WeightSyncError):
+    """Part of a version reached the served model before the sync failed."""

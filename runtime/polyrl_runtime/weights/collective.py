@@ -150,7 +150,7 @@ def broadcast_ops(layout: BucketLayout, direct_min: int = DIRECT_MIN) -> list[Br
     return ops
 
 
-def _broadcast(group: Any, t: torch.Tensor) -> Any:
+def broadcast(group: Any, t: torch.Tensor) -> Any:
     opts = BroadcastOptions()
     opts.rootRank = 0
     return group.broadcast([t], opts)
@@ -165,7 +165,7 @@ def abort_key(generation: int) -> str:
     return f"polyrl/weights/g{generation}/abort"
 
 
-def _rank_key(generation: int) -> str:
+def rank_key(generation: int) -> str:
     """The store counter engines take their ranks (1..n) from."""
     return f"polyrl/weights/g{generation}/rank"
 
@@ -182,7 +182,7 @@ def await_members(
     their ranks are alive and joining; building the group then takes milliseconds.
     """
     deadline = time.monotonic() + timeout.total_seconds()
-    while (joined := int(store.add(_rank_key(generation), 0))) < receivers:
+    while (joined := int(store.add(rank_key(generation), 0))) < receivers:
         if aborted():
             raise WeightSyncError(f"the sync was aborted while engines joined group generation {generation}")
         if time.monotonic() > deadline:
@@ -193,7 +193,7 @@ def await_members(
         time.sleep(0.002)
 
 
-def _wait(work: Any, aborted: Callable[[], bool], backend: str) -> None:
+def wait_work(work: Any, aborted: Callable[[], bool], backend: str) -> None:
     """Wait for one broadcast; on gloo, give up when `aborted()` says so.
 
     gloo forwards a broadcast through its members, so one that died can leave the others waiting
@@ -317,7 +317,7 @@ class CollectiveSender(WeightSender):
     def release_source(self) -> None:
         """The caller is about to change the published tensors: finish sending them, then forget them.
 
-        A failed send keeps its error for the next `wait()` (the driver's, or the next publish's).
+        A failed send keeps its error for the next `wait_work()` (the driver's, or the next publish's).
         """
         with self._lock:
             if self._thread is not None:
@@ -381,7 +381,7 @@ class CollectiveSender(WeightSender):
     def _send(self, plan: _Plan) -> None:
         try:
             self._broadcast_plan(plan)
-        except BaseException as e:  # re-raised in wait(), on the caller's thread
+        except BaseException as e:  # re-raised in wait_work(), on the caller's thread
             # A traceback's frames keep their locals alive, the group and its pending work among them.
             traceback.clear_frames(e.__traceback__)
             self._error = e
@@ -398,18 +398,18 @@ class CollectiveSender(WeightSender):
         for data, copies, slot in plan:
             if copies is not None:
                 if in_use[slot] is not None:
-                    _wait(in_use[slot], self._abort.is_set, self.backend)
+                    wait_work(in_use[slot], self._abort.is_set, self.backend)
                 run_copies(copies)
-            work = _broadcast(group, data)
+            work = broadcast(group, data)
             works.append(work)
             if slot >= 0:
                 in_use[slot] = work
         for w in works:
-            _wait(w, self._abort.is_set, self.backend)
+            wait_work(w, self._abort.is_set, self.backend)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def wait(self) -> None:
+    def wait_work(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -457,7 +457,7 @@ class CollectiveReceiver(WeightReceiver):
             if self._store is None or self._key is None or self._key[:2] != key[:2]:
                 self._store = TCPStore(address.host, address.port, None, False, self.timeout)
             # Ranks 1..n in arrival order; the sender is rank 0.
-            self.rank = int(self._store.add(_rank_key(address.generation), 1))
+            self.rank = int(self._store.add(rank_key(address.generation), 1))
             if self.rank >= address.world_size:
                 raise WeightSyncError(
                     f"more engines joined group generation {address.generation} than its "
@@ -489,10 +489,10 @@ class CollectiveReceiver(WeightReceiver):
         staging = self._staging.buffer(layout, target, device)
         try:
             group = self._ensure_group(address)
-            works = [_broadcast(group, piece) for piece in self._pieces(layout, staging)]
+            works = [broadcast(group, piece) for piece in self._pieces(layout, staging)]
             key = abort_key(address.generation)
             for w in works:
-                _wait(w, lambda: bool(self._store.check([key])), address.backend)
+                wait_work(w, lambda: bool(self._store.check([key])), address.backend)
         except WeightSyncError as e:
             self._key = None
             raise WeightSyncError(f"{manifest.policy}: version {manifest.version}: {e}") from e

@@ -339,15 +339,15 @@ class _Work:
 
 
 def test_collective_wait_tells_a_slice_from_a_failure() -> None:
-    from polyrl_runtime.weights.collective import _wait
+    from polyrl_runtime.weights.collective import wait_work
 
     done = _Work(slices=3)
-    _wait(done, lambda: False, "gloo")  # slices that ran out, even as the op completed, are not errors
+    wait_work(done, lambda: False, "gloo")  # slices that ran out, even as the op completed, are not errors
     assert done.waits == 4
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        _wait(_Work(slices=1, error="Connection closed by peer"), lambda: False, "gloo")
+        wait_work(_Work(slices=1, error="Connection closed by peer"), lambda: False, "gloo")
     with pytest.raises(WeightSyncError, match="aborted"):
-        _wait(_Work(slices=10**9), lambda: True, "gloo")
+        wait_work(_Work(slices=10**9), lambda: True, "gloo")
 
 
 def test_collective_members_wait_for_each_other_interruptibly() -> None:
