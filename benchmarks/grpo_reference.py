@@ -11,6 +11,7 @@ same `see:D` text) and use the same batch, group size and learning rate.
     .venv/bin/python benchmarks/grpo_reference.py --steps 20 --episodes 32 --seeds 1
     .venv/bin/python benchmarks/grpo_reference.py --only polyrl --set advantageNorm='"none"'
     .venv/bin/python benchmarks/grpo_reference.py --dtype bfloat16 --first-seed 3 --seeds 1
+    .venv/bin/python benchmarks/grpo_reference.py --dtype bfloat16 --only reference --reference-trainer polyrl
 
 prints per seed the last-10 success of each and the ratio polyrl / reference, then the means.
 """
@@ -62,8 +63,14 @@ class Task:
         return d[(d.index(digit) + self.shift) % len(d)]
 
 
-def reference_run(task: Task, seed: int, model_uri: str = MODEL, dtype: str = "float32") -> list[float]:
-    """Per-step success (before that step's update) of the plain loop."""
+def reference_run(
+    task: Task, seed: int, model_uri: str = MODEL, dtype: str = "float32", trainer: str = "torch"
+) -> list[float]:
+    """Per-step success (before that step's update) of the plain loop. `trainer="polyrl"` keeps the
+    loop's sampling and data but trains with polyrl's own parts (`PolyrlUpdate`): it separates the
+    trainer's numerics from everything else polyrl does (engine, weight sync, workflow, driver)."""
+    if trainer == "polyrl":
+        return _reference_with_polyrl_trainer(task, seed, model_uri, dtype)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = load_tokenizer(model_uri)
@@ -88,6 +95,81 @@ def reference_run(task: Task, seed: int, model_uri: str = MODEL, dtype: str = "f
         opt.step()
         history.append(float(reward.mean()))
     return history
+
+
+def _reference_with_polyrl_trainer(task: Task, seed: int, model_uri: str, dtype: str) -> list[float]:
+    """The plain loop's sampling and data, trained by polyrl's DeepSpeed trainer as `build_trainer`
+    makes it (ZeRO 1, clipping, bf16 master weights where the model is bf16), with polyrl's chunked
+    log-probabilities, per-policy advantages of group-relative signals and its policy loss."""
+    import numpy as np
+
+    from polyrl_operator.api import Policy
+    from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages
+    from polyrl_runtime.algorithms.losses import LossConfig, TokenBatch, policy_loss, sequence_logprobs
+    from polyrl_runtime.trainers.build import build_trainer
+
+    _world_of_one()
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = load_tokenizer(model_uri)
+    policy = Policy.model_validate(
+        {
+            "name": "agent",
+            "model": {"uri": model_uri, "dtype": dtype},
+            "algorithm": {"name": "grpo", "groupSize": task.group, "lr": task.lr},
+            "rollout": {"engine": "torch", "gpus": 0},
+            "trainer": {"zeroStage": 1, "gpus": 0, "microBatchSize": task.episodes},
+        }
+    )
+    engine = build_trainer(
+        policy, seed=0, cuda=False, device=torch.device("cpu"), total_steps=task.steps
+    ).engine
+    engine.train()
+    algo = policy.algorithm
+    cfg = LossConfig(algo.clip_eps, algo.is_cap, algo.kl_coef, algo.entropy_coef)
+    allowed = [tok.token_id(d) for d in task.digits]
+    allowed_np = np.array(allowed, np.int32)
+    prompts = {d: np.array(tok.encode(f"see:{d}", bos=True), np.int32) for d in task.digits}
+    history = []
+    for _ in range(task.steps):
+        seen = [d for _ in range(task.episodes // task.group) for d in [rng.choice(task.digits)] * task.group]
+        with torch.no_grad():
+            logits = engine(torch.from_numpy(np.stack([prompts[d] for d in seen])).long()).logits[:, -1]
+            probs = torch.softmax(logits[:, allowed].float(), dim=-1)
+        picks = torch.multinomial(probs, 1)[:, 0].tolist()
+        reward = torch.tensor(
+            [float(task.digits[i] == task.answer(d)) for i, d in zip(picks, seen, strict=True)]
+        )
+        groups = reward.view(-1, task.group)
+        signals = (groups - groups.mean(1, keepdim=True)).flatten()
+        adv = advantages(signals, algo.advantage_norm, AdvantageStats.of(signals))
+        batch = TokenBatch.build(
+            [prompts[d] for d in seen],
+            [np.array([allowed[i]], np.int32) for i in picks],
+            [allowed_np] * len(seen),
+        )
+        logp = sequence_logprobs(engine, batch)
+        loss, _ = policy_loss(logp, logp.detach(), logp.detach(), adv, batch.response_mask, cfg=cfg)
+        engine.backward(loss / len(seen))
+        engine.step()
+        history.append(float(reward.mean()))
+    return history
+
+
+def _world_of_one() -> None:
+    """A one-rank gloo group in this process, which DeepSpeed needs to build an engine."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from polyrl_runtime.netmap import free_port
+    from polyrl_runtime.trainers.ops import prepare_ops
+
+    if dist.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(LOCAL_RANK="0")
+    prepare_ops()
+    deepspeed.init_distributed(dist_backend="gloo")
 
 
 def polyrl_job(
@@ -155,6 +237,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", help="the model's dtype on both sides")
     ap.add_argument("--curves", action="store_true", help="print every step's success too")
     ap.add_argument(
+        "--reference-trainer",
+        choices=["torch", "polyrl"],
+        default="torch",
+        help="what trains the reference loop: torch AdamW, or polyrl's DeepSpeed trainer, log-probabilities, "
+        "advantages and loss (the trainer's numerics without the rest of polyrl)",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -174,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             line = f"seed {seed}:"
             if args.only != "polyrl":
                 t0 = time.perf_counter()
-                ref = reference_run(task, seed, MODEL, args.dtype)
+                ref = reference_run(task, seed, MODEL, args.dtype, args.reference_trainer)
                 ref_tails.append(tail(ref))
                 line += f" reference {ref_tails[-1]:.3f} ({time.perf_counter() - t0:.0f} s)"
                 if args.curves:

@@ -18,7 +18,6 @@ process reads its own environment.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib
 import json
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from polyrl_runtime.waiting import lock_deadline_s, locked
 
 log = structlog.get_logger(__name__)
 
@@ -287,8 +288,11 @@ def cached_copy(uri: str) -> Path:
         listing = {rel: [info.get("size"), info.get("ETag")] for rel, info in _objects(fs, uri).items()}
     if not listing:
         raise NotFoundError(f"{uri}: no objects under this prefix (no such bucket or key)")
-    with (objects_dir / f"{name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock_path = objects_dir / f"{name}.lock"
+    with (
+        lock_path.open("w") as lock,
+        locked(lock, lock_path, what=f"download of {uri}", deadline_s=lock_deadline_s()),
+    ):
         manifest = dest / _MANIFEST
         if manifest.is_file() and json.loads(manifest.read_text()) == listing:
             return dest

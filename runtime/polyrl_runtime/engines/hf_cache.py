@@ -1,18 +1,20 @@
 """Cached decoding of a Hugging Face causal LM for a batch whose rows come and go.
 
 The running batch's keys/values live in a transformers `DynamicCache` whose rows are left-padded to
-one width: row i's real tokens are the last `positions[i]` cached columns, `mask` marks them, and
-each decoding step appends one column to every row (the model gets the 2-D attention mask and the
-per-row position ids, as Hugging Face's own batched `generate` does with left padding). So a token
-costs one single-token forward step whatever its position: no sequence is recomputed.
+one width: row i's real tokens are the last `width - pad[i]` cached columns, and each decoding step
+appends one column to every row. The model gets the per-row position ids (`width - pad`) and, only
+while some row has padding, the 2-D attention mask built from `pad`, as Hugging Face's own batched
+`generate` does with left padding. So a token costs one single-token forward step whatever its
+position: no sequence is recomputed.
 
-Rows join by `concat` (a batch prefilled separately, both padded on the left to the wider width)
-and leave by `select`, which also drops the leading columns no remaining row uses; each copies the
-cache once, between two steps. Between joins and leaves a step writes its column in place into
-buffers with spare columns (`_GrowingLayer`), where transformers' `DynamicLayer` would copy the
-whole cache at every step. Every layer keeps full keys/values, also for models with sliding-window
-layers (their masks come from the model config, so the result is the same; only the memory is not
-bounded by the window).
+Rows join by `prefill` (the whole sequence in one forward pass, which also gives each row's next-token
+logits) and `concat` (both batches padded on the left to the wider width), and leave by `select`,
+which also drops the leading columns no remaining row uses; each copies the cache once, between two
+steps. Between joins and leaves a step writes its column in place into buffers with spare columns
+(`_GrowingLayer`), where transformers' `DynamicLayer` would copy the whole cache at every step, and
+touches no other per-row state: the padding is constant while the rows are. Every layer keeps full
+keys/values, also for models with sliding-window layers (their masks come from the model config, so
+the result is the same; only the memory is not bounded by the window).
 """
 
 from __future__ import annotations
@@ -87,44 +89,47 @@ def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
 
 @dataclass
 class BatchCache:
-    """Keys/values of `rows` sequences, left-padded to `width` columns (`cache` is None when the
-    width is 0: no row has a cached token yet)."""
+    """Keys/values of `rows` sequences, left-padded to `width` columns (`cache` is None when there
+    is no row)."""
 
     cache: DynamicCache | None
-    mask: torch.Tensor  # [rows, width] long: 1 where a real cached token sits
-    positions: torch.Tensor  # [rows] long: cached tokens per row = the next token's position id
-    # Whether some row has padding. Set when rows join or leave (a step appends a real column to
-    # every row); without padding the model gets no mask, which spares its mask construction.
+    pad: torch.Tensor  # [rows, 1] long: leading padding columns of each row (masked out)
+    width: int
+    # Whether some row has padding: fixed while the rows are (a step appends a real column to every
+    # row). Without padding the model gets no mask, which spares its mask construction.
     padded: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.padded = bool((self.mask == 0).any())
+        self.padded = bool((self.pad > 0).any())
 
     @classmethod
     def empty(cls, device: torch.device) -> BatchCache:
-        z = torch.zeros(0, 0, dtype=torch.long, device=device)
-        return cls(None, z, torch.zeros(0, dtype=torch.long, device=device))
+        return cls(None, torch.zeros(0, 1, dtype=torch.long, device=device), 0)
 
     @property
     def rows(self) -> int:
-        return int(self.mask.shape[0])
+        return int(self.pad.shape[0])
 
-    @property
-    def width(self) -> int:
-        return int(self.mask.shape[1])
+    def positions(self) -> torch.Tensor:
+        """[rows, 1] long: each row's cached tokens, which is its next token's position id."""
+        return self.width - self.pad
+
+    def mask(self, width: int) -> torch.Tensor:
+        """[rows, width] bool: True where a real token sits (the 2-D attention mask)."""
+        return torch.arange(width, device=self.pad.device) >= self.pad
 
     def _kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return _layers(self.cache) if self.cache is not None else []
 
     def select(self, rows: Sequence[int]) -> BatchCache:
         """These rows, in this order; leading columns that no kept row uses are dropped."""
-        idx = torch.tensor(list(rows), dtype=torch.long, device=self.mask.device)
-        mask = self.mask[idx]
-        used = mask.any(dim=0).nonzero()
-        start = int(used[0]) if used.numel() else self.width
+        if not rows:
+            return BatchCache.empty(self.pad.device)
+        idx = torch.tensor(list(rows), dtype=torch.long, device=self.pad.device)
+        pad = self.pad[idx]
+        start = int(pad.min())
         kv = [(k[idx, :, start:], v[idx, :, start:]) for k, v in self._kv()]
-        cache = _cache_of(kv) if kv and start < self.width else None
-        return BatchCache(cache, mask[:, start:], self.positions[idx])
+        return BatchCache(_cache_of(kv), pad - start, self.width - start)
 
     def concat(self, other: BatchCache) -> BatchCache:
         """This batch's rows followed by `other`'s."""
@@ -133,47 +138,31 @@ class BatchCache:
         if not self.rows:
             return other
         width = max(self.width, other.width)
-        mask = torch.cat([_pad_mask(self.mask, width), _pad_mask(other.mask, width)])
-        positions = torch.cat([self.positions, other.positions])
-        mine, theirs = self._kv(), other._kv()
-        if not mine and not theirs:
-            return BatchCache(None, mask, positions)
-        if not mine:  # width 0 so far: zeros of the other batch's layout
-            mine = [(_zeros_like(k, self.rows), _zeros_like(v, self.rows)) for k, v in theirs]
-        if not theirs:
-            theirs = [(_zeros_like(k, other.rows), _zeros_like(v, other.rows)) for k, v in mine]
+        pad = torch.cat([self.pad + (width - self.width), other.pad + (width - other.width)])
         kv = [
             (
                 torch.cat([_pad_left(k0, width), _pad_left(k1, width)]),
                 torch.cat([_pad_left(v0, width), _pad_left(v1, width)]),
             )
-            for (k0, v0), (k1, v1) in zip(mine, theirs, strict=True)
+            for (k0, v0), (k1, v1) in zip(self._kv(), other._kv(), strict=True)
         ]
-        return BatchCache(_cache_of(kv), mask, positions)
+        return BatchCache(_cache_of(kv), pad, width)
 
     def decode(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([rows] ids); returns [rows, vocab] next-token logits. The new
         tokens' keys/values join the cache."""
-        ones = torch.ones(self.rows, 1, dtype=torch.long, device=self.mask.device)
-        mask = torch.cat([self.mask, ones], dim=1)
-        cache = self.cache if self.cache is not None else DynamicCache()
+        if self.cache is None:
+            raise ValueError("decoding needs cached rows: prefill them first")
+        width = self.width + 1
         out = model(
             input_ids=ids[:, None],
-            attention_mask=mask if self.padded else None,
-            position_ids=self.positions[:, None],
-            cache=cache,
+            attention_mask=self.mask(width) if self.padded else None,
+            position_ids=self.positions(),
+            cache=self.cache,
             use_cache=True,
         )
-        self.cache, self.mask, self.positions = cache, mask, self.positions + 1
+        self.width = width
         return _logits(out)[:, -1]
-
-
-def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.cat([mask.new_zeros(mask.shape[0], width - mask.shape[1]), mask], dim=1)
-
-
-def _zeros_like(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return t.new_zeros(rows, t.shape[1], 0, t.shape[3])
 
 
 def _logits(out: Any) -> torch.Tensor:
@@ -182,28 +171,27 @@ def _logits(out: Any) -> torch.Tensor:
     return logits
 
 
-def prefill(model: torch.nn.Module, seqs: Sequence[Sequence[int]], pad_id: int = 0) -> BatchCache:
-    """Cache every token of each sequence (left-padded into one forward pass; empty sequences get
-    a row with no cached token)."""
+def prefill(
+    model: torch.nn.Module, seqs: Sequence[Sequence[int]], pad_id: int = 0
+) -> tuple[BatchCache, torch.Tensor]:
+    """Cache every token of each (non-empty) sequence, left-padded into one forward pass; returns
+    the cache and each row's next-token logits ([rows, vocab])."""
+    if not seqs or not all(seqs):
+        raise ValueError("prefill needs at least one sequence and no empty one")
     device = next(model.parameters()).device
-    width = max((len(s) for s in seqs), default=0)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    mask, ids = mask.to(device), ids.to(device)
-    positions = mask.sum(dim=1)
-    if width == 0:
-        return BatchCache(None, mask, positions)
+    width = max(len(s) for s in seqs)
+    pad = torch.tensor([[width - len(s)] for s in seqs], dtype=torch.long)
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long)
+    pad, ids = pad.to(device), ids.to(device)
+    mask = torch.arange(width, device=device) >= pad
+    padded = bool(mask.logical_not().any())
     cache = DynamicCache()
-    model(
+    out = model(
         input_ids=ids,
-        attention_mask=mask if any(len(s) < width for s in seqs) else None,
-        position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+        attention_mask=mask if padded else None,
+        position_ids=(torch.arange(width, device=device) - pad).clamp(min=0),
         cache=cache,
         use_cache=True,
-        logits_to_keep=1,  # the logits are not used: skip the [rows, width, vocab] projection
+        logits_to_keep=1,  # only the last position's logits: no [rows, width, vocab] projection
     )
-    return BatchCache(_cache_of(_layers(cache)), mask, positions)
+    return BatchCache(_cache_of(_layers(cache)), pad, width), _logits(out)[:, -1]

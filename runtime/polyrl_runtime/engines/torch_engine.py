@@ -8,10 +8,13 @@ records the version that produced it (partial rollouts, as in APRIL).
 
 Every model decodes with a KV cache: a request's sequence is prefilled once, then each step feeds
 one token per running request, so a token costs the same at any position. The built-in models keep
-their own `KVCache`; a Hugging Face causal LM keeps transformers' `DynamicCache`, left-padded
-(`engines/hf_cache.py`). Each request's cache row remembers which weights computed it; after a
-weight update the rows are prefilled again under the new weights before the next token, so every
-token is exactly what the new weights give for the whole sequence (as the trainer computes it).
+their own `KVCache` (prefilled with all but the last token, which the next decoding step feeds); a
+Hugging Face causal LM keeps transformers' `DynamicCache`, left-padded (`engines/hf_cache.py`),
+prefilled with the whole sequence, whose last position gives the next token, so a request of n
+tokens costs one prefill and n - 1 decoding steps, as in `model.generate`. Each request's cache row
+remembers which weights computed it; after a weight update the rows are prefilled again under the
+new weights before the next token, so every token is exactly what the new weights give for the
+whole sequence (as the trainer computes it). Steps run in `torch.inference_mode`.
 
 A reply ends at a stop id, a stop string (`engines/stops.py`; the tokenizer is loaded only when a
 request has stop strings), `max_new_tokens`, or the model's context limit (`max_position_embeddings`):
@@ -261,7 +264,8 @@ class TorchEngine(EngineWeights):
         if i != last:
             self._active[i] = self._active[last]
             if self._cache is not None:
-                self._cache.move(last, i)
+                with torch.inference_mode():  # `_step` may have grown the cache in it
+                    self._cache.move(last, i)
         self._active.pop()
         if not self._active:  # idle: free the Hugging Face cache now
             self._kv, self._kv_rows = BatchCache.empty(self.device), []
@@ -315,41 +319,51 @@ class TorchEngine(EngineWeights):
 
     def _hf_logits(self, batch: list[_Request]) -> tuple[list[_Request], torch.Tensor]:
         """`_logits` of a Hugging Face model: rows of finished requests and rows computed with other
-        weights leave the cache, new and stale requests are prefilled (all but their last token,
-        bucketed by length) and join it, then one decoding step feeds every row its last token."""
+        weights leave the cache; the cached rows (all but their last token cached) decode their last
+        token in one step; new and stale requests are prefilled whole (bucketed by length), which
+        gives their next-token logits too, and join the cache."""
         weights = self.target.updates  # under the serving lock: no update in between
         live = {id(r) for r in batch}
         keep = [i for i, r in enumerate(self._kv_rows) if id(r) in live and r.cached_weights == weights]
         if len(keep) != len(self._kv_rows):
             self._kv = self._kv.select(keep)
             self._kv_rows = [self._kv_rows[i] for i in keep]
+        parts = []
+        if self._kv_rows:
+            ids = torch.tensor([r.last_token() for r in self._kv_rows], device=self.device)
+            parts.append(self._kv.decode(self.model, ids))
+            self._forwards += 1
         cached = {id(r) for r in self._kv_rows}
-        for bucket in self._buckets([r for r in batch if id(r) not in cached], trim=1):
-            part = prefill(self.model, [(r.prompt + r.tokens)[:-1] for r in bucket], self._pad_id)
-            self._forwards += int(part.width > 0)
+        for bucket in self._buckets([r for r in batch if id(r) not in cached]):
+            part, logits = prefill(self.model, [r.prompt + r.tokens for r in bucket], self._pad_id)
+            self._forwards += 1
             self._kv = self._kv.concat(part)
             self._kv_rows.extend(bucket)
+            parts.append(logits)
             for r in bucket:
                 r.cached_weights = weights
-        ids = torch.tensor([r.last_token() for r in self._kv_rows], device=self.device)
-        self._forwards += 1
-        return list(self._kv_rows), self._kv.decode(self.model, ids).float().cpu()
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return list(self._kv_rows), logits.float().cpu()
 
     def _step(self, batch: list[_Request]) -> list[tuple[_Request, str]]:
         start, cpu = time.perf_counter(), time.thread_time()
-        with torch.no_grad(), self.target.serving() as version:
-            batch, logits = self._logits(batch)
-        # The step's own cost (CPU time: on a busy host the wall time includes waiting to be run)
-        self._last_step_s = time.thread_time() - cpu
-        self._busy_s += time.perf_counter() - start
-        tokens, logprobs = self._sample_batch(batch, logits)
+        # Inference mode, not just no_grad: no version counters or view tracking on any tensor op
+        # (about a tenth of the tiny Qwen2's decoding step on CPU). The tensors it creates (caches,
+        # logits) are written only in inference mode again (see `_retire`).
+        with torch.inference_mode():
+            with self.target.serving() as version:
+                batch, logits = self._logits(batch)
+            # The step's own cost (CPU time: on a busy host the wall time includes waiting to run)
+            self._last_step_s = time.thread_time() - cpu
+            self._busy_s += time.perf_counter() - start
+            tokens, logprobs = self._sample_batch(batch, logits)
+        self._tokens += len(batch)
         finished = []
         for r, tok, logprob in zip(batch, tokens, logprobs, strict=True):
             p = r.params
             r.tokens.append(tok)
             r.logprobs.append(logprob)
             r.versions.append(version)
-            self._tokens += 1
             if tok in p.stop_ids:
                 finished.append((r, "stop"))
             elif p.stop and (hit := find_stop(self._decode, r.tokens, p.stop)):
@@ -370,9 +384,9 @@ class TorchEngine(EngineWeights):
         if any(r.params.allowed_ids for r in batch):
             scaled = scaled + torch.stack([r.bias(logits.shape[-1]) for r in batch])
         lp = torch.log_softmax(scaled, dim=-1)
-        if all(r.params.temperature == 0 for r in batch):  # all greedy: argmax and gather, no lists
-            top = lp.argmax(dim=-1)
-            return top.tolist(), lp.gather(1, top[:, None])[:, 0].tolist()
+        if all(r.params.temperature == 0 for r in batch):  # all greedy: one max gives both
+            top_lp, top = lp.max(dim=-1)  # the first maximal id, as argmax
+            return top.tolist(), top_lp.tolist()
         # Plain sampling shares one draw over its rows and greedy rows one argmax. A seeded row (a
         # seed promises the same tokens whatever else is in the batch) draws its uniform number from
         # its own generator, then all seeded rows invert their CDFs at once; top-p rows are sampled

@@ -14,150 +14,56 @@ run at most `max_staleness` versions ahead, and in sync mode (max_staleness=0) e
 is generated per version; nor, for a policy with a `final_version`, final_version * episodes_per_version
 (no episode is started that no step will train on). A job-wide bound on resident episodes (tickets out + episodes with samples
 not yet consumed or dropped) keeps memory bounded whatever the producer/consumer speed ratio.
+
+The types are in state.py, the bookkeeping under the lock (drops, settling, requeues) in core.py,
+snapshots for checkpoints in snapshots.py; this module is the protocol producers and consumers use.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import structlog
 
 from polyrl_runtime.experience import columns
 from polyrl_runtime.experience.columns import Chunk, PackedEpisodes, Segment
-from polyrl_runtime.experience.types import Episode, Sample, SampleBatch, Ticket
+from polyrl_runtime.experience.core import BufferCore
+from polyrl_runtime.experience.snapshots import take_snapshot
+from polyrl_runtime.experience.state import (
+    BufferSnapshot,
+    DropReason,
+    Lease,
+    LeaseState,
+    PolicyConfig,
+    PolicyState,
+    PolicyStats,
+    UnknownLeaseError,
+    UnknownTicketError,
+)
+from polyrl_runtime.experience.types import Episode, Ticket
+
+__all__ = [
+    "BufferSnapshot",
+    "DropReason",
+    "ExperienceBuffer",
+    "Lease",
+    "PolicyConfig",
+    "PolicyStats",
+    "UnknownLeaseError",
+    "UnknownTicketError",
+]
 
 log = structlog.get_logger(__name__)
 
 
-class DropReason(StrEnum):
-    STALE = "stale"  # older than max_staleness versions behind the trainer
-    POLICY_FINISHED = "policy_finished"  # the policy's training is over
-    JOB_CANCELLED = "job_cancelled"
-
-
-class UnknownTicketError(KeyError):
-    """A put with a ticket that was never issued, already used, released, or voided by a restore."""
-
-
-class UnknownLeaseError(KeyError):
-    """An ack/nack of a lease that is not outstanding (already acked, redelivered, or voided)."""
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    name: str
-    episodes_per_version: int  # episodes one trainer step consumes (spec.training.episodesPerStep)
-    max_staleness: int = 0  # 0: sync mode
-    # The version the policy's training ends at (spec.training.totalSteps), None: open-ended. Credit
-    # never goes beyond the episodes its steps consume: in async mode the last steps would otherwise
-    # admit maxStaleness steps' worth of episodes that no step can train on (dropped as
-    # policy_finished: 112 samples per policy in the local example, a seventh of its last steps).
-    final_version: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.episodes_per_version < 1 or self.max_staleness < 0:
-            raise ValueError(f"{self.name}: episodes_per_version >= 1 and max_staleness >= 0 required")
-        if self.final_version is not None and self.final_version < 1:
-            raise ValueError(f"{self.name}: final_version >= 1 required (or None)")
-
-
-@dataclass(frozen=True)
-class Lease:
-    lease_id: int
-    policy: str
-    consumer: str
-    batch: SampleBatch
-
-
-@dataclass(frozen=True)
-class PolicyStats:
-    policy: str
-    version: int
-    buffered: int
-    leased: int
-    admitted: int
-    credit: int
-    produced: int
-    consumed: int
-    redelivered: int
-    dropped: dict[str, int]
-    staleness_mean: float
-    staleness_max: int
-    finished: bool
-
-
-@dataclass
-class _Policy:
-    cfg: PolicyConfig
-    version: int = 0
-    admitted: int = 0  # (episode, policy) pairs granted and not dropped
-    produced: int = 0
-    consumed: int = 0
-    redelivered: int = 0
-    dropped: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in DropReason})
-    staleness_sum: int = 0
-    staleness_max: int = 0
-    finished: bool = False
-    queue: deque[Segment] = field(default_factory=deque)  # row ranges of chunks, oldest first
-    buffered: int = 0  # rows in `queue`
-
-    def limit(self) -> int:
-        versions = self.version + self.cfg.max_staleness + 1
-        if self.cfg.final_version is not None:
-            versions = min(versions, self.cfg.final_version)
-        return versions * self.cfg.episodes_per_version
-
-    def credit(self) -> int:
-        return self.limit() - self.admitted
-
-
-@dataclass
-class _LeaseState:
-    policy: str
-    consumer: str
-    segments: list[Segment]
-    n: int  # rows in `segments`
-
-
-@dataclass(frozen=True)
-class BufferSnapshot:
-    """Everything not yet consumed, plus the counters; leases and tickets are not kept (see restore)."""
-
-    configs: tuple[PolicyConfig, ...]
-    capacity_episodes: int
-    policies: dict[str, dict[str, object]]
-    samples: dict[str, list[Sample]]
-    pairs: dict[tuple[str, str], tuple[int, int]]
-    cancelled: bool
-
-
-class ExperienceBuffer:
+class ExperienceBuffer(BufferCore):
     """All policies' buffers of one job. Thread-safe; blocking calls wait on a condition."""
-
-    def __init__(self, policies: Sequence[PolicyConfig], capacity_episodes: int) -> None:
-        if capacity_episodes < 1:
-            raise ValueError("capacity_episodes must be >= 1")
-        self.capacity_episodes = capacity_episodes
-        self._p = {c.name: _Policy(c) for c in policies}
-        self._cond = threading.Condition()
-        self._tickets: dict[int, Ticket] = {}
-        self._leases: dict[int, _LeaseState] = {}
-        # Episodes with a sample not yet final. Per (episode, policy) pair, each chunk counts the
-        # samples not yet final and those consumed: credit comes back when a pair ends with nothing
-        # consumed; an episode stays resident while any of its pairs is live.
-        self._live_episodes = 0
-        self._next_id = 1
-        self._cancelled = False
 
     # -- producers ---------------------------------------------------------------------------
 
-    def _policy(self, name: str) -> _Policy:
+    def _policy(self, name: str) -> PolicyState:
         try:
             return self._p[name]
         except KeyError:
@@ -208,7 +114,7 @@ class ExperienceBuffer:
             self._policy(name)
         out: list[Ticket] = []
         with self._cond:
-            if n < group or not self._wait(lambda: self._can_admit(names, group), timeout):
+            if n < group or not self.wait(lambda: self._can_admit(names, group), timeout):
                 return out
             k = min(n, self._admissible(names)) // group * group
             for name in names:
@@ -300,7 +206,7 @@ class ExperienceBuffer:
         p = self._policy(policy)
         with self._cond:
             if (
-                not self._wait(lambda: p.buffered > 0 or p.finished or self._cancelled, timeout)
+                not self.wait(lambda: p.buffered > 0 or p.finished or self._cancelled, timeout)
                 or not p.buffered
             ):
                 return None
@@ -317,7 +223,7 @@ class ExperienceBuffer:
                     left = 0
             p.buffered -= n
             lease_id = self._take_id()
-            self._leases[lease_id] = _LeaseState(policy, consumer, taken, n)
+            self._leases[lease_id] = LeaseState(policy, consumer, taken, n)
         # The batch needs no lock (token columns are immutable): producers and the other policies'
         # trainers are not held up by it.
         return Lease(lease_id, policy, consumer, columns.lease_batch(policy, taken))
@@ -421,73 +327,19 @@ class ExperienceBuffer:
     def stats(self, policy: str) -> PolicyStats:
         p = self._policy(policy)
         with self._cond:
-            leased = sum(ls.n for ls in self._leases.values() if ls.policy == policy)
-            return PolicyStats(
-                policy=policy,
-                version=p.version,
-                buffered=p.buffered,
-                leased=leased,
-                admitted=p.admitted,
-                credit=p.credit(),
-                produced=p.produced,
-                consumed=p.consumed,
-                redelivered=p.redelivered,
-                dropped=dict(p.dropped),
-                staleness_mean=p.staleness_sum / p.consumed if p.consumed else 0.0,
-                staleness_max=p.staleness_max,
-                finished=p.finished,
-            )
+            return p.stats(sum(ls.n for ls in self._leases.values() if ls.policy == policy))
 
     def wait_buffered(self, policy: str, n: int, timeout: float | None) -> bool:
         """Wait (up to `timeout`) until `policy` has at least `n` samples buffered."""
         p = self._policy(policy)
         with self._cond:
-            return self._wait(lambda: p.buffered >= n or self._cancelled, timeout)
+            return self.wait(lambda: p.buffered >= n or self._cancelled, timeout)
 
     def snapshot(self) -> BufferSnapshot:
-        """State for a checkpoint: leased samples count as unconsumed (the trainer restarts too)."""
+        """State for a checkpoint (snapshots.py): leased samples count as unconsumed."""
         with self._cond:
-            samples: dict[str, list[Sample]] = {}
-            pairs: dict[tuple[str, str], tuple[int, int]] = {}
-            for name, p in self._p.items():
-                leased = [
-                    seg
-                    for i in sorted(self._leases)
-                    if self._leases[i].policy == name
-                    for seg in self._leases[i].segments
-                ]
-                held = leased + list(p.queue)
-                samples[name] = columns.samples(held)
-                for c in {id(c): c for c, _, _ in held}.values():
-                    for k in np.flatnonzero(c.pair_live).tolist():
-                        live, consumed = pairs.get((c.pair_episode[k], name), (0, 0))
-                        pairs[(c.pair_episode[k], name)] = (
-                            live + int(c.pair_live[k]),
-                            consumed + int(c.pair_consumed[k]),
-                        )
-            policies = {
-                name: {
-                    "version": p.version,
-                    # Outstanding tickets die with the process that restores: their credit comes back.
-                    "admitted": p.admitted - sum(1 for t in self._tickets.values() if name in t.policies),
-                    "produced": p.produced,
-                    "consumed": p.consumed,
-                    "redelivered": p.redelivered
-                    + sum(ls.n for ls in self._leases.values() if ls.policy == name),
-                    "dropped": dict(p.dropped),
-                    "staleness_sum": p.staleness_sum,
-                    "staleness_max": p.staleness_max,
-                    "finished": p.finished,
-                }
-                for name, p in self._p.items()
-            }
-            return BufferSnapshot(
-                configs=tuple(p.cfg for p in self._p.values()),
-                capacity_episodes=self.capacity_episodes,
-                policies=policies,
-                samples=samples,
-                pairs=pairs,
-                cancelled=self._cancelled,
+            return take_snapshot(
+                self._p, self._leases, self._tickets.values(), self.capacity_episodes, self._cancelled
             )
 
     @classmethod
@@ -521,66 +373,3 @@ class ExperienceBuffer:
             if c.name in before and c.max_staleness != before[c.name]:
                 buf.advance(c.name, buf._p[c.name].version)
         return buf
-
-    # -- internals (called with the lock held) ----------------------------------------------
-
-    def _take_id(self) -> int:
-        i = self._next_id
-        self._next_id += 1
-        return i
-
-    def _pop_ticket(self, ticket: Ticket) -> Ticket:
-        t = self._tickets.pop(ticket.ticket_id, None)
-        if t is None:
-            raise UnknownTicketError(f"ticket {ticket.ticket_id} is not outstanding")
-        return t
-
-    def _pop_lease(self, lease_id: int) -> _LeaseState:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            raise UnknownLeaseError(f"lease {lease_id} is not outstanding")
-        return lease
-
-    def _requeue(self, lease: _LeaseState) -> None:
-        p = self._p[lease.policy]
-        p.redelivered += lease.n
-        if p.finished:
-            for c, i, j in lease.segments:
-                self._drop(p, c, slice(i, j), j - i, DropReason.POLICY_FINISHED)
-            return
-        p.queue.extendleft(reversed(lease.segments))
-        p.buffered += lease.n
-
-    def _drop_stale(self, p: _Policy, c: Chunk, i: int, j: int) -> list[Segment]:
-        """Drop rows i..j-1 of `c` that are too stale for `p`; returns the ranges of those kept."""
-        stale = p.version - c.min_version[i:j] > p.cfg.max_staleness
-        rows = np.flatnonzero(stale)
-        if len(rows):
-            self._drop(p, c, rows + i, len(rows), DropReason.STALE)
-        return [(c, i + a, i + b) for a, b in columns.runs(~stale)]
-
-    def _drop_queue(self, p: _Policy, reason: DropReason) -> None:
-        for c, i, j in p.queue:
-            self._drop(p, c, slice(i, j), j - i, reason)
-        p.queue.clear()
-        p.buffered = 0
-
-    def _drop(self, p: _Policy, c: Chunk, rows: slice | columns.Index, n: int, reason: DropReason) -> None:
-        p.dropped[reason] += n
-        log.debug("experience.drop", policy=p.cfg.name, samples=n, reason=reason.value)
-        self._settle(c, rows, consumed=False)
-
-    def _settle(self, c: Chunk, rows: slice | columns.Index, *, consumed: bool) -> None:
-        """Rows became final: their pairs' credit and their episodes' residency follow."""
-        credit_back, ended = columns.settle(c, rows, consumed=consumed)
-        self._p[c.policy].admitted -= credit_back  # pairs that ended with nothing trained on
-        self._live_episodes -= ended
-
-    def _wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
-        if timeout is None:
-            self._cond.wait_for(ready)
-            return True
-        if timeout <= 0:
-            return bool(ready())
-        deadline = time.monotonic() + timeout
-        return bool(self._cond.wait_for(ready, timeout=max(0.0, deadline - time.monotonic())))

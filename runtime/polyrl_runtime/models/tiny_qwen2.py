@@ -13,7 +13,6 @@ output head as in the small Qwen2.5 checkpoints, so weight sync sees a tied para
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib
 import os
 import shutil
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from polyrl_runtime.waiting import lock_deadline_s, locked
 
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
@@ -150,12 +151,9 @@ def create_tiny_qwen2(directory: Path | str, *, name: str = "tiny-qwen2", seed: 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # the kernel releases it if the holder dies
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    # the kernel releases it if the holder dies; a wait for a live holder is logged
+    with open(path, "a+b") as f, locked(f, path, what="built-in model cache", deadline_s=lock_deadline_s()):
+        yield
 
 
 def cache_root() -> Path:

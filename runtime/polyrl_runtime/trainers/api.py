@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 @dataclass
 class StepResult:
-    """One rank's part of one optimizer step."""
+    """One rank's part of one training step (one optimizer step, or one per micro-batch under ppo)."""
 
     rank: int
     lease_id: int | None
@@ -24,6 +24,7 @@ class StepResult:
     staleness_max: int = 0
     signal_mean: float = 0.0
     grad_norm: float = 0.0
+    lr: float = 0.0  # the learning rate of every optimizer step of this training step
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 

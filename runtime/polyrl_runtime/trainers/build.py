@@ -1,7 +1,7 @@
 """What a trainer rank is made of, built once its process group exists.
 
-Pure parts first: where each rank of a policy sits (`rank_layout`), the learning rate per optimizer
-step (`lr_factor`), the DeepSpeed config (`deepspeed_config`). Then construction (`build_trainer`):
+Pure parts first: where each rank of a policy sits (`rank_layout`), the learning rate per training
+step (`lr_factor`, `learning_rate`), the DeepSpeed config (`deepspeed_config`). Then construction (`build_trainer`):
 
 - the model in `model.dtype`, on this rank's device. Under ZeRO-3 it is partitioned as it is built:
   a Hugging Face model loads with `HfDeepSpeedConfig` alive, so `from_pretrained` constructs it
@@ -9,9 +9,12 @@ step (`lr_factor`), the DeepSpeed config (`deepspeed_config`). Then construction
   small and seeded, so it is built whole and converted by `zero.Init(module=...)` (its constructor
   re-initialises child modules, which `zero.Init` as a context would have partitioned already).
 - gradient checkpointing (Hugging Face models; non-reentrant, so ZeRO-3's hooks see each recompute);
-- the optimizer (torch AdamW: DeepSpeed's CPU Adam would compile C++ ops on first use), with a
-  `LambdaLR` handed to `deepspeed.initialize`, which steps it at every optimizer step and stores its
-  state in the DeepSpeed checkpoint;
+- the optimizer (torch AdamW: DeepSpeed's CPU Adam would compile C++ ops on first use) with no
+  scheduler: the learning rate is a function of the *training* step, which the trainer sets before
+  each step (`set_learning_rate`). A scheduler stepped by DeepSpeed would count optimizer steps,
+  several per training step under ppo (one per micro-batch), so warmupSteps and the cosine horizon
+  would mean different things for grpo and ppo. The training step is the policy's version, which a
+  checkpoint restores, so a resumed job continues the schedule with no scheduler state;
 - the KL reference model, only when `klCoef > 0`: loaded again from the URI (never a copy of the
   trained one), frozen, and under ZeRO-3 wrapped in its own optimizer-less DeepSpeed engine so it is
   partitioned exactly like the trained model.
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +79,7 @@ def cuda_device_index(local_rank: int, visible: int) -> int:
 
 
 def lr_factor(step: int, algo: Algorithm, total_steps: int) -> float:
-    """Multiplier of `lr` at optimizer step `step` (from 0): during warmup step k uses
+    """Multiplier of `lr` at training step `step` (from 0): during warmup step k uses
     (k+1)/(warmupSteps+1); then 1 (constant) or a cosine from 1 down to minLrRatio, reached at
     `total_steps` and held after it."""
     warmup = algo.warmup_steps
@@ -89,13 +91,16 @@ def lr_factor(step: int, algo: Algorithm, total_steps: int) -> float:
     return algo.min_lr_ratio + (1.0 - algo.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def lr_schedule(algo: Algorithm, total_steps: int) -> Callable[[int], float]:
-    # A plain function: LambdaLR stores no state for it, so a checkpoint holds only the step count
-    # and a resumed job follows the schedule its spec names.
-    def factor(step: int) -> float:
-        return lr_factor(step, algo, total_steps)
+def learning_rate(step: int, algo: Algorithm, total_steps: int) -> float:
+    """The learning rate of every optimizer step within training step `step` (from 0)."""
+    return algo.lr * lr_factor(step, algo, total_steps)
 
-    return factor
+
+def set_learning_rate(optimizer: Any, lr: float) -> None:
+    """Set `lr` on every parameter group. DeepSpeed's optimizer wrappers (ZeRO, bf16) expose the
+    wrapped optimizer's own groups as `param_groups`, so this reaches the optimizer that steps."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 # -- DeepSpeed ---------------------------------------------------------------------------------------
@@ -219,7 +224,7 @@ def build_trainer(policy: Policy, *, seed: int, cuda: bool, device: torch.device
     model = apply_lora(model, policy)  # unchanged without algorithm.lora; else only adapters train
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=policy.algorithm.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(policy.algorithm, total_steps))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    set_learning_rate(engine.optimizer, learning_rate(0, policy.algorithm, total_steps))
     ref = build_reference(policy, seed, cuda, device, config)
     return Built(engine=engine, ref=ref, config=config, hf_config=hf_config)

@@ -14,12 +14,13 @@ and is removed (logged). Only then does `init_distributed` run, and it finds the
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
+
+from polyrl_runtime.waiting import lock_deadline_s, locked
 
 log = structlog.get_logger(__name__)
 
@@ -40,17 +41,15 @@ def extensions_dir() -> Path:
 def build_lock(root: Path) -> Iterator[list[Path]]:
     """Hold the machine-wide build lock of `root`; yields the stale torch lock files it removed."""
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / LOCK_NAME, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # waits for a live build; a dead holder's lock is gone
-        try:
-            removed = []
-            for stale in sorted(root.glob("*/lock")):
-                log.warning("ops.stale_build_lock_removed", path=str(stale))
-                stale.unlink(missing_ok=True)
-                removed.append(stale)
-            yield removed
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    path = root / LOCK_NAME
+    # waits (and says so) for a live build; a dead holder's lock is gone
+    with open(path, "a+b") as f, locked(f, path, what="DeepSpeed op build", deadline_s=lock_deadline_s()):
+        removed = []
+        for stale in sorted(root.glob("*/lock")):
+            log.warning("ops.stale_build_lock_removed", path=str(stale))
+            stale.unlink(missing_ok=True)
+            removed.append(stale)
+        yield removed
 
 
 def prepare_ops() -> None:

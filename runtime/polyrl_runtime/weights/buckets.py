@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 # Copies smaller than this are not split across threads: thread hand-off costs more than it saves.
-_PARALLEL_MIN_BYTES = 4 << 20
+PARALLEL_MIN_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,12 @@ class BucketLayout:
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         """Bytes of the flat space (the tensors' bytes plus any alignment padding)."""
         return sum(b.nbytes for b in self.buckets)
 
-    @property
+    @cached_property
     def payload_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
@@ -211,7 +211,8 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def _pool(threads: int) -> ThreadPoolExecutor:
+def copy_pool(threads: int) -> ThreadPoolExecutor:
+    """A pool of `threads` threads for host copies (torch copies and `ray.put` release the GIL)."""
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="polyrl-copy")
 
 
@@ -241,7 +242,7 @@ def plan_copies(pairs: Sequence[Pair], threads: int | None = None) -> CopyPlan:
     threads = default_copy_threads() if threads is None else threads
     total = sum(d.numel() for d, _ in pairs)
     host = all(d.device.type == "cpu" and s.device.type == "cpu" for d, s in pairs)
-    if not host or threads <= 1 or total < _PARALLEL_MIN_BYTES:
+    if not host or threads <= 1 or total < PARALLEL_MIN_BYTES:
         return CopyPlan((tuple(pairs),), host)
     share = -(-total // threads)
     groups: list[list[Pair]] = [[]]
@@ -266,7 +267,7 @@ def run_copies(plan: CopyPlan) -> None:
     elif len(plan.groups) == 1:
         _copy_all(plan.groups[0])
     else:
-        list(_pool(len(plan.groups)).map(_copy_all, plan.groups))
+        list(copy_pool(len(plan.groups)).map(_copy_all, plan.groups))
 
 
 def copy_pairs(pairs: Sequence[Pair], threads: int | None = None) -> None:

@@ -136,8 +136,9 @@ def test_behaviour_logprobs_equal_a_full_sequence_recompute(
 
 
 def test_each_token_is_fed_once(model_dirs: dict[str, Path]) -> None:
-    # Cached decoding: a prefill of the prompt, then one single-token step per generated token (a
-    # full recompute would feed the whole sequence again at every step).
+    # Cached decoding: a prefill of the prompt, which also gives the first token, then one
+    # single-token step per further token (a full recompute would feed the whole sequence again at
+    # every step).
     eng = _engine(model_dirs["a"])
     fed: list[int] = []
     eng.model.register_forward_pre_hook(
@@ -146,8 +147,8 @@ def test_each_token_is_fed_once(model_dirs: dict[str, Path]) -> None:
     prompt = PROMPTS[5]
     gen = asyncio.run(eng.generate(prompt, SamplingParams(temperature=0, max_new_tokens=40)))
     assert gen.token_ids.tolist() == _greedy(_hf(model_dirs["a"]), prompt, 40)  # alone: no padding
-    assert fed == [len(prompt) - 1] + [1] * 40
-    assert eng.stats().extra["forward_passes"] == 41
+    assert fed == [len(prompt)] + [1] * 39
+    assert eng.stats().extra["forward_passes"] == 40
 
 
 def _tensors_for(eng: TorchEngine, model: Any) -> dict[str, torch.Tensor]:

@@ -1,12 +1,13 @@
 """Trainer construction on CPU with gloo (world 1, in this process): ZeRO-3 partitions a Hugging Face
 model as it loads and trains to the same weights as ZeRO-0; the reference model exists only with a KL
 term and is partitioned like the trained one; gradient checkpointing changes no loss or gradient; the
-learning rate follows warmup and cosine step by step and survives a checkpoint; dtype and DeepSpeed's
+learning rate follows warmup and cosine by training step (not optimizer step) and survives a checkpoint; dtype and DeepSpeed's
 precision section agree. Pure parts (rank layout, lr factors, config) are table-driven."""
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,11 @@ from polyrl_runtime.trainers.build import (
     deepspeed_config,
     enable_gradient_checkpointing,
     hf_zero3_config,
+    learning_rate,
     lr_factor,
     rank_layout,
 )
+from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
 CPU = torch.device("cpu")
 
@@ -250,30 +253,50 @@ def test_gradient_checkpointing_on_a_builtin_model_is_reported_unsupported() -> 
     assert enable_gradient_checkpointing(model, _policy("builtin://tiny")) is False
 
 
+def _rank(policy: Policy, total_steps: int) -> DeepSpeedTrainer:
+    """A trainer rank in this process (world 1, on the `gloo` group), as the driver builds it."""
+    rank = DeepSpeedTrainer(
+        "agent-trainer-0",
+        policy.model_dump_json(by_alias=True),
+        0,
+        rank=0,
+        world=1,
+        buffer=None,
+        total_steps=total_steps,
+    )
+    rank.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return rank
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_optimizer_lr_follows_the_schedule_and_resumes_from_a_checkpoint(
+def test_ppo_learning_rate_follows_training_steps_and_resumes_from_a_checkpoint(
     gloo: None, hf_uri: str, tmp_path: Path, stage: int
 ) -> None:
-    fields = {"warmupSteps": 2, "lrSchedule": "cosine", "minLrRatio": 0.1}
+    """ppo takes one optimizer step per micro-batch (four here): every one of them in training step k
+    uses the schedule's rate at k, and a resumed rank continues the schedule at its step."""
+    fields = {"name": "ppo", "warmupSteps": 2, "lrSchedule": "cosine", "minLrRatio": 0.1}
     p = _policy(hf_uri, trainer={"zeroStage": stage}, **fields)
-    algo = p.algorithm
-    built = build_trainer(p, seed=0, cuda=False, device=CPU, total_steps=6)
-    seen = []
-    for _ in range(4):
-        seen.append(built.engine.optimizer.param_groups[0]["lr"])
-        _step(built)
-    assert seen == pytest.approx([algo.lr * lr_factor(k, algo, 6) for k in range(4)])
-    assert len(set(seen)) == 4
-    built.engine.save_checkpoint(str(tmp_path), tag="s4")
+    total, micro = 6, 4
+    expected = [learning_rate(k, p.algorithm, total) for k in range(total)]
+    assert len(set(expected)) == total
 
-    resumed = build_trainer(p, seed=0, cuda=False, device=CPU, total_steps=6)
-    assert resumed.engine.optimizer.param_groups[0]["lr"] == pytest.approx(algo.lr * lr_factor(0, algo, 6))
-    resumed.engine.load_checkpoint(str(tmp_path), tag="s4")
-    for k in (4, 5):
-        assert resumed.engine.optimizer.param_groups[0]["lr"] == pytest.approx(
-            algo.lr * lr_factor(k, algo, 6)
-        )
-        _step(resumed)
+    def train(rank: DeepSpeedTrainer, step: int) -> None:
+        before = rank.engine.global_steps
+        result = rank.train_step(step, 0, micro)
+        assert rank.engine.global_steps == before + micro  # optimizer steps of this training step
+        assert result.lr == pytest.approx(expected[step - 1])
+        assert [g["lr"] for g in rank.engine.optimizer.param_groups] == pytest.approx([expected[step - 1]])
+
+    rank = _rank(p, total)
+    for step in range(1, 5):
+        train(rank, step)
+    rank.save(str(tmp_path), "s4")
+
+    resumed = _rank(p, total)
+    resumed.load(str(tmp_path), "s4")
+    assert resumed.version == 4
+    for step in (5, 6):
+        train(resumed, step)
 
 
 def test_model_dtype_is_honoured(gloo: None, hf_uri: str) -> None:

@@ -1,5 +1,5 @@
 """Versions applied by swapping the engine's tensors, the `shm` slots engines serve from, and the
-object-store objects `objectstore` engines serve from.
+object-store objects `objectstore` engines serve from (small segments packed into one array per bucket).
 
 The trainer never waits for an engine; an engine waits for a slot being packed at most `timeout_s`,
 and in every failure keeps serving its old version, bit-exact.
@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from weights_harness import bit_equal, random_tensors, zeros_like_all
@@ -18,6 +19,7 @@ from weights_harness import bit_equal, random_tensors, zeros_like_all
 from polyrl_runtime.weights import SyncReport, TensorTarget, WeightSyncError, make_receiver, make_sender
 from polyrl_runtime.weights import shm as shm_mod
 from polyrl_runtime.weights.buckets import TensorSpec, plan_buckets, tensor_offsets
+from polyrl_runtime.weights.objectstore import PACK_BELOW, object_plan, split_parts
 from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
 from polyrl_runtime.weights.staging import ALIGN
 
@@ -262,3 +264,91 @@ def test_objectstore_engines_serve_from_the_fetched_object(ray_session: Any) -> 
                 assert same == ({k for k in a if nbytes[k]} if shared else {"bf", "mask"}), same
         finally:
             sender.close()
+
+
+# Tensors on both sides of objectstore's packing threshold, a large one split across buckets, and
+# small ones of odd sizes between them (so packed offsets need alignment for a typed view).
+MIXED_SIZES = {
+    "big": ((PACK_BELOW // 4 + 3,), torch.float32),
+    "odd": ((5,), torch.bool),
+    "bf": ((333,), torch.bfloat16),
+    "huge": ((PACK_BELOW,), torch.bfloat16),  # 2 * PACK_BELOW bytes: spans the 1.5x buckets below
+    "f64": ((7,), torch.float64),
+    "none": ((0,), torch.int64),
+}
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["swap", "in_place"])
+def test_objectstore_packs_small_segments_and_sends_large_ones_as_they_are(
+    ray_session: Any, swap: bool
+) -> None:
+    """Below `PACK_BELOW` a bucket's segments share one packed array, above it each is its own array;
+    either way every byte arrives exact, and a swapping engine serves whole tensors as views of the
+    fetched objects, shared by the engines of one node."""
+    bucket_bytes = PACK_BELOW * 3 // 2
+    versions = [random_tensors(MIXED_SIZES, seed=s) for s in range(2)]
+    sender, receivers = make_sender("objectstore", "p", bucket_bytes), [make_receiver("objectstore")] * 2
+    targets = [zeros_like_all(versions[0], swappable=swap) for _ in receivers]
+    try:
+        for v in range(3):
+            tensors = versions[min(v, 1)]
+            if v == 2:  # written in place: the sender's cached views and copy plans must see the new bytes
+                for k, t in random_tensors(MIXED_SIZES, seed=7).items():
+                    tensors[k].copy_(t)
+            manifest = sender.publish(v, tensors)
+            plan = object_plan(manifest.layout)
+            where = {
+                s.name: {p.array > 0 for p in plan.by_tensor[i]} for i, s in enumerate(manifest.layout.specs)
+            }
+            assert where["big"] == {True}  # sent as it is
+            assert where["odd"] == where["bf"] == where["f64"] == {False}  # packed
+            assert len(plan.by_tensor[[s.name for s in manifest.layout.specs].index("huge")]) >= 2
+            assert True in where["huge"]  # its pieces of PACK_BELOW or more are sent as they are
+            assert all(r.receive(manifest, t).applied for r, t in zip(receivers, targets, strict=True))
+            for target in targets:
+                assert all(bit_equal(target.named_tensors()[k], x) for k, x in tensors.items()), v
+            if swap:
+                a, b = (t.named_tensors() for t in targets)
+                shared = {k for k in a if a[k].numel() and a[k].data_ptr() == b[k].data_ptr()}
+                assert shared == {"big", "odd", "bf", "f64"}  # "huge" is assembled: it spans buckets
+    finally:
+        sender.close()
+
+
+def _arrays(*kib: int) -> list[Any]:
+    return [np.zeros(k << 10, np.uint8) for k in kib]
+
+
+@pytest.mark.parametrize(
+    ("kib", "parts", "expected"),
+    [
+        ([512] * 16, 2, [8, 8]),  # 8 MiB in mid-sized arrays: two runs of equal bytes
+        ([512] * 16, 1, [16]),  # one thread: one run
+        ([64] * 16, 2, [16]),  # 1 MiB in all: too small to be worth a second put
+        ([6 << 10] * 2, 2, [2]),  # few large arrays: Ray copies each on several threads already
+        ([3072, 512, 512, 512, 512], 2, [1, 4]),  # a run holds its share before the next starts
+        ([512] * 12, 4, [3, 3, 3, 3]),
+    ],
+)
+def test_split_parts(kib: list[int], parts: int, expected: list[int]) -> None:
+    arrays = _arrays(*kib)
+    runs = split_parts(arrays, parts)
+    assert [len(r) for r in runs] == expected
+    assert [a for r in runs for a in r] == arrays  # in order, nothing lost
+
+
+def test_objectstore_puts_a_bucket_of_many_mid_sized_tensors_in_parts(
+    ray_session: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POLYRL_COPY_THREADS", "2")
+    spec = {f"w{i}": ((PACK_BELOW,), torch.float32) for i in range(24)} | {"b": ((3,), torch.bfloat16)}
+    tensors = random_tensors(spec, seed=3)
+    sender, receiver = make_sender("objectstore", "p", 64 << 20), make_receiver("objectstore")
+    target = zeros_like_all(tensors, swappable=True)
+    try:
+        manifest = sender.publish(0, tensors)
+        assert len(manifest.handle) == 1 and len(manifest.handle[0]) == 2  # one bucket, two objects
+        assert receiver.receive(manifest, target).applied
+        assert all(bit_equal(target.named_tensors()[k], x) for k, x in tensors.items())
+    finally:
+        sender.close()

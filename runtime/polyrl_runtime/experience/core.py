@@ -1,0 +1,109 @@
+"""The experience buffer's state and the bookkeeping that keeps its accounting exact, under its lock:
+ids, ticket and lease lookup, requeues, counted drops and the settling of rows that became final
+(credit and residency follow). The public protocol (acquire/put, pull/ack, advance, snapshots) is
+`ExperienceBuffer` in buffer.py, built on this."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import structlog
+
+from polyrl_runtime.experience import columns
+from polyrl_runtime.experience.columns import Chunk, Segment
+from polyrl_runtime.experience.state import (
+    DropReason,
+    LeaseState,
+    PolicyConfig,
+    PolicyState,
+    UnknownLeaseError,
+    UnknownTicketError,
+)
+from polyrl_runtime.experience.types import Ticket
+
+log = structlog.get_logger(__name__)
+
+
+class BufferCore:
+    """State of all policies' buffers of one job; every method here runs with `_cond` held."""
+
+    def __init__(self, policies: Sequence[PolicyConfig], capacity_episodes: int) -> None:
+        if capacity_episodes < 1:
+            raise ValueError("capacity_episodes must be >= 1")
+        self.capacity_episodes = capacity_episodes
+        self._p = {c.name: PolicyState(c) for c in policies}
+        self._cond = threading.Condition()
+        self._tickets: dict[int, Ticket] = {}
+        self._leases: dict[int, LeaseState] = {}
+        # Episodes with a sample not yet final. Per (episode, policy) pair, each chunk counts the
+        # samples not yet final and those consumed: credit comes back when a pair ends with nothing
+        # consumed; an episode stays resident while any of its pairs is live.
+        self._live_episodes = 0
+        self._next_id = 1
+        self._cancelled = False
+
+    def _take_id(self) -> int:
+        i = self._next_id
+        self._next_id += 1
+        return i
+
+    def _pop_ticket(self, ticket: Ticket) -> Ticket:
+        t = self._tickets.pop(ticket.ticket_id, None)
+        if t is None:
+            raise UnknownTicketError(f"ticket {ticket.ticket_id} is not outstanding")
+        return t
+
+    def _pop_lease(self, lease_id: int) -> LeaseState:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise UnknownLeaseError(f"lease {lease_id} is not outstanding")
+        return lease
+
+    def _requeue(self, lease: LeaseState) -> None:
+        p = self._p[lease.policy]
+        p.redelivered += lease.n
+        if p.finished:
+            for c, i, j in lease.segments:
+                self._drop(p, c, slice(i, j), j - i, DropReason.POLICY_FINISHED)
+            return
+        p.queue.extendleft(reversed(lease.segments))
+        p.buffered += lease.n
+
+    def _drop_stale(self, p: PolicyState, c: Chunk, i: int, j: int) -> list[Segment]:
+        """Drop rows i..j-1 of `c` that are too stale for `p`; returns the ranges of those kept."""
+        stale = p.version - c.min_version[i:j] > p.cfg.max_staleness
+        rows = np.flatnonzero(stale)
+        if len(rows):
+            self._drop(p, c, rows + i, len(rows), DropReason.STALE)
+        return [(c, i + a, i + b) for a, b in columns.runs(~stale)]
+
+    def _drop_queue(self, p: PolicyState, reason: DropReason) -> None:
+        for c, i, j in p.queue:
+            self._drop(p, c, slice(i, j), j - i, reason)
+        p.queue.clear()
+        p.buffered = 0
+
+    def _drop(
+        self, p: PolicyState, c: Chunk, rows: slice | columns.Index, n: int, reason: DropReason
+    ) -> None:
+        p.dropped[reason] += n
+        log.debug("experience.drop", policy=p.cfg.name, samples=n, reason=reason.value)
+        self._settle(c, rows, consumed=False)
+
+    def _settle(self, c: Chunk, rows: slice | columns.Index, *, consumed: bool) -> None:
+        """Rows became final: their pairs' credit and their episodes' residency follow."""
+        credit_back, ended = columns.settle(c, rows, consumed=consumed)
+        self._p[c.policy].admitted -= credit_back  # pairs that ended with nothing trained on
+        self._live_episodes -= ended
+
+    def wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        if timeout is None:
+            self._cond.wait_for(ready)
+            return True
+        if timeout <= 0:
+            return bool(ready())
+        deadline = time.monotonic() + timeout
+        return bool(self._cond.wait_for(ready, timeout=max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,135 @@
+"""The experience buffer's types: per-policy configuration, counters and statistics, leases, drop
+reasons and snapshots (the buffer itself is in buffer.py, snapshots are taken in snapshots.py)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from polyrl_runtime.experience.columns import Segment
+from polyrl_runtime.experience.types import Sample, SampleBatch
+
+
+class DropReason(StrEnum):
+    STALE = "stale"  # older than max_staleness versions behind the trainer
+    POLICY_FINISHED = "policy_finished"  # the policy's training is over
+    JOB_CANCELLED = "job_cancelled"
+
+
+class UnknownTicketError(KeyError):
+    """A put with a ticket that was never issued, already used, released, or voided by a restore."""
+
+
+class UnknownLeaseError(KeyError):
+    """An ack/nack of a lease that is not outstanding (already acked, redelivered, or voided)."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str
+    episodes_per_version: int  # episodes one trainer step consumes (spec.training.episodesPerStep)
+    max_staleness: int = 0  # 0: sync mode
+    # The version the policy's training ends at (spec.training.totalSteps), None: open-ended. Credit
+    # never goes beyond the episodes its steps consume: in async mode the last steps would otherwise
+    # admit maxStaleness steps' worth of episodes that no step can train on (dropped as
+    # policy_finished: 112 samples per policy in the local example, a seventh of its last steps).
+    final_version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.episodes_per_version < 1 or self.max_staleness < 0:
+            raise ValueError(f"{self.name}: episodes_per_version >= 1 and max_staleness >= 0 required")
+        if self.final_version is not None and self.final_version < 1:
+            raise ValueError(f"{self.name}: final_version >= 1 required (or None)")
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: int
+    policy: str
+    consumer: str
+    batch: SampleBatch
+
+
+@dataclass(frozen=True)
+class PolicyStats:
+    policy: str
+    version: int
+    buffered: int
+    leased: int
+    admitted: int
+    credit: int
+    produced: int
+    consumed: int
+    redelivered: int
+    dropped: dict[str, int]
+    staleness_mean: float
+    staleness_max: int
+    finished: bool
+
+
+@dataclass
+class PolicyState:
+    """One policy's counters and queue inside the buffer (mutated under the buffer's lock)."""
+
+    cfg: PolicyConfig
+    version: int = 0
+    admitted: int = 0  # (episode, policy) pairs granted and not dropped
+    produced: int = 0
+    consumed: int = 0
+    redelivered: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in DropReason})
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    finished: bool = False
+    queue: deque[Segment] = field(default_factory=deque)  # row ranges of chunks, oldest first
+    buffered: int = 0  # rows in `queue`
+
+    def limit(self) -> int:
+        versions = self.version + self.cfg.max_staleness + 1
+        if self.cfg.final_version is not None:
+            versions = min(versions, self.cfg.final_version)
+        return versions * self.cfg.episodes_per_version
+
+    def credit(self) -> int:
+        return self.limit() - self.admitted
+
+    def stats(self, leased: int) -> PolicyStats:
+        """The counters as `PolicyStats`; `leased`: this policy's rows out on leases."""
+        return PolicyStats(
+            policy=self.cfg.name,
+            version=self.version,
+            buffered=self.buffered,
+            leased=leased,
+            admitted=self.admitted,
+            credit=self.credit(),
+            produced=self.produced,
+            consumed=self.consumed,
+            redelivered=self.redelivered,
+            dropped=dict(self.dropped),
+            staleness_mean=self.staleness_sum / self.consumed if self.consumed else 0.0,
+            staleness_max=self.staleness_max,
+            finished=self.finished,
+        )
+
+
+@dataclass
+class LeaseState:
+    """An outstanding lease: the row ranges a consumer holds until it acks or gives them back."""
+
+    policy: str
+    consumer: str
+    segments: list[Segment]
+    n: int  # rows in `segments`
+
+
+@dataclass(frozen=True)
+class BufferSnapshot:
+    """Everything not yet consumed, plus the counters; leases and tickets are not kept (see restore)."""
+
+    configs: tuple[PolicyConfig, ...]
+    capacity_episodes: int
+    policies: dict[str, dict[str, object]]
+    samples: dict[str, list[Sample]]
+    pairs: dict[tuple[str, str], tuple[int, int]]
+    cancelled: bool
