@@ -131,3 +131,22 @@ def test_hf_trainer_benchmark_runs() -> None:
     assert throughput, out
     assert all(float(r[-2]) > 0 for r in memory)  # the naive loss's peak was measured
     assert all(float(r[-1]) > 0 for r in throughput)  # a ratio was computed for each round
+
+
+@pytest.mark.slow
+def test_vs_trl_benchmark_runs() -> None:
+    out = _run(
+        "vs_trl.py", "--steps", "3", "--prompts", "2", "--group", "4", "--max-new-tokens", "4", "--tail", "1"
+    )
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    # One policy, then two against two TRL runs one after the other and side by side.
+    assert [r[1].strip() for r in rows] == [
+        "one policy",
+        "two policies, one after the other",
+        "two policies, side by side",
+    ]
+    for r in rows:
+        ratio = float(r[4].strip().removesuffix("x"))
+        assert ratio > 0, r  # both sides trained and were timed
+        assert r[-2].strip() in ("met", "not met")
+    assert "TRL alone, samples/s by torch threads: 1:" in out

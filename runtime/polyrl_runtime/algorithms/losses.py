@@ -59,7 +59,7 @@ class TokenBatch:
     input_ids: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor  # [B, T]
     targets: torch.Tensor  # [B, R] response token ids (0 where padded)
-    response_mask: torch.Tensor  # [B, R] 1 for real response tokens
+    response_mask: torch.Tensor  # [B, R] 1 for trained response tokens (sampled; not context, not padding)
     gather_index: torch.Tensor  # [B, R] position of the logits that predict each response token
     allowed: list[npt.NDArray[np.int32]]
 
@@ -69,7 +69,10 @@ class TokenBatch:
         prompts: Sequence[npt.NDArray[np.int32]],
         responses: Sequence[npt.NDArray[np.int32]],
         allowed: Sequence[npt.NDArray[np.int32]],
+        loss_masks: Sequence[npt.NDArray[np.bool_]] | None = None,
     ) -> TokenBatch:
+        """`loss_masks` (per row, one flag per response token; default all True): context tokens of a
+        conversation are model input only: they are neither scored nor in the loss."""
         b = len(prompts)
         width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         rmax = max(len(r) for r in responses)
@@ -83,7 +86,9 @@ class TokenBatch:
             ids[i, :n] = torch.from_numpy(np.concatenate([p, r]).astype(np.int64))
             mask[i, :n] = 1
             targets[i, : len(r)] = torch.from_numpy(r.astype(np.int64))
-            rmask[i, : len(r)] = 1
+            rmask[i, : len(r)] = (
+                1 if loss_masks is None else torch.from_numpy(loss_masks[i].astype(np.float32))
+            )
             index[i, : len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
         return cls(ids, mask, targets, rmask, index, list(allowed))
 

@@ -32,6 +32,9 @@ class StepRecord:
     samples_per_s: float
     dropped: dict[str, int] = field(default_factory=dict)
     failed_episodes: int = 0
+    # The eval pass at this step (coordinator/evaluation.py), when one ran: mean reward and pass@k.
+    eval_reward_mean: float | None = None
+    eval_pass_at_k: float | None = None
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)

@@ -2,7 +2,7 @@
 buffer's staleness credit allows, and accounts for every episode they report.
 
 Kept apart from the driver's training side: they meet only in the buffer (credit, samples) and in
-`on_episode`, which feeds each policy's reward window.
+`ProducerEvents.episode`, which feeds each policy's reward window.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import asyncio
 import contextlib
 import random
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 import structlog
 
 from polyrl_runtime.actors import actor_gone
+from polyrl_runtime.coordinator.datafeed import DataFeed
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.tasks import fail_on_error
 from polyrl_runtime.experience.buffer import UnknownTicketError
@@ -27,8 +28,21 @@ from polyrl_runtime.workflows.runner import GroupReport
 
 log = structlog.get_logger(__name__)
 
-# (policy, that policy's agents' reward, the episode's success metric if any, its samples of the policy)
-EpisodeCallback = Callable[[str, float, float | None, int], None]
+
+class ProducerEvents(Protocol):
+    """What the producer reports to the job, as one object (coordinator/training.py implements it)."""
+
+    def still_training(self, policy: str) -> bool: ...
+
+    def episode(self, policy: str, reward: float, success: float | None, samples: int) -> None:
+        """A finished episode: the policy's agents' reward, its success metric if any, its samples."""
+
+    def fail(self, message: str, retryable: bool) -> None: ...
+
+    def emit(self, kind: str, **data: Any) -> None: ...
+
+    def lost(self, slots: list[Slot]) -> None:
+        """Engines and workers this producer saw die first (reported once each)."""
 
 
 @dataclass(frozen=True)
@@ -50,12 +64,9 @@ class EpisodeProducer:
         seed: int,
         entrypoint: str,
         limits: ProducerLimits,
-        still_training: Callable[[str], bool],
-        on_episode: EpisodeCallback,
-        fail: Callable[[str, bool], None],
-        emit: Callable[..., None],
-        lost: Callable[[list[Slot]], None],
+        events: ProducerEvents,
         signals: int,
+        feed: DataFeed | None = None,
     ) -> None:
         if limits.max_in_flight_per_worker < group_size:
             raise ValueError(
@@ -64,11 +75,11 @@ class EpisodeProducer:
             )
         self.buffer, self.fleet, self.policies, self.group_size = buffer, fleet, policies, group_size
         self.seed, self.entrypoint, self.limits = seed, entrypoint, limits
-        self._still_training = still_training
-        self._on_episode = on_episode
-        self._fail = fail
-        self._emit = emit
-        self._lost = lost  # engines and workers this producer saw die first (the driver reports them)
+        self._still_training = events.still_training
+        self._on_episode = events.episode
+        self._fail = events.fail
+        self._emit = events.emit
+        self._lost = events.lost
         self.failures: Counter[str] = Counter()
         self.episodes_ok = 0
         self.in_flight = 0  # episodes dispatched and not yet reported
@@ -77,18 +88,38 @@ class EpisodeProducer:
         self._rng = random.Random(seed)
         self._consecutive_failures = 0
         self._unused = dict.fromkeys(policies, 0)  # episodes in a row without a turn of the policy
+        self.feed = feed  # the data row each group plays (None: the job has no spec.data)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return {"group_seq": self.group_seq, "episodes_ok": self.episodes_ok, "failures": dict(self.failures)}
+        data = {"data": self.feed.state()} if self.feed is not None else {}
+        return {
+            "group_seq": self.group_seq,
+            "episodes_ok": self.episodes_ok,
+            "failures": dict(self.failures),
+            **data,
+        }
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], buffered: frozenset[str] = frozenset()) -> None:
+        """Continue from a checkpoint's counters; `buffered`: the groups with samples in its buffer
+        snapshot (their data rows are not played again)."""
+        if self.feed is not None and "data" in state:
+            self.feed.restore(state["data"], buffered)
         self.group_seq = int(state.get("group_seq", 0))
         self.episodes_ok = int(state.get("episodes_ok", 0))
         self.failures.update(state.get("failures", {}))
         # Resumed runs draw new seeds, not the first run's again.
         self._rng.seed(self.seed + self.group_seq)
+
+    @property
+    def data_finished(self) -> bool:
+        """The train data is exhausted and every group of it accounted for: no more episodes come."""
+        return self.feed is not None and self.feed.finished
+
+    def data_end_message(self, steps: dict[str, int]) -> str | None:
+        """Why the job ended early when the train data ran out before totalSteps (else None)."""
+        return self.feed.end_message(steps) if self.feed is not None and self.feed.finished else None
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -101,7 +132,7 @@ class EpisodeProducer:
         pending: set[asyncio.Task[None]] = set()
         while not stop.is_set():
             worker = self._pick_worker()
-            if worker is None:
+            if worker is None or (self.feed is not None and self.feed.exhausted):
                 await asyncio.sleep(0.05)
                 continue
             room = self.limits.max_in_flight_per_worker - worker.in_flight
@@ -111,14 +142,18 @@ class EpisodeProducer:
                 continue
             groups = []
             for i in range(0, len(tickets), self.group_size):
+                gid = f"g{self.group_seq}"
+                row = self.feed.take(gid) if self.feed is not None else None
+                if self.feed is not None and row is None:  # the data ran out: no group without a row
+                    await self.buffer.release.remote(tickets[i:])
+                    break
                 groups.append(
-                    (
-                        f"g{self.group_seq}",
-                        self._rng.randrange(2**31),
-                        TicketBatch(tickets[i : i + self.group_size]),
-                    )
+                    (gid, self._rng.randrange(2**31), TicketBatch(tickets[i : i + self.group_size]), row)
                 )
                 self.group_seq += 1
+            if not groups:
+                continue
+            tickets = [t for _, _, batch, _ in groups for t in batch]
             worker.in_flight += len(tickets)
             self.in_flight += len(tickets)
             task = asyncio.create_task(self._run_groups(worker, groups))
@@ -132,8 +167,8 @@ class EpisodeProducer:
         for t in pending:
             t.cancel()
 
-    async def _run_groups(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any]]]) -> None:
-        n = sum(len(t) for _, _, t in groups)
+    async def _run_groups(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any], Any]]) -> None:
+        n = sum(len(t) for _, _, t, _ in groups)
         try:
             await self._account(worker, groups)
         finally:
@@ -141,8 +176,8 @@ class EpisodeProducer:
             # so far is in the reward windows (a sync step's metrics cover exactly its episodes).
             self.in_flight -= n
 
-    async def _account(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any]]]) -> None:
-        n = sum(len(t) for _, _, t in groups)
+    async def _account(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any], Any]]) -> None:
+        n = sum(len(t) for _, _, t, _ in groups)
         try:
             results: list[GroupReport | str] = await worker.handle.run_groups.remote(groups)
         except asyncio.CancelledError:
@@ -153,10 +188,14 @@ class EpisodeProducer:
             results = [str(e).splitlines()[0]] * len(groups)
         finally:
             worker.in_flight = max(0, worker.in_flight - n)
-        for (gid, _, tickets), result in zip(groups, results, strict=True):
+        for (gid, _, tickets, _), result in zip(groups, results, strict=True):
             if isinstance(result, GroupReport):
+                if self.feed is not None:
+                    self.feed.settle(gid)
                 self.handle_report(result)
                 continue
+            if self.feed is not None:  # the group did not run: its row is played by the next one
+                self.feed.give_back(gid)
             for t in tickets:  # those the worker had not put yet
                 with contextlib.suppress(UnknownTicketError, ray.exceptions.RayTaskError):
                     await self.buffer.release.remote([t])
@@ -176,7 +215,7 @@ class EpisodeProducer:
                     self._fail(
                         f"{self._consecutive_failures} episodes in a row failed; last: episode "
                         f"{ep.episode_id} ({ep.reason}): {ep.error}",
-                        ep.reason != "workflow_error",
+                        ep.reason not in ("workflow_error", "reward_error"),
                     )
                 continue
             self._consecutive_failures = 0

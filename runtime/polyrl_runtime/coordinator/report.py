@@ -1,27 +1,116 @@
-"""What the driver reports: the `/progress` document the operator polls and the summary of a run."""
+"""What the driver reports: the `/progress` document the operator polls and the summary of a run.
+
+Both are built from a `JobSnapshot`, a typed copy of the job's state the driver takes when asked
+(`Driver.snapshot`), never from the driver's internals."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import structlog
 
 from polyrl_operator.api.progress import (
     CheckpointProgress,
+    EvalProgress,
     PolicyProgress,
     Progress,
     StalenessStats,
     Worker,
     WorkflowProgress,
 )
+from polyrl_runtime.coordinator.driver_base import PolicyRun, State
+from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import StepRecord
 from polyrl_runtime.experience.buffer import PolicyStats
 
-if TYPE_CHECKING:
-    from polyrl_runtime.coordinator.driver import Driver
-
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    name: str
+    step: int
+    last_reward: float | None
+    staleness: tuple[float, int]
+    last_ckpt_step: int | None
+    engines: list[Worker]  # the live engines
+    backlog: int  # requests queued on the live engines
+    evaluation: EvalProgress | None = None
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    state: State
+    message: str
+    retryable: bool
+    attempt: int | None
+    policies: list[PolicySnapshot]
+    workers: list[Worker]  # the live workflow workers
+    last_ckpt_step: int | None
+    last_ckpt_location: str | None
+    last_request_id: str | None
+    ckpt_in_progress: bool
+    episodes: int  # episodes finished
+    failed: dict[str, int]  # failed episodes by reason
+    elapsed_s: float
+
+
+def _worker(s: Slot, version: int | None = None) -> Worker:
+    return Worker(
+        pod=s.pod or s.name,
+        utilisation=s.utilisation,
+        in_flight=s.in_flight,
+        draining=s.draining,
+        drained=s.drained,
+        version=version,
+    )
+
+
+def policy_snapshot(run: PolicyRun, fleet: Fleet | None) -> PolicySnapshot:
+    live = [s for s in fleet.engines[run.name].values() if not s.dead] if fleet is not None else []
+    return PolicySnapshot(
+        name=run.name,
+        step=run.step,
+        last_reward=run.last_reward,
+        staleness=run.staleness,
+        last_ckpt_step=run.last_ckpt_step,
+        engines=[_worker(s, max(s.version, 0)) for s in live],
+        backlog=sum(s.queued for s in live),
+        evaluation=run.last_eval,
+    )
+
+
+def worker_views(fleet: Fleet | None) -> list[Worker]:
+    return [_worker(w) for w in fleet.workers.values() if not w.dead] if fleet is not None else []
+
+
+def progress_report(s: JobSnapshot) -> Progress:
+    """The `/progress` document (schema in polyrl_operator.api.progress)."""
+    return Progress(
+        state=s.state,
+        message=s.message or None,
+        retryable=s.retryable,
+        attempt=s.attempt,
+        policies=[
+            PolicyProgress(
+                name=p.name,
+                version=p.step,
+                step=p.step,
+                reward_mean=p.last_reward,
+                staleness=StalenessStats(mean=p.staleness[0], max=p.staleness[1]),
+                backlog=p.backlog,
+                engines=p.engines,
+                last_checkpoint_step=p.last_ckpt_step,
+                evaluation=p.evaluation,
+            )
+            for p in s.policies
+        ],
+        workflow=WorkflowProgress(backlog=0, workers=s.workers),
+        checkpoint=CheckpointProgress(
+            last_step=s.last_ckpt_step, last_request_id=s.last_request_id, in_progress=s.ckpt_in_progress
+        ),
+    )
 
 
 @dataclass
@@ -41,97 +130,36 @@ class RunSummary:
     """Per policy: samples produced, consumed (acknowledged), redelivered, buffered, leased."""
 
 
-def progress_report(d: Driver) -> Progress:
-    """The `/progress` document (schema in polyrl_operator.api.progress) of a running driver."""
-    policies = []
-    for name, run in d.runs.items():
-        engines = []
-        backlog = 0
-        if d.fleet is not None:
-            for s in d.fleet.engines[name].values():
-                if s.dead:
-                    continue
-                backlog += s.queued
-                engines.append(
-                    Worker(
-                        pod=s.pod or s.name,
-                        utilisation=s.utilisation,
-                        in_flight=s.in_flight,
-                        draining=s.draining,
-                        drained=s.drained,
-                        version=max(s.version, 0),
-                    )
-                )
-        policies.append(
-            PolicyProgress(
-                name=name,
-                version=run.step,
-                step=run.step,
-                reward_mean=run.last_reward,
-                staleness=StalenessStats(mean=run.staleness[0], max=run.staleness[1]),
-                backlog=backlog,
-                engines=engines,
-                last_checkpoint_step=run.last_ckpt_step,
-            )
-        )
-    workers = []
-    if d.fleet is not None:
-        workers = [
-            Worker(
-                pod=w.pod or w.name,
-                utilisation=w.utilisation,
-                in_flight=w.in_flight,
-                draining=w.draining,
-                drained=w.drained,
-            )
-            for w in d.fleet.workers.values()
-            if not w.dead
-        ]
-    return Progress(
-        state=d.state,
-        message=d.message or None,
-        retryable=d.retryable,
-        attempt=d.opts.attempt,
-        policies=policies,
-        workflow=WorkflowProgress(backlog=0, workers=workers),
-        checkpoint=CheckpointProgress(
-            last_step=d.last_ckpt.step if d.last_ckpt else None,
-            last_request_id=d.handled_requests[-1] if d.handled_requests else None,
-            in_progress=d.ckpt_in_progress,
-        ),
-    )
-
-
-async def run_summary(d: Driver) -> RunSummary:
+async def run_summary(s: JobSnapshot, records: list[StepRecord], buffer: Any) -> RunSummary:
     """What a finished run reports: counters, rewards, every step record, the buffers' accounting."""
     dropped: dict[str, dict[str, int]] = {}
     buffers: dict[str, dict[str, int]] = {}
-    if d.buffer is not None:
+    if buffer is not None:
         try:
-            stats: dict[str, PolicyStats] = await d.buffer.stats.remote()
-            dropped = {n: dict(s.dropped) for n, s in stats.items()}
+            stats: dict[str, PolicyStats] = await buffer.stats.remote()
+            dropped = {n: dict(st.dropped) for n, st in stats.items()}
             buffers = {
-                n: {k: getattr(s, k) for k in ("produced", "consumed", "redelivered", "buffered", "leased")}
-                for n, s in stats.items()
+                n: {k: getattr(st, k) for k in ("produced", "consumed", "redelivered", "buffered", "leased")}
+                for n, st in stats.items()
             }
         except Exception as e:  # a buffer actor that is gone leaves the counters empty, not the run
             log.warning(
                 "summary.buffer_stats_unavailable", error=str(e).splitlines()[0] if str(e) else repr(e)
             )
     first: dict[str, float | None] = {}
-    for r in d.records:
+    for r in records:
         first.setdefault(r.policy, r.reward_mean)
     return RunSummary(
-        state=d.state,
-        message=d.message,
-        steps={n: r.step for n, r in d.runs.items()},
+        state=s.state,
+        message=s.message,
+        steps={p.name: p.step for p in s.policies},
         first_reward=first,
-        last_reward={n: r.last_reward for n, r in d.runs.items()},
-        wall_s=d.elapsed(),
-        episodes=d.producer.episodes_ok if d.producer else 0,
-        failed=dict(d.producer.failures) if d.producer else {},
+        last_reward={p.name: p.last_reward for p in s.policies},
+        wall_s=s.elapsed_s,
+        episodes=s.episodes,
+        failed=s.failed,
         dropped=dropped,
-        checkpoint=d.last_ckpt.location if d.last_ckpt else None,
-        records=list(d.records),
+        checkpoint=s.last_ckpt_location,
+        records=list(records),
         buffers=buffers,
     )

@@ -29,6 +29,7 @@ from polyrl_runtime.experience.types import (
     _columns,
     _offsets,
     _Rows,
+    oldest_versions,
     pack_episodes,
     unpack_episodes,
 )
@@ -154,7 +155,7 @@ def _chunk(
     row_episode: list[int],
     episodes: Counts,
 ) -> Chunk:
-    mins = np.minimum.reduceat(rows.versions, rows.response_offsets[:-1])
+    mins = oldest_versions(rows.versions, rows.response_offsets[:-1])  # context tokens (-1) ignored
     # A pair is an episode's rows of this policy; mostly one row each (one turn per agent).
     if len(set(row_episode)) == len(row_episode):
         row_pair = np.arange(len(row_episode), dtype=np.intp)

@@ -2,6 +2,14 @@
 
 Token ids, logprobs and versions are numpy arrays rather than lists: Ray moves numpy buffers out of
 band (no per-element pickling), which is what lets experience stream at close to raw transfer speed.
+
+Loss mask: a turn's response may interleave tokens the policy sampled with context tokens (tool
+results, user messages and template tokens of later turns of a conversation, see workflows/chat.py).
+A context token carries the version `CONTEXT` (the smallest int32; real versions start at -1, an
+engine's initial weights) and logprob 0: it has no behaviour policy. The loss mask is
+`versions != CONTEXT`, so it travels with the versions column through the wire format, the
+buffer and the trainer's batches without a column of its own, and a single-turn response (every
+token sampled) is all ones as before.
 """
 
 from __future__ import annotations
@@ -48,6 +56,20 @@ def _no_ids() -> IntArray:
     return _EMPTY_IDS
 
 
+# The version of a context token: not sampled, no behaviour logprob, loss mask 0.
+CONTEXT = int(np.iinfo(np.int32).min)
+_NO_VERSION = np.iinfo(np.int32).max
+
+
+def oldest_versions(versions: IntArray, offsets: npt.NDArray[np.int64]) -> IntArray:
+    """Each row's oldest sampled-token version (rows start at `offsets`, the last offset excluded):
+    context tokens are ignored; a row always has at least one sampled token."""
+    mins: IntArray = np.minimum.reduceat(versions, offsets)
+    if len(mins) and mins.min() == CONTEXT:  # some row has context tokens: the common case skips the copy
+        mins = np.minimum.reduceat(np.where(versions == CONTEXT, _NO_VERSION, versions), offsets)
+    return mins
+
+
 class Ticket(NamedTuple):
     """Credit for one episode from each policy named. A named tuple, not a frozen dataclass: a
     workflow batch's tickets are built three times (issued, sent, sent back), and this builds in
@@ -66,7 +88,8 @@ class Turn:
     prompt_ids: IntArray
     response_ids: IntArray
     logprobs: FloatArray  # behaviour logprob of each response token
-    versions: IntArray  # policy version that produced each response token (may change mid-turn)
+    versions: IntArray  # policy version that produced each response token (may change mid-turn);
+    # CONTEXT for a context token of a conversation (loss mask 0, logprob 0)
     # Constrained decoding: the token ids every response token was sampled from (empty: the whole
     # vocabulary). Trainers compute logprobs under the same constraint as the behaviour policy.
     allowed_ids: IntArray = field(default_factory=_no_ids)
@@ -87,11 +110,23 @@ class Turn:
             )
         if not self.agent or not self.policy:
             raise ValueError("agent and policy names must be non-empty")
+        context = self.versions == CONTEXT
+        if context.any():
+            if context.all():
+                raise ValueError(f"turn of agent {self.agent!r} has no sampled token (all context)")
+            if self.logprobs[context].any():
+                raise ValueError(f"turn of agent {self.agent!r}: context tokens must have logprob 0")
+
+    @property
+    def loss_mask(self) -> npt.NDArray[np.bool_]:
+        """True on the response tokens the policy sampled (trained), False on context tokens."""
+        mask: npt.NDArray[np.bool_] = self.versions != CONTEXT
+        return mask
 
     @cached_property
     def min_version(self) -> int:
-        """The oldest policy version among the response tokens (set in bulk by `unpack_episodes`)."""
-        return int(self.versions.min())
+        """The oldest policy version among the sampled tokens (set in bulk by `unpack_episodes`)."""
+        return int(oldest_versions(self.versions, np.zeros(1, dtype=np.int64))[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,7 +268,7 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
     for policy, lens in lengths.items():
         rows, end = _columns(flat, end, lens)
         # Every turn's oldest version in one call (the buffer checks staleness against it).
-        mins = np.minimum.reduceat(rows.versions, rows.response_offsets[:-1]).tolist()
+        mins = oldest_versions(rows.versions, rows.response_offsets[:-1]).tolist()
         columns[policy] = (
             rows,
             rows.prompt_offsets.tolist(),
@@ -310,8 +345,14 @@ class Sample:
 
     @cached_property
     def min_version(self) -> int:
-        """The oldest policy version among the response tokens: what staleness is measured from."""
-        return int(self.versions.min())
+        """The oldest policy version among the sampled tokens: what staleness is measured from."""
+        return int(oldest_versions(self.versions, np.zeros(1, dtype=np.int64))[0])
+
+    @property
+    def loss_mask(self) -> npt.NDArray[np.bool_]:
+        """True on the response tokens the policy sampled (trained), False on context tokens."""
+        mask: npt.NDArray[np.bool_] = self.versions != CONTEXT
+        return mask
 
     @property
     def nbytes(self) -> int:
@@ -404,6 +445,17 @@ class SampleBatch:
 
     def __len__(self) -> int:
         return len(self.sample_ids)
+
+    @property
+    def loss_mask(self) -> npt.NDArray[np.bool_]:
+        """Per response token (flat, as `response_ids`): True where sampled, False on context tokens."""
+        mask: npt.NDArray[np.bool_] = self.versions != CONTEXT
+        return mask
+
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens the loss is taken over (sampled ones; context tokens excluded)."""
+        return int(np.count_nonzero(self.versions != CONTEXT))
 
     @property
     def nbytes(self) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,6 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
             w.writerow(r)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _smooth(values: list[float], k: int) -> list[float]:
     out, acc = [], 0.0
     for i, v in enumerate(values):
@@ -37,7 +30,8 @@ def _smooth(values: list[float], k: int) -> list[float]:
 
 
 def reward_curves(out_dir: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
-    """One PNG per policy: reward (and success, when the workflow reports it) per step."""
+    """One PNG per policy: reward (and success, when the workflow reports it) per step, and the
+    evaluation passes' reward and pass@k when the job evaluates."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,6 +54,21 @@ def reward_curves(out_dir: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
                 _smooth([float(s) for s in success if s is not None], max(1, len(success) // 12)),
                 linestyle="--",
                 label="success (smoothed)",
+            )
+        evals = [r for r in mine if r.get("eval_reward_mean") is not None]
+        if evals:  # spec.evaluation: the eval passes' mean reward and pass@k on the eval rows
+            ax.plot(
+                [int(r["step"]) for r in evals],
+                [float(r["eval_reward_mean"]) for r in evals],
+                "o-",
+                label="eval reward",
+            )
+            passes = [r for r in evals if r.get("eval_pass_at_k") is not None]
+            ax.plot(
+                [int(r["step"]) for r in passes],
+                [float(r["eval_pass_at_k"]) for r in passes],
+                "s:",
+                label="eval pass@k",
             )
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("mean episode reward")

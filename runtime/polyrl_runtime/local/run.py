@@ -22,25 +22,22 @@ from typing import Any
 import structlog
 
 from polyrl_operator.api import RLJob
-from polyrl_runtime.config import JobFileError, load_job, resource_name, set_env_defaults
+from polyrl_runtime.config import JobFileError, load_job, placement_resources, set_env_defaults
 from polyrl_runtime.coordinator.checkpoint import CheckpointStore, checkpoint_root
 from polyrl_runtime.coordinator.driver import Driver, DriverOptions
-from polyrl_runtime.coordinator.metrics import StepRecord
+from polyrl_runtime.coordinator.metrics_files import read_metrics
 from polyrl_runtime.coordinator.report import RunSummary
 from polyrl_runtime.cpusets import format_cpus
 from polyrl_runtime.local.display import ProgressDisplay
-from polyrl_runtime.local.plots import read_jsonl, reward_curves, write_csv
+from polyrl_runtime.local.plots import reward_curves, write_csv
+from polyrl_runtime.logs import LogConfigError, configure_logging
 
 log = structlog.get_logger(__name__)
 
 
 def local_resources(job: RLJob) -> dict[str, float]:
     """The custom resources a one-machine cluster offers: as many units as the spec's replicas."""
-    res: dict[str, float] = {resource_name(None, "workflow"): float(job.spec.workflow.replicas.min)}
-    for p in job.spec.policies:
-        res[resource_name(p.name, "rollout")] = float(p.rollout.replicas.min)
-        res[resource_name(p.name, "trainer")] = float(p.trainer.replicas * p.trainer.ranks)
-    return res
+    return placement_resources(job)
 
 
 def init_local_ray(job: RLJob) -> None:
@@ -59,16 +56,14 @@ def init_local_ray(job: RLJob) -> None:
     )
 
 
-def _prepare_out(out: Path, resume: bool, job: RLJob) -> tuple[Path | str, list[dict[str, Any]]]:
+def _prepare_out(out: Path, resume: bool, job: RLJob) -> Path | str:
+    """The checkpoint root; a fresh run clears the previous run's results first. The metrics series
+    (`metrics.jsonl`) is the driver's: it continues it after the checkpoint it resumes from."""
     root = checkpoint_root(job.spec.checkpoint.uri, out)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
     if resume:
-        latest = CheckpointStore(root, job.spec.checkpoint.keep).latest()
-        if latest is None:
+        if CheckpointStore(root, job.spec.checkpoint.keep).latest() is None:
             raise JobFileError(f"--resume: no checkpoint in {root}")
-        steps = {p: int(v["step"]) for p, v in latest.state["policies"].items()}
-        rows = [r for r in read_jsonl(out / "metrics.jsonl") if int(r["step"]) <= steps.get(r["policy"], 0)]
     else:
         for name in ("metrics.jsonl", "metrics.csv", "summary.json"):
             (out / name).unlink(missing_ok=True)
@@ -76,8 +71,7 @@ def _prepare_out(out: Path, resume: bool, job: RLJob) -> tuple[Path | str, list[
             png.unlink()
         if root == out / "checkpoints" and root.exists():
             shutil.rmtree(root)
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root, rows
+    return root
 
 
 TAIL_STEPS = 10  # the summary's "last steps" mean: one step's 64 episodes are a noisy reading
@@ -163,11 +157,16 @@ def run_local(
     live: bool | None = None,
     cpu_sets: dict[str, frozenset[int]] | None = None,
 ) -> int:
+    try:
+        configure_logging("console")  # a person at a terminal; POLYRL_LOG_FORMAT=json overrides
+    except LogConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
     set_env_defaults()
     try:
         job = load_job(job_file)
         out_dir = Path(out or Path("runs") / job.metadata.name)
-        root, rows = _prepare_out(out_dir, resume, job)
+        root = _prepare_out(out_dir, resume, job)
     except (JobFileError, ValueError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
@@ -177,15 +176,6 @@ def run_local(
     display = ProgressDisplay(
         [p.name for p in job.spec.policies], job.spec.training.total_steps, live=live, quiet=quiet
     )
-    metrics = (out_dir / "metrics.jsonl").open("a")
-
-    def on_record(rec: StepRecord) -> None:
-        row = rec.row()
-        rows.append(row)
-        metrics.write(json.dumps(row) + "\n")
-        metrics.flush()
-        display.record(rec)
-
     pinned = "".join(f", {role} on CPU {format_cpus(c)}" for role, c in (cpu_sets or {}).items())
 
     def on_event(kind: str, data: dict[str, Any]) -> None:
@@ -203,7 +193,8 @@ def run_local(
         out_dir=out_dir,
         checkpoint_root=root,
         resume=resume,
-        on_record=on_record,
+        on_record=display.record,
+        metrics_dir=out_dir,  # metrics.jsonl beside the other results (coordinator/metrics_files.py)
         on_event=on_event,
         cpu_sets=dict(cpu_sets or {}),
     )
@@ -212,8 +203,8 @@ def run_local(
         with display:
             summary = asyncio.run(_drive(driver, port))
     finally:
-        metrics.close()
         ray.shutdown()
+    rows = read_metrics(out_dir)
     write_csv(out_dir / "metrics.csv", rows)
     pngs = reward_curves(out_dir, rows)
     tails = {p: tail_means(rows, p) for p in summary.steps}

@@ -28,7 +28,7 @@ import torch
 
 from polyrl_operator.api import Policy
 from polyrl_runtime import storage
-from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages
+from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages, agent_stats, merge_agent_stats
 from polyrl_runtime.algorithms.losses import (
     LossConfig,
     TokenBatch,
@@ -42,7 +42,13 @@ from polyrl_runtime.models import is_hf, model_dir
 from polyrl_runtime.netmap import free_port
 from polyrl_runtime.trainers.api import StepResult
 from polyrl_runtime.trainers.batching import micro_batches, pack_rows, row_lengths
-from polyrl_runtime.trainers.build import Built, build_trainer, cuda_device_index
+from polyrl_runtime.trainers.build import (
+    Built,
+    build_trainer,
+    cuda_device_index,
+    learning_rate,
+    set_learning_rate,
+)
 from polyrl_runtime.trainers.export import export_policy, zero_gather
 from polyrl_runtime.trainers.lora import reference_model
 from polyrl_runtime.trainers.ops import prepare_ops
@@ -50,6 +56,10 @@ from polyrl_runtime.trainers.publish import published_tensors
 from polyrl_runtime.weights.endpoints import TrainerWeights
 
 log = structlog.get_logger(__name__)
+
+
+# One token of prompt and one of response: the input of an empty micro-batch's zero-weighted step.
+_PAD_ROW = TokenBatch.build([np.zeros(1, np.int32)], [np.zeros(1, np.int32)], [np.zeros(0, np.int32)])
 
 
 def policy_seed(job_seed: int, policy: str) -> int:
@@ -151,6 +161,17 @@ class DeepSpeedTrainer(TrainerWeights):
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return [float(x) for x in t.cpu()]
 
+    def _agent_stats(self, signals: torch.Tensor, agents: tuple[str, ...]) -> dict[str, AdvantageStats]:
+        """Every agent's signal statistics over all ranks (ranks may hold different agents)."""
+        local = agent_stats(signals, agents)
+        if self.world == 1:
+            return local
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, local)
+        return merge_agent_stats(parts)
+
     def _set_gas(self, gas: int) -> None:
         if gas != self._gas:
             self.engine.set_train_batch_size(self.spec.trainer.micro_batch_size * gas * self.world)
@@ -161,6 +182,7 @@ class DeepSpeedTrainer(TrainerWeights):
             [samples[i].prompt_ids for i in rows],
             [samples[i].response_ids for i in rows],
             [samples[i].allowed_ids for i in rows],
+            [samples[i].loss_mask for i in rows],
         )
         width = tb.targets.shape[1]
         behav = torch.zeros(len(rows), width)
@@ -206,13 +228,20 @@ class DeepSpeedTrainer(TrainerWeights):
         n = 0 if batch is None else len(batch)
         signals = torch.from_numpy(batch.rewards.astype(np.float32)) if batch is not None else torch.zeros(0)
         local = AdvantageStats.of(signals)
-        tokens_local = 0 if batch is None else int(batch.response_offsets[-1])
+        tokens_local = 0 if batch is None else batch.trained_tokens  # context tokens are not trained
         count, total, total_sq, tokens = self._allreduce(
             [local.count, local.total, local.total_sq, tokens_local]
         )
         stats = AdvantageStats(count, total, total_sq)
+        agents = batch.agents if batch is not None else ()
         adv = advantages(
-            signals, self.algo.advantage_norm, stats, algorithm=self.algo.name, global_std=global_std
+            signals,
+            self.algo.advantage_norm,
+            stats,
+            algorithm=self.algo.name,
+            global_std=global_std,
+            agents=agents,
+            by_agent=self._agent_stats(signals, agents) if self.algo.advantage_norm == "per-agent" else None,
         )
         budget = self.spec.trainer.max_tokens_per_micro_batch
         if budget is not None:  # the count depends on the lengths: every rank runs the largest
@@ -232,6 +261,10 @@ class DeepSpeedTrainer(TrainerWeights):
                         )
         # Each rank's micro loss is scaled so the optimizer sees the mean over all tokens of the step.
         scale = self.world * n_micro / max(tokens, 1.0)
+        # Training step `step` produces version `step`: the schedule's step index is step - 1, the same
+        # for every optimizer step of it (ppo takes one per micro-batch) and after a resume.
+        lr = learning_rate(step - 1, self.algo, self.total_steps)
+        set_learning_rate(self.engine.optimizer, lr)
         loss_total, acc = 0.0, {"clip": 0.0, "isw": 0.0, "trunc": 0.0, "kl": 0.0, "ent": 0.0, "tok": 0}
         self.begin_weight_update()
         for k, rows in enumerate(micro_rows):
@@ -248,13 +281,21 @@ class DeepSpeedTrainer(TrainerWeights):
                 ):
                     acc[key] += v * ls.tokens
                 acc["tok"] += ls.tokens
-            else:  # keep collectives aligned across ranks: a zero loss still runs backward
-                loss_sum = sum(p.sum() for p in self.engine.module.parameters()) * 0.0
+            else:
+                # Keep collectives aligned across ranks: a zero-weighted forward and backward. A real
+                # forward (not a sum of the parameters) because under ZeRO-3 a parameter is an empty
+                # shard outside the forward's gather hooks, and its gradient must have the full size.
+                logp = sequence_logprobs(self.engine, _PAD_ROW, self.temperature)
+                loss_sum = logp.sum() * 0.0
             loss = loss_sum * scale
             self.engine.backward(loss)
             self.engine.step()
             loss_total += float(loss_sum.detach())
         grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            log.warning(
+                "trainer.grad_norm_not_finite", policy=self.spec.name, step=step, grad_norm=float(grad_norm)
+            )
         self.version = step
         lag = (
             np.zeros(0)
@@ -277,6 +318,7 @@ class DeepSpeedTrainer(TrainerWeights):
             staleness_max=int(lag.max()) if len(lag) else 0,
             signal_mean=float(signals.mean()) if n else 0.0,
             grad_norm=float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else 0.0,
+            lr=lr,
             wall_s=time.perf_counter() - start,
         )
 

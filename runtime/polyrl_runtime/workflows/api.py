@@ -8,6 +8,10 @@
             b = await bob.generate(f"answer to {a.text}:")
             return {"alice": 1.0, "bob": 0.0}          # one reward per agent that acted
 
+Agents talk in text with `agent.chat(messages, tools=...)` (the chat template, tool calls and
+conversations over several calls as one training sequence: workflows/chat.py), through an
+OpenAI-compatible client (`ctx.openai(name)`), or with raw prompts via `agent.generate`.
+
 Agents are called by name; an agent acts with the policy of the same name unless the job's
 `workflow.args.policies` maps it to another (several agents may share one policy). Every call is
 recorded as a turn (prompt ids, response ids, behaviour logprobs, versions), any number of turns per
@@ -22,14 +26,20 @@ import importlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from polyrl_runtime.engines.api import PromptTooLongError, SamplingParams
+from polyrl_runtime.engines.api import Generation, PromptTooLongError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.types import Turn
 from polyrl_runtime.models import Tokenizer
+from polyrl_runtime.workflows.chat import ChatReply, Conversation, context_ids, extended, normalise
+from polyrl_runtime.workflows.tools import parse_tool_calls
+
+if TYPE_CHECKING:
+    from polyrl_runtime.workflows.openai_client import OpenAIClient
+from polyrl_runtime.rewards.load import RewardError, score
 
 
 class WorkflowImportError(ImportError):
@@ -53,10 +63,25 @@ class _WorkflowLike(Protocol):
 
 @dataclass
 class Outcome:
-    """A richer return value: per-agent rewards plus free-form metadata (kept with the episode)."""
+    """A richer return value: per-agent rewards, optional per-turn rewards, free-form metadata (kept
+    with the episode).
+
+    `turn_rewards[agent]`: rewards for that agent's chat calls (or `generate` turns), in order. They
+    are summed into the agent's episode return (`returns()`), which is the one learning signal every
+    sample of the agent carries, for GRPO (group-relative) and PPO (minus the batch baseline) alike:
+    polyrl has no value model, so there is no per-token credit to place them on. They let a workflow
+    reward intermediate steps (a tool call that ran) without computing the sum itself."""
 
     rewards: Mapping[str, float]
     metadata: dict[str, Any] = field(default_factory=dict)
+    turn_rewards: Mapping[str, Sequence[float]] = field(default_factory=dict)
+
+    def returns(self) -> dict[str, float]:
+        """Each agent's episode return: its reward plus the sum of its per-turn rewards."""
+        out = {str(k): float(v) for k, v in self.rewards.items()}
+        for agent, rs in self.turn_rewards.items():
+            out[str(agent)] = out.get(str(agent), 0.0) + float(sum(float(r) for r in rs))
+        return out
 
 
 def load_workflow(entrypoint: str, args: Mapping[str, Any] | None) -> tuple[Any, dict[str, str]]:
@@ -124,22 +149,15 @@ class Agent:
         `max_new_tokens` (the policy's `sampling.maxNewTokens` by default)."""
         tok = self.tokenizer
         ids = tok.encode(prompt, bos=True) if isinstance(prompt, str) else [int(i) for i in prompt]
-        base = self.ctx.sampling[self.policy]
-        allowed_ids = tuple(tok.token_id(a) if isinstance(a, str) else int(a) for a in allowed or ())
-        params = SamplingParams(
-            temperature=base.temperature if temperature is None else temperature,
-            top_p=base.top_p,
-            max_new_tokens=max_new_tokens or base.max_new_tokens,
-            stop_ids=tuple(tok.stop_ids),
-            allowed_ids=allowed_ids,
-            stop=tuple(stop or ()),
-            include_stop_str=include_stop,
-            seed=self.ctx.sampling_seed(self.name),
+        allowed_ids = self._allowed(allowed)
+        gen = await self._sample(
+            ids,
+            allowed_ids,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            include_stop=include_stop,
+            temperature=temperature,
         )
-        try:
-            gen = await self.ctx.pool.generate(self.policy, ids, params)
-        except PromptTooLongError as e:
-            raise PromptTooLongError(e.policy, e.prompt_len, e.limit, agent=self.name) from None
         self.ctx.turns.append(
             Turn(
                 agent=self.name,
@@ -151,10 +169,101 @@ class Agent:
                 allowed_ids=np.asarray(allowed_ids, dtype=np.int32),
             )
         )
-        text = tok.decode(gen.token_ids.tolist())
+        return Reply(self._text(gen, include_stop), gen.token_ids.tolist(), ids, gen.finish_reason)
+
+    async def chat(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        new_conversation: bool = False,
+        max_new_tokens: int | None = None,
+        allowed: Sequence[str] | Sequence[int] | None = None,
+        stop: Sequence[str] | None = None,
+        temperature: float | None = None,
+    ) -> ChatReply:
+        """The assistant's reply to `messages` (OpenAI-style dicts, or the openai SDK's message
+        objects), rendered with the policy's chat template (and `tools`, OpenAI function schemas;
+        then tool calls in the reply are parsed, see workflows/tools.py). Successive calls whose
+        messages extend the previous call's messages and reply continue one conversation, trained as
+        one sequence: only the sampled ids have loss mask 1 (workflows/chat.py). Sampling arguments
+        as in `generate`; `allowed` must be the same for every call of a conversation."""
+        msgs = normalise(messages)
+        tool_list = [dict(t) for t in tools] if tools else None
+        allowed_ids = self._allowed(allowed)
+        conv = None if new_conversation else self.ctx.conversations.get(self.name)
+        if conv is not None and not conv.continued_by(msgs, tool_list):
+            conv = None
+        if conv is None:
+            prompt = self.tokenizer.apply_chat_template(msgs, tools=tool_list, add_generation_prompt=True)
+            conv = Conversation(
+                self.name, self.policy, msgs, tool_list, allowed_ids, len(self.ctx.turns), prompt
+            )
+            context: list[int] = []
+        else:
+            if allowed_ids != conv.allowed_ids:
+                raise ValueError(
+                    f"agent {self.name!r}: every chat call of one conversation must use the same `allowed` "
+                    f"tokens (the trainer scores the whole sequence under one constraint); start a new "
+                    f"conversation to change them"
+                )
+            context = context_ids(self.tokenizer, conv, msgs, tool_list)
+        gen = await self._sample(
+            conv.sequence() + context,
+            allowed_ids,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            include_stop=False,
+            temperature=temperature,
+        )
+        extended(conv, context, gen, self.tokenizer.stop_ids)
+        turn = conv.turn()
+        if conv.turn_index == len(self.ctx.turns):
+            self.ctx.turns.append(turn)
+        else:
+            self.ctx.turns[conv.turn_index] = turn
+        raw = self._text(gen, False)
+        parsed = parse_tool_calls(raw, id_prefix=f"call_{self.name}_{len(conv.versions)}") if tools else None
+        reply = ChatReply.of(raw, gen.token_ids.tolist(), gen.finish_reason, parsed)
+        conv.messages = [*msgs, reply.message]
+        self.ctx.conversations[self.name] = conv
+        return reply
+
+    def _allowed(self, allowed: Sequence[str] | Sequence[int] | None) -> tuple[int, ...]:
+        tok = self.tokenizer
+        return tuple(tok.token_id(a) if isinstance(a, str) else int(a) for a in allowed or ())
+
+    async def _sample(
+        self,
+        ids: list[int],
+        allowed_ids: tuple[int, ...],
+        *,
+        max_new_tokens: int | None,
+        stop: Sequence[str] | None,
+        include_stop: bool,
+        temperature: float | None,
+    ) -> Generation:
+        base = self.ctx.sampling[self.policy]
+        params = SamplingParams(
+            temperature=base.temperature if temperature is None else temperature,
+            top_p=base.top_p,
+            max_new_tokens=max_new_tokens or base.max_new_tokens,
+            stop_ids=tuple(self.tokenizer.stop_ids),
+            allowed_ids=allowed_ids,
+            stop=tuple(stop or ()),
+            include_stop_str=include_stop,
+            seed=self.ctx.sampling_seed(self.name),
+        )
+        try:
+            return await self.ctx.pool.generate(self.policy, ids, params)
+        except PromptTooLongError as e:
+            raise PromptTooLongError(e.policy, e.prompt_len, e.limit, agent=self.name) from None
+
+    def _text(self, gen: Generation, include_stop: bool) -> str:
+        text = self.tokenizer.decode(gen.token_ids.tolist())
         if gen.stop_str and not include_stop and gen.stop_str in text:
             text = text[: text.index(gen.stop_str)]
-        return Reply(text, gen.token_ids.tolist(), ids, gen.finish_reason)
+        return text
 
     def chat_prompt(
         self,
@@ -182,6 +291,21 @@ class EpisodeContext:
     sampling: Mapping[str, SamplingParams]
     agent_policies: Mapping[str, str] = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
+    conversations: dict[str, Conversation] = field(default_factory=dict)  # each agent's latest
+    # The group's prompt data row (spec.data; the same row for every member of the group), read-only;
+    # None for a job without data.
+    sample: Mapping[str, Any] | None = None
+
+    def reward(self, name: str, completion: str, row: Mapping[str, Any] | None = None) -> float:
+        """Score `completion` with reward function `name` (a built-in: exact_match, numeric, math; or
+        `module:attr`) against `row` (default: `ctx.sample`). A function that raises fails this
+        episode with a RewardError naming it and the episode (a counted drop, not a crash)."""
+        data = self.sample if row is None else row
+        if data is None:
+            raise RewardError(
+                f"episode {self.episode_id}: reward {name!r} needs a row, and the job has no data"
+            )
+        return score(name, completion, data, episode=self.episode_id)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)  # same in every episode of the group: same task
@@ -207,3 +331,9 @@ class EpisodeContext:
 
     def tokenizer(self, agent: str) -> Tokenizer:
         return self.agent(agent).tokenizer
+
+    def openai(self, agent: str) -> OpenAIClient:
+        """An OpenAI-compatible client whose chat completions are `agent`'s chat calls (trained)."""
+        from polyrl_runtime.workflows.openai_client import OpenAIClient
+
+        return OpenAIClient(self.agent(agent))

@@ -15,18 +15,20 @@ import os
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime.cpusets import pin_from_env
+from polyrl_runtime.data.row import Row, RowRef
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.types import Episode, Ticket
 from polyrl_runtime.experience.wire import EpisodeBatch
 from polyrl_runtime.models import Tokenizer, load_tokenizer
+from polyrl_runtime.rewards.load import RewardError
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, load_workflow
 
 log = structlog.get_logger(__name__)
@@ -40,7 +42,7 @@ class EpisodeReport:
     policy_rewards: dict[str, float] = field(default_factory=dict)  # mean raw reward per policy
     samples: dict[str, int] = field(default_factory=dict)  # per policy
     tokens: int = 0
-    reason: str = ""  # failure: workflow_error | engine_error | timeout | bad_result
+    reason: str = ""  # failure: workflow_error | engine_error | reward_error | timeout | bad_result
     error: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -135,7 +137,7 @@ class WorkflowWorker:
         try:
             result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
             outcome = result if isinstance(result, Outcome) else Outcome(dict(result))
-            rewards = {str(k): float(v) for k, v in outcome.rewards.items()}
+            rewards = outcome.returns()  # per agent: reward plus its per-turn rewards
             if not ctx.turns:
                 raise ValueError("the episode made no agent turn")
             missing = {t.agent for t in ctx.turns} - set(rewards)
@@ -145,6 +147,9 @@ class WorkflowWorker:
             report.reason, report.error = "timeout", f"episode exceeded {self.timeout:.0f} s"
         except EngineUnavailableError as e:
             report.reason, report.error = "engine_error", str(e)
+        except RewardError as e:
+            report.reason, report.error = "reward_error", str(e)
+            log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
         except Exception as e:
             report.reason = "workflow_error"
             report.error = "".join(traceback.format_exception_only(e)).strip()
@@ -156,15 +161,20 @@ class WorkflowWorker:
             per_policy: dict[str, list[float]] = {}
             for t in ctx.turns:
                 report.samples[t.policy] = report.samples.get(t.policy, 0) + 1
-                report.tokens += len(t.response_ids)
+                report.tokens += int(t.loss_mask.sum())  # sampled tokens (not a conversation's context)
                 per_policy.setdefault(t.policy, []).append(rewards[t.agent])
             report.policy_rewards = {p: sum(v) / len(v) for p, v in per_policy.items()}
             meta = {"rewards": rewards, "group": ctx.group_id, **outcome.metadata}
             return report, Episode(ctx.episode_id, tuple(ctx.turns), rewards, meta)
         return report, None
 
-    async def run_group(self, group_id: str, seed: int, tickets: Sequence[Ticket]) -> GroupReport:
+    async def run_group(
+        self, group_id: str, seed: int, tickets: Sequence[Ticket], row: RowRef | None = None
+    ) -> GroupReport:
+        """Play one group (every member on the same data `row`, if the job has data) and put its
+        finished episodes in the buffer."""
         start = time.monotonic()
+        sample = Row(row) if row is not None else None
         self._track(len(tickets))
         try:
             ctxs = [
@@ -177,6 +187,7 @@ class WorkflowWorker:
                     tokenizers=self.tokenizers,
                     sampling=self.sampling,
                     agent_policies=self.agent_policies,
+                    sample=sample,
                 )
                 for i in range(len(tickets))
             ]
@@ -197,16 +208,41 @@ class WorkflowWorker:
             await self.buffer.release.remote(failed)
         return GroupReport(group_id, [r for r, _ in results], self.pool.take_dead(), time.monotonic() - start)
 
-    async def run_groups(
-        self, groups: Sequence[tuple[str, int, Sequence[Ticket]]]
-    ) -> list[GroupReport | str]:
+    async def evaluate(
+        self, eval_id: str, seed: int, row: RowRef, k: int, greedy: bool
+    ) -> list[dict[str, float] | str]:
+        """`k` episodes on the eval `row` with the engines' current weights, kept out of the buffer
+        (nothing is trained on them): per episode its mean raw reward per policy, or its error."""
+        sampling = (
+            {n: replace(p, temperature=0.0) for n, p in self.sampling.items()} if greedy else self.sampling
+        )
+        ctxs = [
+            EpisodeContext(
+                episode_id=f"{eval_id}-{i}",
+                group_id=eval_id,
+                index=i,
+                seed=seed,
+                pool=self.pool,
+                tokenizers=self.tokenizers,
+                sampling=sampling,
+                agent_policies=self.agent_policies,
+                sample=Row(row),
+            )
+            for i in range(k)
+        ]
+        results = await asyncio.gather(*(self._one(c) for c in ctxs))
+        return [
+            r.policy_rewards if r.ok else f"episode {r.episode_id} ({r.reason}): {r.error}"
+            for r, _ in results
+        ]
+
+    async def run_groups(self, groups: Sequence[tuple[Any, ...]]) -> list[GroupReport | str]:
         """Several groups (group id, seed, tickets) in one call, played concurrently, each put in the
         buffer as soon as it is done. A Ray call costs about a millisecond of CPU here, as much as
-        a group's own work, so the driver dispatches up to a few groups per call. Per group: its
+        a group's own work, so the driver dispatches up to a few groups per call. A group is
+        (group id, seed, tickets) or (group id, seed, tickets, data row or None). Per group: its
         report, or the error that kept its episodes out of the buffer (the driver releases those)."""
-        results = await asyncio.gather(
-            *(self.run_group(g, s, t) for g, s, t in groups), return_exceptions=True
-        )
+        results = await asyncio.gather(*(self.run_group(*g) for g in groups), return_exceptions=True)
         out: list[GroupReport | str] = []
         for r in results:
             if isinstance(r, asyncio.CancelledError):

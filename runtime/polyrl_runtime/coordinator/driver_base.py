@@ -1,0 +1,118 @@
+"""What the driver's components share: the job's options, its failure type, one policy's run state,
+and `JobControl` (the stop event, the first fatal error, event reporting, the clock).
+
+The driver (coordinator/driver.py) composes one component per responsibility, each built from
+explicit inputs and holding no reference back to the driver:
+
+    PolicyTrainer     per policy: wait for a step of samples, train, sync weights (training.py)
+    Checkpointer      checkpoints, exports and checkpoint requests (checkpointing.py)
+    FleetSupervisor   health, drain, elasticity and routes, every poll (housekeeping.py)
+    ProducerEventSink what the episode producer reports back (training.py)
+    MetricsLog        where each step's record goes: memory, files, sinks (metrics_log.py)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from polyrl_operator.api.progress import EvalProgress
+from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
+from polyrl_runtime.coordinator.tasks import fail_on_error
+from polyrl_runtime.experience.buffer import PolicyStats
+from polyrl_runtime.weights.endpoints import PolicyWeightSync
+
+State = Literal["starting", "running", "checkpointing", "done", "failed"]
+
+
+class JobFailedError(RuntimeError):
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass
+class DriverOptions:
+    out_dir: Path
+    checkpoint_root: Path | str  # a local directory or an object-store URI (coordinator/checkpoint.py)
+    resume: bool = True
+    episode_timeout_s: float = 300.0
+    max_consecutive_failures: int = 64
+    max_in_flight_per_worker: int = 512
+    groups_per_call: int = 4  # episode groups a worker gets per Ray call (a call costs ~1 ms of CPU)
+    poll_s: float = 0.5
+    same_host: bool = True
+    # How long a policy may sit with no credit and no experience anywhere before the job fails.
+    stall_timeout_s: float = 30.0
+    unused_episodes: int = 2000  # episodes in a row without a turn of a policy before the job fails
+    place_by_resource: bool = True  # False: ignore polyrl/<policy>/<role> resources (tests on a plain Ray)
+    cpu_sets: dict[str, frozenset[int]] = field(default_factory=dict)  # role -> CPUs (local mode's --cpus)
+    on_record: Callable[[StepRecord], None] | None = None
+    # Where the per-step metrics series goes (metrics_files.py); None: <checkpoint_root>/metrics.
+    metrics_dir: Path | str | None = None
+    # Polled every poll_s: the id of a checkpoint request (the pod's checkpoint-request annotation).
+    checkpoint_requests: Callable[[], str | None] | None = None
+    on_event: Callable[[str, dict[str, Any]], None] | None = None
+    attempt: int | None = None  # the pod's POLYRL_ATTEMPT, reported in /progress (None: polyrl run)
+
+
+@dataclass
+class PolicyRun:
+    """What the driver tracks of one policy: its trainer ranks, weight sync, step and statistics."""
+
+    name: str
+    ranks: list[Any]
+    sync: PolicyWeightSync | None = None
+    step: int = 0
+    samples_per_episode: int | None = None
+    window: RewardWindow = field(default_factory=lambda: RewardWindow(64))
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    stats: PolicyStats | None = None
+    staleness: tuple[float, int] = (0.0, 0)
+    last_reward: float | None = None
+    last_ckpt_step: int | None = None
+    last_eval: EvalProgress | None = None  # the latest evaluation pass (coordinator/evaluation.py)
+
+
+class JobControl:
+    """The stop event, the job's first fatal error, event reporting and the job's clock.
+
+    Every component that can end the job or report an event gets this one object; the first
+    failure wins, later ones only stop the job again."""
+
+    def __init__(self, on_event: Callable[[str, dict[str, Any]], None] | None) -> None:
+        self.stop = asyncio.Event()
+        self.fatal: JobFailedError | None = None
+        self._on_event = on_event
+        self.started = time.monotonic()
+        self.elapsed_before = 0.0  # the wall time of the attempts before a resume
+
+    def fail(self, message: str, *, retryable: bool = True) -> None:
+        if self.fatal is None:
+            self.fatal = JobFailedError(message, retryable=retryable)
+        self.stop.set()
+
+    def emit(self, kind: str, **data: Any) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, data)
+
+    def guarded(self, work: Any, what: str) -> asyncio.Task[None]:
+        """A task whose unexpected exception fails the job (retryably), naming it."""
+        return fail_on_error(asyncio.create_task(work), what, self.fail)
+
+    def report_lost(self, fleet: Fleet, slots: list[Slot]) -> None:
+        """Report each engine or workflow worker once, when the fleet first marks it dead (whoever
+        saw it die: the weight sync, a workflow worker, the producer or the supervision poll)."""
+        for slot in slots:
+            if slot.name in fleet.engines.get(slot.policy, {}):
+                self.emit("engine_lost", engine=slot.name, policy=slot.policy)
+            else:
+                self.emit("worker_lost", worker=slot.name)
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.started

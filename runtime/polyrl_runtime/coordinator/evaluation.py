@@ -1,0 +1,130 @@
+"""Evaluation: every `evaluation.everySteps` steps, and at a policy's last step, the current weights
+of the policies play the `data.eval` rows, `k` episodes per row (greedy or sampled), on the workflow
+workers but outside the buffer: nothing is trained on them.
+
+Per policy a pass gives the mean raw reward over the eval episodes and pass@k, the fraction of rows
+where at least one of the k episodes reached `passThreshold`. Each policy's trainer asks for the
+pass of its step (`at_step`) and puts its own result in that step's record; policies that reach the
+same step share one pass. A failed eval episode is counted, never fatal: evaluation must not end a
+run that trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from polyrl_operator.api.spec import RLJobSpec
+from polyrl_runtime.coordinator.fleet import Fleet
+from polyrl_runtime.data import DataError, RowRef, load_rows
+
+log = structlog.get_logger(__name__)
+
+ROWS_PER_WAVE = 32  # eval rows played at once: enough to batch in the engines, bounded for big sets
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    policy: str
+    step: int
+    reward_mean: float | None
+    pass_at_k: float | None
+    k: int
+    rows: int  # rows with at least one finished episode of the policy
+    failed: int  # eval episodes that failed
+
+
+def summarize(
+    policy: str, step: int, k: int, per_row: Sequence[Sequence[Mapping[str, float] | str]], threshold: float
+) -> EvalResult:
+    """One policy's result from each row's episode outcomes (rewards per policy, or an error)."""
+    rewards: list[float] = []
+    solved, rows, failed = 0, 0, 0
+    for episodes in per_row:
+        mine = [e[policy] for e in episodes if not isinstance(e, str) and policy in e]
+        failed += sum(isinstance(e, str) for e in episodes)
+        if mine:
+            rows += 1
+            rewards += mine
+            solved += any(r >= threshold for r in mine)
+    return EvalResult(
+        policy,
+        step,
+        reward_mean=sum(rewards) / len(rewards) if rewards else None,
+        pass_at_k=solved / rows if rows else None,
+        k=k,
+        rows=rows,
+        failed=failed,
+    )
+
+
+class Evaluator:
+    def __init__(self, spec: RLJobSpec, rows: list[dict[str, Any]], fleet: Fleet) -> None:
+        assert spec.evaluation is not None and spec.data is not None and spec.data.eval is not None
+        self.cfg, self.source, self.seed = spec.evaluation, spec.data.eval, spec.training.seed
+        self.rows = rows[: self.cfg.max_rows] if self.cfg.max_rows else rows
+        self.fleet, self.policies = fleet, [p.name for p in spec.policies]
+        self.latest: dict[str, EvalResult] = {}
+        self._passes: dict[int, asyncio.Task[dict[str, EvalResult]]] = {}
+
+    def due(self, step: int, last: bool) -> bool:
+        return last or step % self.cfg.every_steps == 0
+
+    async def at_step(self, policy: str, step: int, last: bool) -> EvalResult | None:
+        """The policy's result of the pass at `step` when one is due (None otherwise)."""
+        if not self.due(step, last):
+            return None
+        if step not in self._passes:
+            self._passes[step] = asyncio.ensure_future(self._pass(step))
+        results = await asyncio.shield(self._passes[step])
+        return results.get(policy)
+
+    async def _pass(self, step: int) -> dict[str, EvalResult]:
+        per_row: list[list[dict[str, float] | str]] = []
+        for start in range(0, len(self.rows), ROWS_PER_WAVE):
+            wave = range(start, min(start + ROWS_PER_WAVE, len(self.rows)))
+            per_row += await asyncio.gather(*(self._row(step, i) for i in wave))
+        results = {p: summarize(p, step, self.cfg.k, per_row, self.cfg.pass_threshold) for p in self.policies}
+        self.latest.update(results)
+        for r in results.values():
+            log.info(
+                "eval.done",
+                policy=r.policy,
+                step=step,
+                reward=r.reward_mean,
+                pass_at_k=r.pass_at_k,
+                k=r.k,
+                rows=r.rows,
+                failed=r.failed,
+            )
+        return results
+
+    async def _row(self, step: int, index: int) -> list[dict[str, float] | str]:
+        workers = [w for w in self.fleet.workers.values() if not w.dead and not w.draining]
+        if not workers:
+            return [f"eval row {index}: no workflow worker"] * self.cfg.k
+        worker = workers[index % len(workers)]
+        ref = RowRef(self.source, index, self.rows[index])
+        seed = (self.seed * 1_000_003 + index) % 2**31  # the same draws at every pass: comparable
+        try:
+            out: list[dict[str, float] | str] = await worker.handle.evaluate.remote(
+                f"eval{step}r{index}", seed, ref, self.cfg.k, self.cfg.greedy
+            )
+        except Exception as e:
+            return [f"eval row {index}: {(str(e).splitlines() or [repr(e)])[0]}"] * self.cfg.k
+        return out
+
+
+def load_eval_rows(spec: RLJobSpec) -> list[dict[str, Any]] | None:
+    """The eval rows when the job evaluates (None otherwise); an unreadable file is a DataError naming
+    `spec.data.eval` and the URI."""
+    if spec.evaluation is None or spec.data is None or spec.data.eval is None:
+        return None
+    try:
+        return load_rows(spec.data.eval)
+    except DataError as e:
+        raise DataError(f"spec.data.eval: {e}") from e

@@ -1,0 +1,273 @@
+"""One policy's training: wait for one step of samples, train every rank on its share, sync the new
+weights to the engines, then grant the buffer more credit (see driver.py for the whole loop).
+
+`PolicyTrainer` holds one policy's `PolicyRun` and the inputs its step needs; each finished step
+becomes a `StepRecord` handed to `record`. `ProducerEventSink` is what the episode producer reports back
+to the policies (their reward windows) and to the job (failures, events, lost workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import structlog
+
+from polyrl_operator.api import RLJob
+from polyrl_operator.api.progress import EvalProgress
+from polyrl_runtime.actors import actor_gone
+from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef
+from polyrl_runtime.coordinator.checkpointing import Checkpointer
+from polyrl_runtime.coordinator.driver_base import JobControl, PolicyRun
+from polyrl_runtime.coordinator.evaluation import Evaluator
+from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.metrics import StepRecord
+from polyrl_runtime.coordinator.producer import EpisodeProducer
+from polyrl_runtime.experience.buffer import PolicyStats
+from polyrl_runtime.weights import VersionRegistry
+from polyrl_runtime.weights.endpoints import PolicyWeightSync
+
+log = structlog.get_logger(__name__)
+
+
+class ProducerEventSink:
+    """The episode producer's reports: rewards into each policy's window, the rest to the job."""
+
+    def __init__(self, runs: dict[str, PolicyRun], total: int, control: JobControl, fleet: Fleet) -> None:
+        self.runs, self.total, self.control, self.fleet = runs, total, control, fleet
+
+    def still_training(self, policy: str) -> bool:
+        return self.runs[policy].step < self.total
+
+    def episode(self, policy: str, reward: float, success: float | None, samples: int) -> None:
+        run = self.runs[policy]
+        run.window.add(reward, success)
+        run.samples_per_episode = samples
+
+    def fail(self, message: str, retryable: bool) -> None:
+        self.control.fail(message, retryable=retryable)
+
+    def emit(self, kind: str, **data: Any) -> None:
+        self.control.emit(kind, **data)
+
+    def lost(self, slots: list[Slot]) -> None:
+        self.control.report_lost(self.fleet, slots)
+
+
+class PolicyTrainer:
+    """The training loop of one policy and the weight sync after each of its steps."""
+
+    def __init__(
+        self,
+        job: RLJob,
+        run: PolicyRun,
+        *,
+        control: JobControl,
+        buffer: Any,
+        fleet: Fleet,
+        producer: EpisodeProducer,
+        checkpointer: Checkpointer,
+        registry: VersionRegistry,
+        record: Callable[[StepRecord], Awaitable[None]],
+        stall_timeout_s: float,
+        group_size: int,
+        evaluator: Evaluator | None = None,
+    ) -> None:
+        self.spec, self.run, self.control = job.spec, run, control
+        self.evaluator = evaluator
+        self.policy = next(p for p in job.spec.policies if p.name == run.name)
+        self.buffer, self.fleet, self.producer = buffer, fleet, producer
+        self.checkpointer, self.registry, self.record = checkpointer, registry, record
+        self.stall_timeout_s, self.group_size = stall_timeout_s, group_size
+        self.E = job.spec.training.episodes_per_step
+        self.total = job.spec.training.total_steps
+
+    async def setup(self, ref: CheckpointRef | None, transport: str) -> None:
+        """Rendezvous the ranks, load the checkpoint if it has this policy, connect the weight sync
+        and publish the starting weights."""
+        run = self.run
+        addr, port = await run.ranks[0].address.remote()
+        await asyncio.gather(*(r.setup.remote(addr, port) for r in run.ranks))
+        if ref is not None and run.name in ref.state["policies"]:
+            d = ref.trainer_dir(run.name)  # each rank downloads it first when it is in an object store
+            await asyncio.gather(*(r.load.remote(d, TRAINER_TAG) for r in run.ranks))
+            run.step = int(ref.state["policies"][run.name]["step"])
+        elif ref is not None:  # a policy added to the job since the checkpoint starts from its model
+            log.info("policy.not_in_checkpoint", policy=run.name, checkpoint=ref.location)
+        engines = {n: s.handle for n, s in self.fleet.engines[run.name].items()}
+        kwargs = {"num_receivers": len(engines)} if transport == "collective" else {}
+        bucket = self.spec.weight_sync.bucket_mb << 20
+        await run.ranks[0].init_sender.remote(transport, bucket, kwargs)
+        run.sync = await asyncio.to_thread(
+            PolicyWeightSync, run.name, run.ranks[0], engines, self.registry, transport=transport
+        )
+        await self.sync_weights(run.step)
+
+    async def loop(self) -> None:
+        run, stop = self.run, self.control.stop
+        while run.step < self.total and not stop.is_set():
+            n = await self._wait_for_step()
+            if not n:
+                break
+            async with run.lock:
+                try:
+                    await self.record(await self._evaluated(await self._train_once(n)))
+                except Exception as e:
+                    self.control.fail(f"policy {run.name}: trainer failed at step {run.step + 1}: {e}")
+                    return
+                try:
+                    await self.checkpointer.maybe_export(run)
+                except Exception as e:
+                    self.control.fail(
+                        f"policy {run.name}: Hugging Face export of step {run.step} failed: {e}"
+                    )
+                    return
+            if run.step >= self.total:
+                await self.buffer.finish.remote(run.name)
+            await self.checkpointer.maybe_checkpoint()
+
+    async def _evaluated(self, rec: StepRecord) -> StepRecord:
+        """`rec` with this policy's result of the eval pass at its step, when one is due."""
+        if self.evaluator is None:
+            return rec
+        last = rec.step >= self.total or self.producer.data_finished
+        res = await self.evaluator.at_step(self.run.name, rec.step, last)
+        if res is None:
+            return rec
+        self.run.last_eval = EvalProgress(
+            step=res.step, reward_mean=res.reward_mean, pass_at_k=res.pass_at_k, k=res.k, rows=res.rows
+        )
+        return replace(rec, eval_reward_mean=res.reward_mean, eval_pass_at_k=res.pass_at_k)
+
+    async def _wait_for_step(self) -> int:
+        """Samples for one step (0 when stopping): a full step, or whatever is buffered when no more
+        can come (credit exhausted, nothing in flight: episodes with fewer turns than usual)."""
+        run = self.run
+        stalled_since: float | None = None
+        while not self.control.stop.is_set():
+            # Read once: the first report sets it while we wait, and a step's size must not change
+            # under us (unknown: wait for the first episode's report before counting samples).
+            per_episode = run.samples_per_episode
+            need = self.E * (per_episode or 1)
+            # A long poll: the buffer answers as soon as the step is complete. Polling every 10 ms
+            # (two Ray calls per policy each time) cost the driver and the buffer about 0.1 CPU-s
+            # per optimizer step of the async benchmark, on 2 cores a visible share.
+            stats: dict[str, PolicyStats] = await self.buffer.stats.remote((run.name, need), 0.05)
+            st = run.stats = stats[run.name]
+            in_flight = self.producer.in_flight
+            # The train data ran out: whatever is buffered is the last step; nothing buffered, none.
+            data_done = self.producer.data_finished and in_flight == 0
+            if data_done and not st.buffered and not st.leased:
+                return 0
+            if per_episode is not None:
+                if st.buffered >= need:
+                    return need
+                # Credit for less than a group is not granted (episodes start in whole groups).
+                if st.buffered and (st.credit < self.group_size or data_done) and in_flight == 0:
+                    return int(st.buffered)
+            # No credit, nothing buffered, leased or on its way: nothing can ever change (credit only
+            # grows when this policy trains). A bug, but the job must fail clearly, never hang.
+            if st.credit >= self.group_size or st.buffered or st.leased or in_flight:
+                stalled_since = None
+            elif stalled_since is None:
+                stalled_since = time.monotonic()
+            elif time.monotonic() - stalled_since > self.stall_timeout_s:
+                self.control.fail(
+                    f"policy {run.name}: stalled at step {run.step}: no staleness credit (admitted "
+                    f"{st.admitted} at version {st.version}), nothing buffered and no episode in flight "
+                    f"for {self.stall_timeout_s:.0f} s",
+                    retryable=False,
+                )
+                return 0
+        return 0
+
+    def _global_std(self) -> float | None:
+        signals = self.producer.signals
+        if self.policy.algorithm.advantage_norm != "global" or len(signals) < 2:
+            return None
+        m = sum(signals) / len(signals)
+        return math.sqrt(sum((x - m) ** 2 for x in signals) / (len(signals) - 1))
+
+    async def _train_once(self, n: int) -> StepRecord:
+        run = self.run
+        world = len(run.ranks)
+        shares = [n // world + (1 if i < n % world else 0) for i in range(world)]
+        n_micro = max(1, math.ceil(max(shares) / self.policy.trainer.micro_batch_size))
+        gstd = self._global_std()
+        t0 = time.perf_counter()
+        version = run.step + 1
+        try:
+            results = await asyncio.gather(
+                *(
+                    r.train_step.remote(version, s, n_micro, gstd)
+                    for r, s in zip(run.ranks, shares, strict=True)
+                )
+            )
+        except Exception:
+            for i in range(world):  # whatever the ranks leased goes back to the buffer
+                await self.buffer.consumer_failed.remote(f"{run.name}-trainer-{i}")
+            raise
+        await self.buffer.ack.remote([r.lease_id for r in results if r.lease_id is not None])
+        t1 = time.perf_counter()
+        await self.sync_weights(version)
+        if self.spec.effective_max_staleness == 0:
+            # Sync: no episode can start before `advance`, so once the producer has accounted for
+            # those in flight, the window holds exactly this step's episodes, whatever the timing.
+            while self.producer.in_flight and not self.control.stop.is_set():
+                await asyncio.sleep(0.005)
+        await self.buffer.advance.remote(run.name, version)
+        run.step = version
+        sync_s = time.perf_counter() - t1
+        reward, success, episodes = run.window.take()
+        run.last_reward = reward
+        stats: dict[str, PolicyStats] = await self.buffer.stats.remote()
+        run.stats = stats[run.name]
+        samples = sum(r.samples for r in results)
+        run.staleness = (run.stats.staleness_mean, run.stats.staleness_max)
+        return StepRecord(
+            policy=run.name,
+            step=version,
+            version=version,
+            reward_mean=reward,
+            success_mean=success,
+            episodes=episodes,
+            samples=samples,
+            tokens=sum(r.tokens for r in results),
+            loss=sum(r.loss for r in results),
+            staleness_mean=sum(r.staleness_mean * r.samples for r in results) / max(samples, 1),
+            staleness_max=max(r.staleness_max for r in results),
+            is_weight_mean=sum(r.is_weight_mean for r in results) / world,
+            is_truncated_frac=sum(r.is_truncated_frac for r in results) / world,
+            clip_frac=sum(r.clip_frac for r in results) / world,
+            kl=sum(r.kl for r in results) / world,
+            entropy=sum(r.entropy for r in results) / world,
+            grad_norm=results[0].grad_norm,
+            train_s=t1 - t0,
+            sync_s=sync_s,
+            elapsed_s=self.control.elapsed(),
+            samples_per_s=samples / max(time.perf_counter() - t0, 1e-9),
+            dropped=dict(run.stats.dropped),
+            failed_episodes=sum(self.producer.failures.values()),
+        )
+
+    async def sync_weights(self, version: int) -> None:
+        run = self.run
+        assert run.sync is not None
+        peers = []
+        if self.policy.trainer.zero_stage == 3 and len(run.ranks) > 1:
+            peers = [r.gather_for_peers.remote() for r in run.ranks[1:]]
+        result = await asyncio.to_thread(run.sync.sync, version)
+        if peers:
+            await asyncio.gather(*peers)
+        for engine, err in result.failures.items():
+            log.warning("weights.engine_failed", policy=run.name, engine=engine, error=str(err))
+            if actor_gone(err):
+                lost = self.fleet.mark_dead({engine})
+                self.control.report_lost(self.fleet, lost)
+                if engine in run.sync.engines:  # out now: the next step's sync must not wait on it
+                    await asyncio.to_thread(run.sync.remove_engine, engine)
+                if lost:  # supervision will not see it in the sync, so the workers' routes change here
+                    await self.fleet.push_routes()

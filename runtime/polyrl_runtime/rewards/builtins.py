@@ -1,0 +1,69 @@
+"""Built-in verifiable rewards, each 1.0 for a correct completion and 0.0 otherwise; the reference
+answer is the row's `answer` field.
+
+- `exact_match`: the completion, stripped (and a trailing period dropped), equals the answer.
+- `numeric`: the last number in the completion is within `tolerance` of the answer (a number).
+- `math`: math-verify's parser and verifier (LaTeX, \\boxed{}, fractions, expressions), so
+  `\\frac{1}{2}` matches `0.5`. Its timeouts use SIGALRM, which only the main thread may set: off
+  that thread (a Ray async actor's event loop) they are disabled.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from math_verify import parse, verify
+
+ANSWER_FIELD = "answer"
+_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _answer(row: Mapping[str, Any]) -> Any:
+    return row[ANSWER_FIELD]
+
+
+def exact_match(completion: str, row: Mapping[str, Any]) -> float:
+    def norm(s: str) -> str:
+        return " ".join(s.strip().rstrip(".").split())
+
+    return 1.0 if norm(completion) == norm(str(_answer(row))) else 0.0
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in `text` (thousands separators allowed), or None."""
+    for m in reversed(_NUMBER.findall(text)):
+        try:
+            return float(m.replace(",", ""))
+        except ValueError:
+            continue
+    return None
+
+
+def numeric_answer(completion: str, row: Mapping[str, Any], tolerance: float = 1e-6) -> float:
+    got = last_number(completion)
+    want = float(_answer(row)) if not isinstance(_answer(row), str) else last_number(_answer(row))
+    if got is None or want is None:
+        return 0.0
+    return 1.0 if math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance) else 0.0
+
+
+def math_answer(completion: str, row: Mapping[str, Any]) -> float:
+    main = threading.current_thread() is threading.main_thread()
+    timeout = 5 if main else None
+    gold_text = str(_answer(row))
+    # A bare reference like `3` or `1/2` parses as an expression; wrapping it in $...$ lets the LaTeX
+    # extractor read `\frac{1}{2}` too.
+    gold = parse(
+        gold_text if "$" in gold_text or "\\boxed" in gold_text else f"${gold_text}$", parsing_timeout=timeout
+    )
+    pred = parse(completion, parsing_timeout=timeout)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+
+
+BUILTINS = {"exact_match": exact_match, "numeric": numeric_answer, "math": math_answer}

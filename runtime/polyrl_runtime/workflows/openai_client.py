@@ -1,0 +1,120 @@
+"""An OpenAI-compatible client for one agent: agent code written against the OpenAI API runs unchanged
+inside a workflow, and what it generates is trained.
+
+    client = ctx.openai("solver")
+    completion = await client.chat.completions.create(messages=history, tools=tools, temperature=1.0)
+    message = completion.choices[0].message          # openai.types.chat.ChatCompletionMessage
+    history.append(message)                          # then tool results, and call again
+
+Each `create` is the agent's `chat` call (workflows/chat.py): resending the history with the last
+reply and new messages continues one conversation, trained as one sequence. The responses are the
+`openai` SDK's own types (`ChatCompletion`, tool calls as `ChatCompletionMessageToolCall`), as
+AReaL's `ArealOpenAI` does. Arguments a rollout cannot honour (`n` > 1, `stream`, ...) raise
+`UnsupportedArgumentError` naming the argument instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageToolCall
+from openai.types.chat.chat_completion import Choice
+from openai.types.chat.chat_completion_message_function_tool_call import Function
+from openai.types.completion_usage import CompletionUsage
+
+from polyrl_runtime.workflows.chat import ChatReply
+
+if TYPE_CHECKING:
+    from polyrl_runtime.workflows.api import Agent
+
+
+class UnsupportedArgumentError(ValueError):
+    """A `create` argument the rollout cannot honour."""
+
+
+# Accepted and ignored: they do not change what is sampled.
+_IGNORED = frozenset({"model", "user", "metadata", "store", "parallel_tool_calls", "tool_choice"})
+
+
+def completion_of(reply: ChatReply, *, model: str, prompt_tokens: int, created: int) -> ChatCompletion:
+    """The OpenAI `ChatCompletion` for one chat reply."""
+    calls = [
+        ChatCompletionMessageToolCall(
+            id=c.id,
+            type="function",
+            function=Function(name=c.name, arguments=c.as_openai()["function"]["arguments"]),
+        )
+        for c in reply.tool_calls
+    ]
+    message = ChatCompletionMessage(role="assistant", content=reply.text, tool_calls=calls or None)
+    finish = "tool_calls" if calls else ("length" if reply.finish_reason == "length" else "stop")
+    n = len(reply.token_ids)
+    return ChatCompletion(
+        id=f"chatcmpl-{model}-{created}-{prompt_tokens}-{n}",
+        object="chat.completion",
+        created=created,
+        model=model,
+        choices=[Choice(index=0, finish_reason=finish, message=message, logprobs=None)],
+        usage=CompletionUsage(
+            prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n
+        ),
+    )
+
+
+class _Completions:
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    async def create(
+        self,
+        *,
+        messages: Sequence[Any],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        max_completion_tokens: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        n: int | None = None,
+        stream: bool | None = None,
+        **other: Any,
+    ) -> ChatCompletion:
+        if n not in (None, 1):
+            raise UnsupportedArgumentError(
+                f"agent {self._agent.name!r}: n={n} is not supported (one completion per call; "
+                "GRPO groups come from groupSize)"
+            )
+        if stream:
+            raise UnsupportedArgumentError(f"agent {self._agent.name!r}: stream=True is not supported")
+        unknown = sorted(set(other) - _IGNORED)
+        if unknown:
+            raise UnsupportedArgumentError(
+                f"agent {self._agent.name!r}: unsupported argument(s) {', '.join(unknown)} "
+                "(supported: messages, tools, temperature, max_tokens, max_completion_tokens, stop)"
+            )
+        reply = await self._agent.chat(
+            messages,
+            tools=tools,
+            temperature=temperature,
+            max_new_tokens=max_completion_tokens or max_tokens,
+            stop=[stop] if isinstance(stop, str) else stop,
+        )
+        conv = self._agent.ctx.conversations[self._agent.name]
+        prompt_tokens = len(conv.sequence()) - len(reply.token_ids)
+        return completion_of(
+            reply, model=self._agent.policy, prompt_tokens=prompt_tokens, created=int(time.time())
+        )
+
+
+class _Chat:
+    def __init__(self, agent: Agent) -> None:
+        self.completions = _Completions(agent)
+
+
+class OpenAIClient:
+    """`client.chat.completions.create(...)` as in `openai.AsyncOpenAI`, served by one agent."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.chat = _Chat(agent)

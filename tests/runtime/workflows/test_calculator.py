@@ -1,0 +1,122 @@
+"""The calculator workflow: one episode on the real torch engine is ONE sample (two sampled replies
+around the tool's result), and a few steps of `polyrl run` on tiny-qwen2 train it to completion."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from polyrl_runtime.engines.api import SamplingParams
+from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.engines.torch_engine import TorchEngine
+from polyrl_runtime.models import load_tokenizer
+from polyrl_runtime.workflows.api import EpisodeContext
+from polyrl_runtime.workflows.calculator import Calculator
+from polyrl_runtime.workflows.tools import ToolCall, run_calculator
+
+POLYRL = str(Path(sys.executable).parent / "polyrl")
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Awaitable[Any]]) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        return self.fn(*args)
+
+
+def test_an_episode_is_one_sample_with_the_tool_result_as_context(tiny_qwen2_dir: Path) -> None:
+    uri = f"file://{tiny_qwen2_dir}"
+    engine = TorchEngine("e0", "solver", uri, transport="shm", seed=1, dtype="float32")
+    handle = type("H", (), {"generate": _Method(engine.generate)})()
+
+    async def go() -> None:
+        ctx = EpisodeContext(
+            "ep-1",
+            "g-1",
+            0,
+            7,
+            EnginePool({"solver": {"e0": handle}}),
+            {"solver": load_tokenizer(uri)},
+            {"solver": SamplingParams(temperature=1.0, max_new_tokens=4)},
+        )
+        outcome = await Calculator().run_episode(ctx)
+        [turn] = ctx.turns
+        mask = turn.loss_mask
+        assert mask[0] and mask[-1] and not mask.all()  # reply, context, reply
+        tok = load_tokenizer(uri)
+        context = tok.decode(turn.response_ids[~mask].tolist(), skip_special=False)
+        assert "<|im_start|>tool\n" in context and context.endswith("<|im_start|>assistant\n")
+        assert set(outcome.returns()) == {"solver"} and len(outcome.turn_rewards["solver"]) == 2
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("expression", "content", "ok"),
+    [
+        ("3+4", "7", True),
+        ("2*3-1", "5", True),
+        ("3++", "error: not an expression: '3++'", False),
+        ("__import__('os')", "error: unsupported element Call", False),
+        ("9" * 13 + "*9", "error: result exceeds", False),
+    ],
+)
+def test_calculator_tool(expression: str, content: str, ok: bool) -> None:
+    result = run_calculator(ToolCall("c0", "calculator", {"expression": expression}))
+    assert result.ok is ok and result.content.startswith(content)
+    assert result.message() == {"role": "tool", "tool_call_id": "c0", "content": result.content}
+
+
+@pytest.mark.slow
+def test_polyrl_run_trains_the_calculator_agent(tmp_path: Path) -> None:
+    job = {
+        "apiVersion": "polyrl.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "calculator"},
+        "spec": {
+            "mode": "sync",
+            "training": {"totalSteps": 3, "episodesPerStep": 16, "seed": 1},
+            "workflow": {
+                "entrypoint": "polyrl_runtime.workflows.calculator:Calculator",
+                "args": {"max_operand": 3},
+            },
+            "policies": [
+                {
+                    "name": "solver",
+                    "model": {"uri": "builtin://tiny-qwen2", "dtype": "float32"},
+                    "algorithm": {"name": "grpo", "groupSize": 8, "lr": 1.0e-3, "advantageNorm": "per-agent"},
+                    "rollout": {"engine": "torch", "gpus": 0},
+                    "trainer": {"backend": "deepspeed", "zeroStage": 1, "gpus": 0},
+                }
+            ],
+            "weightSync": {"transport": "objectstore", "bucketMB": 16},
+            "checkpoint": {"everySteps": 3, "keep": 1},
+        },
+    }
+    path = tmp_path / "calculator.yaml"
+    path.write_text(yaml.safe_dump(job))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [POLYRL, "run", str(path), "--out", str(out), "--plain"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["state"] == "done" and summary["steps"] == {"solver": 3}
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3]

@@ -1,0 +1,108 @@
+"""The solver-verifier workflow: its judgement reward, its problems, and one episode on the real torch
+engine (the solver's turn as text, the verifier's as a chat sequence)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polyrl_runtime.engines.api import SamplingParams
+from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.engines.torch_engine import TorchEngine
+from polyrl_runtime.models import load_tokenizer
+from polyrl_runtime.workflows.api import EpisodeContext
+from polyrl_runtime.workflows.solver_verifier import SolverVerifier, judge_reward, make_problem
+
+
+@pytest.mark.parametrize(
+    ("verdict", "claimed", "answer", "reward"),
+    [
+        ("y", "3", 3, 1.0),  # right answer accepted
+        ("n", "3", 3, 0.0),  # right answer rejected
+        ("n", "2", 3, 1.0),  # wrong answer rejected
+        ("y", "2", 3, 0.0),  # wrong answer accepted
+        ("y", " 4 ", 4, 1.0),  # whitespace around the claim does not matter
+        ("n", "", 0, 1.0),  # no answer is a wrong answer
+    ],
+)
+def test_judge_reward(verdict: str, claimed: str, answer: int, reward: float) -> None:
+    assert judge_reward(verdict, claimed, answer) == reward
+
+
+@pytest.mark.parametrize(("a", "b"), [(0, 0), (1, 2), (4, 4)])
+def test_problem(a: int, b: int) -> None:
+    p = make_problem(a, b)
+    assert p.answer == a + b and p.sum == f"{a}+{b}="
+    assert f"has {a} apples and gets {b} more" in p.text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"max_operand": 5}, "max_operand must be in 1..4"),
+        ({"max_operand": 0}, "max_operand must be in 1..4"),
+        ({"solver": "a", "verifier": "a"}, "must be different agents"),
+    ],
+)
+def test_bad_args(args: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SolverVerifier(**args)
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Awaitable[Any]]) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        return self.fn(*args)
+
+
+def test_an_episode_rewards_both_agents_consistently(tiny_qwen2_dir: Path) -> None:
+    uri = f"file://{tiny_qwen2_dir}"
+    handles = {
+        p: {
+            f"{p}-0": type(
+                "H",
+                (),
+                {
+                    "generate": _Method(
+                        TorchEngine(f"{p}-0", p, uri, transport="shm", seed=1, dtype="float32").generate
+                    )
+                },
+            )()
+        }
+        for p in ("solver", "verifier")
+    }
+    tok = load_tokenizer(uri)
+
+    async def go() -> None:
+        for seed in range(6):
+            ctx = EpisodeContext(
+                f"ep-{seed}",
+                "g-1",
+                0,
+                seed,
+                EnginePool(handles),
+                {"solver": tok, "verifier": tok},
+                {p: SamplingParams(temperature=1.0, max_new_tokens=4) for p in ("solver", "verifier")},
+            )
+            outcome = await SolverVerifier().run_episode(ctx)
+            solver_turn, verifier_turn = ctx.turns
+            assert (solver_turn.agent, verifier_turn.agent) == ("solver", "verifier")
+            claimed = tok.decode(solver_turn.response_ids.tolist())
+            verdict = tok.decode(verifier_turn.response_ids.tolist())
+            assert claimed in "01234" and verdict in ("y", "n")
+            assert "<|im_start|>user\nAnn has" in tok.decode(
+                verifier_turn.prompt_ids.tolist(), skip_special=False
+            )
+            rng_problem = random.Random(seed)  # the workflow draws its problem from the group seed
+            a, b = rng_problem.randint(0, 2), rng_problem.randint(0, 2)
+            assert outcome.rewards["solver"] == float(claimed == str(a + b))
+            assert outcome.rewards["verifier"] == judge_reward(verdict, claimed, a + b)
+
+    asyncio.run(go())
