@@ -38,7 +38,7 @@ from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.engines.vllm_worker import address_args, layout_args
 from polyrl_runtime.models import model_dir
-from polyrl_runtime.weights.api import SyncReport, VersionError, WeightManifest, WeightSyncError
+from polyrl_runtime.weights.api import SyncReport, VersionError, WeightManifest, WeightSyncError, make_report
 from polyrl_runtime.weights.collective import GroupAddress
 
 log = structlog.get_logger(__name__)
@@ -196,7 +196,7 @@ class VllmEngine:
                 self._open.set()
             raise
         if not apply:
-            return self._report(manifest, start, 0.0, applied=False)
+            return make_report(manifest, start, 0.0, applied=False)
         try:
             await self._llm.reset_prefix_cache(reset_running_requests=True)
             await self._llm.update_weight_version(new_version=str(manifest.version))
@@ -210,7 +210,7 @@ class VllmEngine:
         log.info(
             "vllm.weights_applied", engine=self.name, version=manifest.version, tensors=written, pause_s=pause
         )
-        return self._report(manifest, start, pause, applied=True)
+        return make_report(manifest, start, pause, applied=True)
 
     async def _rpc(self, manifest: WeightManifest, *, apply: bool) -> int:
         """Run the worker extension on every worker; the number of tensors loaded, or raise."""
@@ -242,20 +242,6 @@ class VllmEngine:
             self._llm.shutdown()
         finally:
             os._exit(1)  # the caller's call fails as an actor death: the driver's engine-lost path
-
-    def _report(self, manifest: WeightManifest, start: float, pause: float, *, applied: bool) -> SyncReport:
-        return SyncReport(
-            policy=manifest.policy,
-            version=manifest.version,
-            transport=manifest.transport,
-            nbytes=manifest.nbytes if applied else 0,
-            num_tensors=len(manifest.layout.specs),
-            num_buckets=len(manifest.layout.buckets),
-            control_messages=1,
-            wall_s=time.perf_counter() - start,
-            pause_s=pause,
-            applied=applied,
-        )
 
     # -- control -------------------------------------------------------------------------------
 

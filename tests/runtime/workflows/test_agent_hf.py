@@ -5,9 +5,7 @@ from the text but not from the trained tokens, and chat prompts use the model's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -18,21 +16,7 @@ from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.models import load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext
-
-
-class _Method:
-    def __init__(self, fn: Callable[..., Awaitable[Any]]) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Awaitable[Any]:
-        return self.fn(*args)
-
-
-class _InProcess:
-    """A real engine behind the `handle.generate.remote(...)` shape the pool calls."""
-
-    def __init__(self, engine: TorchEngine) -> None:
-        self.generate = _Method(engine.generate)
+from polyrl_testenv.inprocess import InProcessEngine
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +41,7 @@ def _ctx(uri: str, max_new_tokens: int = 12) -> EpisodeContext:
         "g-1",
         0,
         0,
-        EnginePool({"solver": {"e0": _InProcess(engine)}}),
+        EnginePool({"solver": {"e0": InProcessEngine(engine)}}),
         {"solver": load_tokenizer(uri)},
         {"solver": SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)},
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +26,10 @@ from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.chat import TemplatePrefixError
 from polyrl_runtime.workflows.openai_client import UnsupportedArgumentError
 from polyrl_runtime.workflows.tools import CALCULATOR
+from polyrl_testenv.inprocess import InProcessEngine
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>'
 QUESTION = [{"role": "user", "content": "what is 3+4?"}]
-
-
-class _Method:
-    def __init__(self, fn: Callable[..., Awaitable[Any]]) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Awaitable[Any]:
-        return self.fn(*args)
-
-
-class _InProcess:
-    """A real engine behind the `handle.generate.remote(...)` shape the pool calls."""
-
-    def __init__(self, engine: TorchEngine) -> None:
-        self.generate = _Method(engine.generate)
 
 
 def _save(model: Any, tok: Any, out: Path) -> Path:
@@ -95,7 +80,7 @@ def _ctx(uri: str, max_new_tokens: int = 8, temperature: float = 0.0) -> Episode
         "g-1",
         0,
         0,
-        EnginePool({"solver": {"e0": _InProcess(engine)}}),
+        EnginePool({"solver": {"e0": InProcessEngine(engine)}}),
         {"solver": load_tokenizer(uri)},
         {"solver": SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)},
     )
