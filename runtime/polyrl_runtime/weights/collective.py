@@ -317,7 +317,7 @@ class CollectiveSender(WeightSender):
     def release_source(self) -> None:
         """The caller is about to change the published tensors: finish sending them, then forget them.
 
-        A failed send keeps its error for the next `wait_work()` (the driver's, or the next publish's).
+        A failed send keeps its error for the next `wait()` (the driver's, or the next publish's).
         """
         with self._lock:
             if self._thread is not None:
@@ -381,7 +381,7 @@ class CollectiveSender(WeightSender):
     def _send(self, plan: _Plan) -> None:
         try:
             self._broadcast_plan(plan)
-        except BaseException as e:  # re-raised in wait_work(), on the caller's thread
+        except BaseException as e:  # re-raised in wait(), on the caller's thread
             # A traceback's frames keep their locals alive, the group and its pending work among them.
             traceback.clear_frames(e.__traceback__)
             self._error = e
@@ -409,7 +409,7 @@ class CollectiveSender(WeightSender):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def wait_work(self) -> None:
+    def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
