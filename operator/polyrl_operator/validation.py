@@ -20,9 +20,9 @@ from pydantic import BaseModel, ValidationError
 
 from polyrl_operator.api import API_VERSION, GROUP, KIND, RLJob, RuleViolation
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, ENV_NAME_PATTERN, QUANTITY_PATTERN
-from polyrl_operator.api.spec import (
+from polyrl_operator.api.data import DATA_URI_PATTERN
+from polyrl_operator.api.patterns import (
     CHECKPOINT_URI_PATTERN,
-    DATA_URI_PATTERN,
     ENTRYPOINT_PATTERN,
     GPU_TYPE_PATTERN,
     MODEL_URI_PATTERN,

@@ -8,19 +8,16 @@ from pydantic import Field, field_validator
 
 from polyrl_operator.api.base import ApiModel, Rule
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverrides
+from polyrl_operator.api.data import Data, Evaluation
+from polyrl_operator.api.metrics import Metrics
+from polyrl_operator.api.patterns import (
+    CHECKPOINT_URI_PATTERN,
+    ENTRYPOINT_PATTERN,
+    GPU_TYPE_PATTERN,
+    MODEL_URI_PATTERN,
+    SECRET_NAME_PATTERN,
+)
 
-ENTRYPOINT_PATTERN = (
-    r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
-)
-# Only what the runtime can read: pvc:// (a mounted claim), file://, s3:// (storage.py) and
-# builtin://. gs:// is left out until it can be tested against a server like s3:// is.
-_S3_URI = r"s3://[a-z0-9][-a-z0-9.]{1,61}[a-z0-9](/.*)?"
-CHECKPOINT_URI_PATTERN = rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|{_S3_URI})$"
-MODEL_URI_PATTERN = (
-    rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|{_S3_URI}|builtin://[a-z0-9][-a-z0-9]*)$"
-)
-SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 MAX_POLICIES = 16
 
 
@@ -54,57 +51,6 @@ class Workflow(RoleOverrides):
     )
     replicas: Replicas = Field(
         default_factory=Replicas, description="Workflow worker pods that run episodes (elastic)."
-    )
-
-
-DATA_URI_PATTERN = rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.*|file:///.*|{_S3_URI})\.(jsonl|json|parquet)$"
-
-
-class Data(ApiModel):
-    """Prompt data: each episode group plays one row of `train` (the workflow reads it as
-    `ctx.sample`); `eval` rows are played by `evaluation`, never trained on."""
-
-    train: str = Field(
-        ...,
-        max_length=1024,
-        pattern=DATA_URI_PATTERN,
-        description="Training rows: a JSONL (one JSON object per line) or Parquet file by URI "
-        "(pvc://claim/path, file:///path, s3://bucket/key).",
-    )
-    eval: str | None = Field(
-        None, max_length=1024, pattern=DATA_URI_PATTERN, description="Evaluation rows (same formats)."
-    )
-    shuffle: bool = Field(True, description="Shuffle the training rows each epoch, with training.seed.")
-    epochs: int | None = Field(
-        None,
-        ge=1,
-        le=1_000_000,
-        description="Passes over the training rows; the job ends after them or at totalSteps, whichever "
-        "comes first. Unset: as many as totalSteps needs.",
-    )
-
-
-class Evaluation(ApiModel):
-    """Periodic evaluation on `data.eval`: the current policies play every eval row without training
-    on it; the results go to the metrics, /progress and the RLJob status per policy."""
-
-    __rules__ = (
-        Rule(
-            cel="!self.greedy || self.k == 1",
-            message="greedy evaluation plays each row once: k must be 1 (set greedy: false for pass@k)",
-            check=lambda e: not e.greedy or e.k == 1,
-            field=".k",
-        ),
-    )
-
-    every_steps: int = Field(10, ge=1, le=10_000_000, description="Evaluate every N steps (and at the end).")
-    k: int = Field(1, ge=1, le=64, description="Episodes per eval row: pass@k counts a row solved if any is.")
-    greedy: bool = Field(True, description="Greedy decoding (temperature 0); false samples as in training.")
-    max_rows: int | None = Field(
-        None, ge=1, le=1_000_000, description="Play only the first N eval rows (unset: all)."
-    )
-    pass_threshold: float = Field(
-        1.0, description="An episode solves its row for a policy when that policy's reward is at least this."
     )
 
 
@@ -402,83 +348,6 @@ class Storage(ApiModel):
         "variables (envFrom): AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, optionally AWS_SESSION_TOKEN, "
         "AWS_REGION and AWS_ENDPOINT_URL (an S3-compatible server such as MinIO or SeaweedFS). Unset: "
         "the pods' own environment (e.g. the node's or service account's IAM role). Never logged.",
-    )
-
-
-MLFLOW_URI_PATTERN = r"^(file:///.*|https?://.+|databricks(://.*)?)$"
-
-
-class MetricsSink(ApiModel):
-    """One place the per-step metrics also go, beside the JSONL series next to the checkpoints."""
-
-    __rules__ = (
-        Rule(
-            cel="self.type != 'wandb' || has(self.project)",
-            message="a wandb sink needs a project",
-            check=lambda s: s.type != "wandb" or s.project is not None,
-            field=".project",
-        ),
-        Rule(
-            cel="self.type != 'mlflow' || has(self.trackingUri)",
-            message="an mlflow sink needs a trackingUri",
-            check=lambda s: s.type != "mlflow" or s.tracking_uri is not None,
-            field=".trackingUri",
-        ),
-    )
-
-    type: Literal["tensorboard", "wandb", "mlflow"] = Field(
-        ...,
-        description="tensorboard (event files), wandb (Weights & Biases) or mlflow. Each needs the "
-        "runtime's `metrics` extra (pip install 'polyrl-runtime[metrics]').",
-    )
-    log_dir: str | None = Field(
-        None,
-        max_length=1024,
-        pattern=CHECKPOINT_URI_PATTERN,
-        description="tensorboard: where the event files go (pvc://, file:// or s3://); unset: "
-        "<metrics directory>/tensorboard.",
-    )
-    project: str | None = Field(None, max_length=128, description="wandb: the project (required for wandb).")
-    entity: str | None = Field(
-        None, max_length=128, description="wandb: the team or user (unset: the key's)."
-    )
-    mode: Literal["online", "offline"] = Field(
-        "online",
-        description="wandb: online sends to the server (WANDB_API_KEY from metrics.credentialsSecret); "
-        "offline writes a run directory to sync later with `wandb sync`.",
-    )
-    tracking_uri: str | None = Field(
-        None,
-        max_length=1024,
-        pattern=MLFLOW_URI_PATTERN,
-        description="mlflow: the tracking server (https://..., databricks) or a file:/// store "
-        "(required for mlflow); MLFLOW_TRACKING_TOKEN etc. from metrics.credentialsSecret.",
-    )
-    experiment: str | None = Field(
-        None, max_length=256, description="mlflow: the experiment name (unset: the job's name)."
-    )
-
-
-class Metrics(ApiModel):
-    """Per-step metrics: always a JSONL series next to the checkpoints; optionally sinks."""
-
-    sinks: list[MetricsSink] = Field(
-        default_factory=list, max_length=8, description="Where the per-step metrics also go."
-    )
-    credentials_secret: str | None = Field(
-        None,
-        max_length=253,
-        pattern=SECRET_NAME_PATTERN,
-        description="A Secret in the job's namespace whose keys the coordinator pod gets as environment "
-        "variables (envFrom), read by the sinks' clients: WANDB_API_KEY, MLFLOW_TRACKING_TOKEN or "
-        "MLFLOW_TRACKING_USERNAME/PASSWORD, ... Never logged.",
-    )
-    max_sink_failures: int = Field(
-        5,
-        ge=1,
-        le=1000,
-        description="A sink that fails this many times in a row is disabled for the rest of the attempt "
-        "(training never stops for a metrics sink).",
     )
 
 

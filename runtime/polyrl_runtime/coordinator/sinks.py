@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import structlog
 
 from polyrl_operator.api import RLJob
-from polyrl_operator.api.spec import MetricsSink
+from polyrl_operator.api.metrics import MetricsSink
 from polyrl_runtime import storage
 
 log = structlog.get_logger(__name__)

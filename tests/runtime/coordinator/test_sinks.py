@@ -17,7 +17,7 @@ import structlog
 from driver_harness import make_job
 
 from polyrl_operator.api import RLJob
-from polyrl_operator.api.spec import MetricsSink
+from polyrl_operator.api.metrics import MetricsSink
 from polyrl_runtime import storage
 from polyrl_runtime.coordinator.checkpoint import checkpoint_root
 from polyrl_runtime.coordinator.driver import Driver, DriverOptions
