@@ -18,7 +18,7 @@ What is held equal (so the comparison measures the systems, not their settings):
   step (TRL `loss_type="dapo"`, polyrl's token mean), group-mean baselines scaled by the std over the
   step's batch (TRL `scale_rewards="batch"`, polyrl `advantageNorm: per-policy`), no KL (TRL
   `beta=0`, polyrl `klCoef: 0`), no entropy bonus.
-- the machine: OMP_NUM_THREADS=1 in every process. polyrl runs its actors (engine, trainer,
+- the machine: OMP_NUM_THREADS=1 and nice 0 in every process. polyrl runs its actors (engine, trainer,
   workflow worker) as separate processes over every core, as it does by design; TRL is one process
   whose torch threads are set with `torch.set_num_threads`: alone it runs once with 1 thread and once
   with every core, and the faster is TRL's figure for one policy (on a loaded machine more intra-op
@@ -27,7 +27,13 @@ What is held equal (so the comparison measures the systems, not their settings):
 - the clock: throughput is measured from the end of each side's first step to the end of its last
   (samples and tokens of steps 2..N over that time), so model loading, Ray start-up and the first
   step's warm-up count for neither; the start-up time is printed separately.
-polyrl runs as configured by default (async, staleness bound 1); `--mode sync` runs it on-policy.
+- the trainer: one rank per policy, so DeepSpeed at ZeRO stage 0 (there is nothing to partition;
+  TRL's run has no ZeRO either).
+- the cost: besides throughput, each side's CPU time per sample over the same steps (TRL: its
+  process, every thread; polyrl: the driver and every process below it, Ray's included), and the
+  cores each kept busy. TRL's CPU-ms per sample over polyrl's is the throughput ratio the two would
+  reach if both kept every core busy: a side can overlap its work, not undo its cost.
+polyrl runs as configured by default (async, maxStaleness 2); `--mode sync` runs it on-policy.
 
     .venv/bin/python benchmarks/vs_trl.py                     # 20 steps, 1 seed (a few minutes)
     .venv/bin/python benchmarks/vs_trl.py --steps 30 --seeds 2 --mode sync
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -88,6 +95,11 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     startup_s: float = 0.0
+    cpu_s: float = 0.0  # CPU-seconds the side's processes used from the end of step 1 to the last's
+
+    def work(self) -> int:
+        """Samples of steps 2..N: what the clock and the CPU time are divided by."""
+        return sum(self.samples[1:])
 
     def rate(self, what: str) -> float:
         """Per second over steps 2..N (the first step's end is the clock's start)."""
@@ -137,10 +149,15 @@ def trl_run(h: Hyper, model_dir: Path, data_path: Path, threads: int) -> Result:
         return [float(score(c, {"answer": a})) for c, a in zip(completions, answer, strict=True)]
 
     out = Result()
+    cpu_first = 0.0
 
     class Clock(TrainerCallback):
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            nonlocal cpu_first
             if logs and "reward" in logs:
+                if not out.ends:
+                    cpu_first = time.process_time()  # every thread of this process
+                out.cpu_s = time.process_time() - cpu_first
                 out.ends.append(time.perf_counter())
                 out.samples.append(h.batch)
                 out.tokens.append(round(float(logs["completions/mean_length"]) * h.batch))
@@ -247,7 +264,7 @@ def polyrl_job(h: Hyper, model_dir: Path, data_path: Path, policies: list[str], 
             "gpus": 0,
             "sampling": {"temperature": h.temperature, "topP": 1.0, "maxNewTokens": h.max_new_tokens},
         },
-        "trainer": {"zeroStage": 1, "gpus": 0, "microBatchSize": h.batch},
+        "trainer": {"zeroStage": 0, "gpus": 0, "microBatchSize": h.batch},
     }
     return RLJob.model_validate(
         {
@@ -267,14 +284,29 @@ def polyrl_job(h: Hyper, model_dir: Path, data_path: Path, policies: list[str], 
     )
 
 
+def job_cpu_s() -> float:
+    """CPU-seconds used so far by this process and every process below it: Ray's GCS and raylet and
+    the job's actors (engines, trainers, workflow workers, the experience buffer)."""
+    import psutil  # type: ignore[import-untyped]
+
+    total = 0.0
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def polyrl_run(
     h: Hyper, model_dir: Path, data_path: Path, policies: list[str], mode: str
 ) -> dict[str, Result]:
-    """One in-process `Driver` run (benchmarks/_jobs.py, as `polyrl run` does) of the job."""
+    """One in-process `Driver` run (benchmarks/_jobs.py, as `polyrl run` does) of the job. The job's
+    CPU time (from the first step's end to the last's) is shared among the policies by their samples."""
     from _jobs import run_job  # type: ignore[import-not-found]
 
     results = {p: Result() for p in policies}
     t0 = time.perf_counter()
+    cpu: list[float] = []
 
     def on_record(rec: Any) -> None:
         r = results[rec.policy]
@@ -284,10 +316,15 @@ def polyrl_run(
         r.samples.append(int(rec.samples))
         r.tokens.append(int(rec.tokens))
         r.rewards.append(float(rec.reward_mean) if rec.reward_mean is not None else float("nan"))
+        if not cpu or all(len(x.ends) >= h.steps for x in results.values()):
+            cpu.append(job_cpu_s())  # read at the first step's end and once every policy is done
 
     summary = run_job(polyrl_job(h, model_dir, data_path, policies, mode), on_record)
     if summary.state != "done":
         raise SystemExit(f"polyrl run ended {summary.state}: {summary.message}")
+    work = sum(r.work() for r in results.values())
+    for r in results.values():
+        r.cpu_s = (cpu[-1] - cpu[0]) * r.work() / max(work, 1)
     return results
 
 
@@ -327,12 +364,20 @@ def sequential(results: list[Result], what: str) -> float:
     return sum(sum(s[1:]) for s in per_step) / sum(r.ends[-1] - r.ends[0] for r in results)
 
 
+def cpu_ms_per_sample(results: list[Result]) -> float:
+    """CPU-milliseconds per sample over steps 2..N: what a side costs the machine, whatever the
+    overlap. TRL ÷ polyrl bounds the throughput ratio when both keep every core busy."""
+    return 1000 * sum(r.cpu_s for r in results) / max(sum(r.work() for r in results), 1)
+
+
 @dataclass(frozen=True)
 class Row:
     case: str
     polyrl: tuple[float, float, float]  # samples/s, tokens/s, reward
     trl: tuple[float, float, float]
     startup: tuple[float, float]
+    cpu: tuple[float, float]  # CPU-ms per sample, polyrl and TRL
+    busy: tuple[float, float]  # cores kept busy on average: CPU-seconds over wall seconds
 
     def ratios(self) -> tuple[float, float]:
         return self.polyrl[0] / self.trl[0], self.polyrl[1] / self.trl[1]
@@ -358,6 +403,14 @@ def compare(h: Hyper, model_dir: Path, data_path: Path, mode: str, tail: int) ->
     def figures(rs: list[Result], rate: Any) -> tuple[float, float, float]:
         return rate(rs, "samples"), rate(rs, "tokens"), reward(rs)
 
+    def cost(p: list[Result], t: list[Result], rate_t: Any) -> dict[str, tuple[float, float]]:
+        """CPU per sample of each side and the cores each kept busy (samples/s x CPU-s per sample)."""
+        cp, ct = cpu_ms_per_sample(p), cpu_ms_per_sample(t)
+        return {
+            "cpu": (cp, ct),
+            "busy": (combined(p, "samples") * cp / 1000, rate_t(t, "samples") * ct / 1000),
+        }
+
     print(
         "TRL alone, samples/s by torch threads: "
         + ", ".join(f"{t}: {r.rate('samples'):.1f}" for t, r in alone.items())
@@ -369,18 +422,21 @@ def compare(h: Hyper, model_dir: Path, data_path: Path, mode: str, tail: int) ->
             figures([one], combined),
             figures([best], combined),
             (one.startup_s, best.startup_s),
+            **cost([one], [best], combined),
         ),
         Row(
             "two policies, one after the other",
             figures(two, combined),
             figures(after, sequential),
             (two[0].startup_s, after[0].startup_s),
+            **cost(two, after, sequential),
         ),
         Row(
             "two policies, side by side",
             figures(two, combined),
             figures(beside, combined),
             (two[0].startup_s, max(r.startup_s for r in beside)),
+            **cost(two, beside, combined),
         ),
     ]
 
@@ -397,6 +453,16 @@ def table(rows: list[Row]) -> str:
             f"| {r.case} | {r.polyrl[0]:.1f} | {r.trl[0]:.1f} | {s:.2f}x | {r.polyrl[1]:.0f} | {r.trl[1]:.0f} "
             f"| {t:.2f}x | {r.polyrl[2]:.3f} | {r.trl[2]:.3f} | {GOALS[r.case]}x, reward >= TRL "
             f"| {'met' if r.met() else 'not met'} |"
+        )
+    lines += [
+        "",
+        "| case | polyrl CPU-ms/sample | TRL CPU-ms/sample | TRL / polyrl | polyrl busy cores "
+        "| TRL busy cores |\n|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.case} | {r.cpu[0]:.2f} | {r.cpu[1]:.2f} | {r.cpu[1] / r.cpu[0]:.2f}x "
+            f"| {r.busy[0]:.2f} | {r.busy[1]:.2f} |"
         )
     return "\n".join(lines)
 

@@ -22,6 +22,10 @@ from polyrl_runtime import netmap
 ENV_DEFAULTS = {
     "OMP_NUM_THREADS": "1",
     "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+    # Ray runs its workers at nice 15 by default, below the driver and every other process on the
+    # machine. The actors (engines, trainers, workflow workers) are the job's work: on a shared
+    # machine they must not yield to everything else. Read by the raylet when it starts.
+    "RAY_worker_niceness": "0",
 }
 
 

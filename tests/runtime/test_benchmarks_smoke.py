@@ -64,6 +64,10 @@ def test_experience_benchmark_runs() -> None:
         "16",
         "--in-flight",
         "1,2",
+        "--pairs",
+        "1",
+        "--bound-episodes",
+        "48",
     )
     # One table per mode: each call waited for, then two in flight; both paths in each.
     assert len(_rows(out, "buffer")) == 2 and len(_rows(out, "raw")) == 2
@@ -139,14 +143,17 @@ def test_vs_trl_benchmark_runs() -> None:
         "vs_trl.py", "--steps", "3", "--prompts", "2", "--group", "4", "--max-new-tokens", "4", "--tail", "1"
     )
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "x |" in line]
-    # One policy, then two against two TRL runs one after the other and side by side.
-    assert [r[1].strip() for r in rows] == [
-        "one policy",
-        "two policies, one after the other",
-        "two policies, side by side",
-    ]
-    for r in rows:
+    cases = ["one policy", "two policies, one after the other", "two policies, side by side"]
+    # Throughput (one policy, then two against two TRL runs one after the other and side by side),
+    # then what each side cost in CPU time per sample.
+    throughput, cost = rows[:3], rows[3:]
+    assert [r[1].strip() for r in throughput] == cases and [r[1].strip() for r in cost] == cases
+    for r in throughput:
         ratio = float(r[4].strip().removesuffix("x"))
         assert ratio > 0, r  # both sides trained and were timed
         assert r[-2].strip() in ("met", "not met")
+    cores = len(os.sched_getaffinity(0)) + 0.5  # busy cores: CPU time over wall time, rounded
+    for r in cost:
+        assert float(r[2]) > 0 and float(r[3]) > 0, r  # both sides' processes were measured
+        assert 0 < float(r[5]) <= cores and 0 < float(r[6]) <= cores, r
     assert "TRL alone, samples/s by torch threads: 1:" in out

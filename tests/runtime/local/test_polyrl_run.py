@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil  # type: ignore[import-untyped]
 import pytest
 import yaml
 
@@ -107,6 +108,13 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
                 break
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.2)
+        # The job's actors run at the driver's priority, not Ray's default nice 15 for its workers.
+        actors = {
+            c.pid: c.nice()
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if c.cmdline()[:1] and c.cmdline()[0].startswith(("ray::DeepSpeedTrainer", "ray::TorchEngine"))
+        }
+        assert len(actors) == 2 and set(actors.values()) == {os.nice(0)}, actors
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
