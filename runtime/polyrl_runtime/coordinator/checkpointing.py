@@ -110,10 +110,7 @@ class Checkpointer:
         state = {
             "step": min(steps.values()),
             "reason": reason,
-            "policies": {
-                n: {"step": r.step, "version": r.step, "samples_per_episode": r.samples_per_episode}
-                for n, r in self.runs.items()
-            },
+            "policies": {n: r.checkpoint_state() for n, r in self.runs.items()},
             **counters,
             "elapsed_s": self.control.elapsed(),
             "request_ids": self.handled_requests[-100:],

@@ -276,7 +276,7 @@ class Driver:
         self.control.elapsed_before = float(st.get("elapsed_s", 0.0))
         self.checkpointer.resumed(ref)
         for name, run in self.runs.items():
-            run.samples_per_episode = st["policies"].get(name, {}).get("samples_per_episode")
+            run.restored(st["policies"].get(name, {}))
         log.info("job.resumed", checkpoint=ref.location, steps={n: r.step for n, r in self.runs.items()})
 
     async def checkpoint(self, reason: str, request_id: str | None = None) -> CheckpointRef | None:

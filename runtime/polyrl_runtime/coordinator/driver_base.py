@@ -78,6 +78,23 @@ class PolicyRun:
     last_ckpt_step: int | None = None
     last_eval: EvalProgress | None = None  # the latest evaluation pass (coordinator/evaluation.py)
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This policy's entry of a checkpoint's `state.json` (`restored` reads it back)."""
+        state: dict[str, Any] = {
+            "step": self.step,
+            "version": self.step,
+            "samples_per_episode": self.samples_per_episode,
+        }
+        if self.last_eval is not None:  # /progress and the RLJob status show it until the next pass
+            state["evaluation"] = self.last_eval.to_wire()
+        return state
+
+    def restored(self, state: dict[str, Any]) -> None:
+        """Take back what `checkpoint_state` saved, but the step: the trainer's load sets it."""
+        self.samples_per_episode = state.get("samples_per_episode")
+        ev = state.get("evaluation")
+        self.last_eval = EvalProgress.model_validate(ev) if ev is not None else None
+
 
 class JobControl:
     """The stop event, the job's first fatal error, event reporting and the job's clock.

@@ -1,5 +1,6 @@
 """Lossless experience streaming: typed episodes -> per-policy buffers -> trainers' micro-batches."""
 
+from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.buffer import (
     BufferSnapshot,
     DropReason,
@@ -10,7 +11,7 @@ from polyrl_runtime.experience.buffer import (
     UnknownLeaseError,
     UnknownTicketError,
 )
-from polyrl_runtime.experience.types import Episode, Sample, SampleBatch, Ticket, Turn
+from polyrl_runtime.experience.types import Episode, Sample, Ticket, Turn
 
 __all__ = [
     "BufferSnapshot",

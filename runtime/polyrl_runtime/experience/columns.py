@@ -18,16 +18,15 @@ from typing import Any, overload
 import numpy as np
 import numpy.typing as npt
 
+from polyrl_runtime.experience.batches import SampleBatch, _offsets
 from polyrl_runtime.experience.types import (
     _EMPTY_IDS,
     Episode,
     EpisodeHead,
     IntArray,
     Sample,
-    SampleBatch,
     Ticket,
     _columns,
-    _offsets,
     _Rows,
     oldest_versions,
     pack_episodes,

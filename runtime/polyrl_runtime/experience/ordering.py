@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from polyrl_runtime.experience.types import SampleBatch
+from polyrl_runtime.experience.batches import SampleBatch
 
 
 def canonical_rank(batch: SampleBatch) -> npt.NDArray[np.int64]:

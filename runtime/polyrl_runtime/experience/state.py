@@ -7,8 +7,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.columns import Segment
-from polyrl_runtime.experience.types import Sample, SampleBatch
+from polyrl_runtime.experience.types import Sample
 
 
 class DropReason(StrEnum):

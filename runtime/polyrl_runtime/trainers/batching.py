@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.ordering import canonical_rank
-from polyrl_runtime.experience.types import SampleBatch
 
 
 def row_lengths(batch: SampleBatch | None) -> npt.NDArray[np.int64]:

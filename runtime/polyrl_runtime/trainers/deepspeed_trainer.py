@@ -37,7 +37,8 @@ from polyrl_runtime.algorithms.losses import (
     sequence_logprobs_and_entropy,
 )
 from polyrl_runtime.cpusets import pin_from_env
-from polyrl_runtime.experience.types import Sample, SampleBatch
+from polyrl_runtime.experience.batches import SampleBatch
+from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.models import is_hf, model_dir
 from polyrl_runtime.netmap import free_port
 from polyrl_runtime.trainers.api import StepResult

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from polyrl_operator.api.progress import EvalProgress
+from polyrl_runtime.coordinator.driver_base import PolicyRun
 from polyrl_runtime.coordinator.evaluation import summarize
 from polyrl_runtime.coordinator.report import JobSnapshot, PolicySnapshot, progress_report
 
@@ -133,3 +134,24 @@ def test_polyrl_run_evaluates_every_n_steps_and_at_the_end(tmp_path: Path) -> No
         # pass@k counts a row once any of its k episodes is right: never below the mean reward
         assert x["eval_pass_at_k"] >= x["eval_reward_mean"] - 1e-9
     assert (out / "reward_agent.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "evaluation",
+    [EvalProgress(step=4, reward_mean=0.25, pass_at_k=0.5, k=2, rows=8), EvalProgress(step=2), None],
+)
+def test_a_checkpoint_keeps_the_latest_eval_pass_for_the_resumed_job(evaluation: EvalProgress | None) -> None:
+    """A resumed job reports the pass of its checkpoint (in /progress and the RLJob status) until it
+    evaluates again, rather than nothing for up to `everySteps` steps."""
+    saved = PolicyRun("a", [], step=4, samples_per_episode=2, last_eval=evaluation)
+    state = json.loads(json.dumps(saved.checkpoint_state()))  # as state.json stores it
+    resumed = PolicyRun("a", [])
+    resumed.restored(state)
+    assert (resumed.samples_per_episode, resumed.last_eval) == (2, evaluation)
+    assert state["step"] == state["version"] == 4
+
+
+def test_a_checkpoint_written_before_evaluation_was_saved_resumes_without_one() -> None:
+    resumed = PolicyRun("a", [], last_eval=EvalProgress(step=9))
+    resumed.restored({"step": 3, "version": 3, "samples_per_episode": 1})
+    assert (resumed.samples_per_episode, resumed.last_eval) == (1, None)

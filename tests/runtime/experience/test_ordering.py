@@ -6,8 +6,9 @@ import random
 
 import numpy as np
 
+from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.ordering import canonical_rank
-from polyrl_runtime.experience.types import Sample, SampleBatch
+from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.trainers.batching import micro_batches
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polyrl_runtime.experience.types import Sample, SampleBatch
+from polyrl_runtime.experience.batches import SampleBatch
+from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.trainers.batching import micro_batches, pack_rows, pad_to
 
 

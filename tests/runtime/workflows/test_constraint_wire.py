@@ -9,7 +9,8 @@ import pickle
 import numpy as np
 import ray
 
-from polyrl_runtime.experience.types import Episode, SampleBatch, Turn
+from polyrl_runtime.experience.batches import SampleBatch
+from polyrl_runtime.experience.types import Episode, Turn
 
 
 def _episode() -> Episode:
