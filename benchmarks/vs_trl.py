@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ class Result:
     rewards: list[float] = field(default_factory=list)
     startup_s: float = 0.0
     cpu_s: float = 0.0  # CPU-seconds the side's processes used from the end of step 1 to the last's
+    cpu_ms_by_role: dict[str, float] = field(default_factory=dict)  # polyrl: CPU-ms per sample by process
 
     def work(self) -> int:
         """Samples of steps 2..N: what the clock and the CPU time are divided by."""
@@ -284,17 +286,28 @@ def polyrl_job(h: Hyper, model_dir: Path, data_path: Path, policies: list[str], 
     )
 
 
-def job_cpu_s() -> float:
-    """CPU-seconds used so far by this process and every process below it: Ray's GCS and raylet and
-    the job's actors (engines, trainers, workflow workers, the experience buffer)."""
+# The job's processes by what they run (Ray names an actor's process `ray::<class>`).
+ROLES = {
+    "ray::TorchEngine": "engines",
+    "ray::DeepSpeedTrainer": "trainers",
+    "ray::WorkflowWorker": "workflow workers",
+    "ray::ExperienceService": "experience buffer",
+}
+
+
+def job_cpu_s() -> Counter[str]:
+    """CPU-seconds used so far by this process (the driver) and every process below it, by role:
+    the job's actors, and Ray's own processes (GCS, raylet, agents)."""
     import psutil  # type: ignore[import-untyped]
 
-    total = 0.0
-    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+    me = psutil.Process()
+    used: Counter[str] = Counter()
+    for proc in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             t = proc.cpu_times()
-            total += t.user + t.system
-    return total
+            name = (proc.cmdline()[:1] or [""])[0].split(".")[0]
+            used["driver" if proc.pid == me.pid else ROLES.get(name, "Ray")] += t.user + t.system
+    return used
 
 
 def polyrl_run(
@@ -306,7 +319,7 @@ def polyrl_run(
 
     results = {p: Result() for p in policies}
     t0 = time.perf_counter()
-    cpu: list[float] = []
+    cpu: list[Counter[str]] = []
 
     def on_record(rec: Any) -> None:
         r = results[rec.policy]
@@ -323,8 +336,10 @@ def polyrl_run(
     if summary.state != "done":
         raise SystemExit(f"polyrl run ended {summary.state}: {summary.message}")
     work = sum(r.work() for r in results.values())
+    used = cpu[-1] - cpu[0]
     for r in results.values():
-        r.cpu_s = (cpu[-1] - cpu[0]) * r.work() / max(work, 1)
+        r.cpu_s = sum(used.values()) * r.work() / max(work, 1)
+        r.cpu_ms_by_role = {k: 1000 * v / max(work, 1) for k, v in used.most_common()}
     return results
 
 
@@ -411,6 +426,9 @@ def compare(h: Hyper, model_dir: Path, data_path: Path, mode: str, tail: int) ->
             "busy": (combined(p, "samples") * cp / 1000, rate_t(t, "samples") * ct / 1000),
         }
 
+    for case, r in (("one policy", one), ("two policies", two[0])):
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_ms_by_role.items())
+        print(f"polyrl CPU-ms per sample by process, {case}: {parts}")
     print(
         "TRL alone, samples/s by torch threads: "
         + ", ".join(f"{t}: {r.rate('samples'):.1f}" for t, r in alone.items())

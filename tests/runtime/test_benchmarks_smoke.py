@@ -168,3 +168,11 @@ def test_vs_trl_benchmark_runs() -> None:
         assert float(r[2]) > 0 and float(r[3]) > 0, r  # both sides' processes were measured
         assert 0 < float(r[5]) <= cores and 0 < float(r[6]) <= cores, r
     assert "TRL alone, samples/s by torch threads: 1:" in out
+    roles = {"engines", "trainers", "workflow workers", "experience buffer", "driver", "Ray"}
+    for case in ("one policy", "two policies"):  # where polyrl's CPU time went, by process
+        (line,) = [
+            x for x in out.splitlines() if x.startswith(f"polyrl CPU-ms per sample by process, {case}:")
+        ]
+        # At these sizes a role may have used less than the clock's tick (10 ms) and is left out.
+        parts = [x.rsplit(" ", 1) for x in line.split(": ", 1)[1].split(", ")]
+        assert parts and all(name in roles and float(ms) > 0 for name, ms in parts), line
