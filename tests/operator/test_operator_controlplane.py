@@ -19,7 +19,7 @@ from polyrl_operator.kube import CHILD_API_VERSIONS, ApiError, Credentials, Kube
 from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES, REPO
 from polyrl_testenv.kueue import admission_status
-from polyrl_testenv.operator_fixtures import pod_status
+from polyrl_testenv.operator_fixtures import SIGNAL_GAME_PODS, pod_status
 from polyrl_testenv.operator_harness import FakeCoordinator, eventually, operator_in_process
 from polyrl_testenv.quota_proxy import QuotaProxy
 
@@ -138,16 +138,6 @@ def k8s(cluster: Any, api: KubeClient, namespace: str) -> Cluster:
     return Cluster(cluster, api, namespace)
 
 
-CPU_PODS = {
-    "signal-game-coordinator",
-    "signal-game-workflow-0",
-    "signal-game-speaker-rollout-0",
-    "signal-game-speaker-trainer-0",
-    "signal-game-listener-rollout-0",
-    "signal-game-listener-trainer-0",
-}
-
-
 def cpu_job() -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load(CPU_EXAMPLE.read_text())
     return doc
@@ -169,7 +159,7 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
         await k8s.apply(doc)
 
         async def created() -> bool:
-            return await k8s.pod_names("signal-game") == CPU_PODS
+            return await k8s.pod_names("signal-game") == SIGNAL_GAME_PODS
 
         await eventually(created)
         initial = await k8s.job("signal-game")  # as stored: the user's spec with the server's defaults
@@ -202,7 +192,7 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
         coordinator.documents[(k8s.ns, "signal-game")] = progress_doc("draining")
 
         async def drained() -> bool:
-            return await k8s.pod_names("signal-game") == CPU_PODS
+            return await k8s.pod_names("signal-game") == SIGNAL_GAME_PODS
 
         await eventually(drained)
 
@@ -218,7 +208,7 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
             return (pod.get("metadata", {}).get("annotations") or {}).get(naming.ANNOTATION_CHECKPOINT)
 
         request = await eventually(checkpoint_requested)
-        assert await k8s.pod_names("signal-game") == CPU_PODS
+        assert await k8s.pod_names("signal-game") == SIGNAL_GAME_PODS
         coordinator.documents[(k8s.ns, "signal-game")] = progress_doc("checkpointed", REQUEST=request)
         await k8s.wait_for("signal-game", "Suspended")
         assert await k8s.pod_names("signal-game") == set()
@@ -238,7 +228,7 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
 
         async def restarted() -> bool:
             pods = await k8s.pods("signal-game")
-            return set(pods) == CPU_PODS and all(
+            return set(pods) == SIGNAL_GAME_PODS and all(
                 p["metadata"]["labels"].get(naming.LABEL_ATTEMPT) in (None, "1") for p in pods.values()
             )
 
@@ -369,7 +359,7 @@ async def test_kueue_admission_gates_pods_and_eviction_suspends(
         await k8s.wait_for("signal-game", "Admitted")
 
         async def created() -> bool:
-            return await k8s.pod_names("signal-game") == CPU_PODS
+            return await k8s.pod_names("signal-game") == SIGNAL_GAME_PODS
 
         await eventually(created)
         pod = (await k8s.pods("signal-game"))["signal-game-speaker-trainer-0"]
@@ -429,7 +419,7 @@ async def test_quota_refusal_removes_the_partial_job_and_retries(
             proxy.limit = 10
 
             async def created() -> bool:
-                return await k8s.pod_names("signal-game") == CPU_PODS
+                return await k8s.pod_names("signal-game") == SIGNAL_GAME_PODS
 
             await eventually(created)
             await k8s.wait_for("signal-game", "QuotaExceeded=False")

@@ -11,6 +11,7 @@ import yaml
 from polyrl_operator.kube import ApiError, Credentials, KubeClient, path_for
 from polyrl_operator.settings import OperatorSettings
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE
+from polyrl_testenv.operator_fixtures import SIGNAL_GAME_PODS
 from polyrl_testenv.operator_harness import RunningOperator, eventually, operator_in_process
 
 NS = "team-a"
@@ -69,23 +70,13 @@ async def rljob(api: KubeClient, name: str) -> dict[str, Any]:
     return await api.get(path_for("polyrl.dev/v1alpha1", "RLJob", NS, name))
 
 
-EXPECTED_PODS = {
-    "signal-game-coordinator",
-    "signal-game-workflow-0",
-    "signal-game-speaker-rollout-0",
-    "signal-game-speaker-trainer-0",
-    "signal-game-listener-rollout-0",
-    "signal-game-listener-trainer-0",
-}
-
-
 async def test_rljob_gets_its_children_status_and_finalizer(
     api: KubeClient, operator: RunningOperator
 ) -> None:
     await api.create(path_for("polyrl.dev/v1alpha1", "RLJob", NS), job_doc())
 
     async def all_pods() -> bool:
-        return await pods(api, "signal-game") == EXPECTED_PODS
+        return await pods(api, "signal-game") == SIGNAL_GAME_PODS
 
     await eventually(all_pods)
     job = await eventually(lambda: _with_status(api, "signal-game"))
@@ -118,7 +109,7 @@ async def test_deleting_the_job_deletes_every_child_then_the_finalizer(
     await api.create(path_for("polyrl.dev/v1alpha1", "RLJob", NS), job_doc())
 
     async def created() -> bool:
-        return await pods(api, "signal-game") == EXPECTED_PODS
+        return await pods(api, "signal-game") == SIGNAL_GAME_PODS
 
     await eventually(created)
     await eventually(lambda: _with_status(api, "signal-game"))
@@ -145,7 +136,7 @@ async def test_a_pod_change_reaches_the_job_through_the_index(
     await api.create(path_for("polyrl.dev/v1alpha1", "RLJob", NS), job_doc())
 
     async def created() -> bool:
-        return await pods(api, "signal-game") == EXPECTED_PODS
+        return await pods(api, "signal-game") == SIGNAL_GAME_PODS
 
     await eventually(created)
     await eventually(lambda: _with_status(api, "signal-game"))

@@ -19,6 +19,7 @@ from polyrl_operator.planning import JobMemory, Plan, QuotaRefusal, active_statu
 from polyrl_operator.planning.conditions import rfc3339
 from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.operator_fixtures import (
+    SIGNAL_GAME_PODS,
     T0,
     children_of,
     later,
@@ -30,14 +31,6 @@ from polyrl_testenv.operator_fixtures import (
 )
 
 SETTINGS = OperatorSettings(autoscale=Autoscale(out_window=0, in_window=0, cooldown=0), metrics_port=None)
-PODS = {
-    "signal-game-coordinator",
-    "signal-game-workflow-0",
-    "signal-game-speaker-rollout-0",
-    "signal-game-speaker-trainer-0",
-    "signal-game-listener-rollout-0",
-    "signal-game-listener-trainer-0",
-}
 COORDINATOR = "signal-game-coordinator"
 REQUEST = "deadlineexceeded-20260101T120101Z"
 
@@ -144,7 +137,7 @@ CASES = [
         0,
         {"phase": "Pending", "step": 0, "policySummary": "speaker:v0 listener:v0", "startTime": rfc3339(T0)},
         {"Ready": ("False", "Creating"), "Admitted": ("True", "NoQueue")},
-        pods=PODS,
+        pods=SIGNAL_GAME_PODS,
         kinds=INFRA,
     ),
     Case(
@@ -153,7 +146,7 @@ CASES = [
         1,
         {"phase": "Admitted", "message": "waiting for 6 pods to become ready"},
         {"Ready": ("False", "PodsNotReady"), "Progressing": ("True", "Starting")},
-        pods=PODS,
+        pods=SIGNAL_GAME_PODS,
     ),
     Case(
         "running: the policies' versions in the summary, the smallest step",
@@ -201,7 +194,7 @@ CASES = [
         59,
         {"phase": "Running"},
         {"Failed": ("False", "NotFailed")},
-        pods=PODS,
+        pods=SIGNAL_GAME_PODS,
     ),
     Case(
         "deadline passed: checkpoint first, pods kept",
@@ -301,7 +294,7 @@ CASES = [
         0,
         {"phase": "Pending"},
         {"Admitted": ("True", "NoQueue")},
-        pods=PODS,
+        pods=SIGNAL_GAME_PODS,
         kinds=INFRA,
         pod_classes={"rl-batch"},
     ),
@@ -382,7 +375,7 @@ def test_plan_table(case: Case) -> None:
 
 def test_deadline_keeps_the_running_pods_while_checkpointing() -> None:
     result = _run(next(c for c in CASES if c.id.startswith("deadline passed: checkpoint first")))
-    assert {name for kind, name in result.keep if kind == "Pod"} == PODS
+    assert {name for kind, name in result.keep if kind == "Pod"} == SIGNAL_GAME_PODS
     assert result.requeue_after is not None and result.requeue_after <= SETTINGS.progress_interval
 
 

@@ -13,16 +13,7 @@ import pytest
 from polyrl_operator import naming
 from polyrl_operator.api import RLJobStatus
 from polyrl_operator.kube import ApiError
-from polyrl_testenv.operator_fixtures import Sim, gpu_job, pod_status, progress, stored_job
-
-CPU_PODS = {
-    "signal-game-coordinator",
-    "signal-game-workflow-0",
-    "signal-game-speaker-rollout-0",
-    "signal-game-speaker-trainer-0",
-    "signal-game-listener-rollout-0",
-    "signal-game-listener-trainer-0",
-}
+from polyrl_testenv.operator_fixtures import SIGNAL_GAME_PODS, Sim, gpu_job, pod_status, progress, stored_job
 
 
 async def running_sim(job: dict[str, Any] | None = None) -> Sim:
@@ -39,7 +30,7 @@ async def test_first_reconcile_creates_the_exact_child_set() -> None:
     await sim.step()
     api = sim.api
     assert sim.job["metadata"]["finalizers"] == [naming.FINALIZER]
-    assert sim.pods() == CPU_PODS
+    assert sim.pods() == SIGNAL_GAME_PODS
     assert api.names("services") == {
         "signal-game-coordinator",
         "signal-game-workflow",
@@ -170,7 +161,7 @@ async def test_trainer_failure_restarts_training_roles_and_counts_once() -> None
     ):
         assert sim.api.obj("pods", name)["metadata"]["labels"][naming.LABEL_ATTEMPT] == "1"
     assert sim.api.obj("pods", "signal-game-speaker-rollout-0")["metadata"]["uid"] == rollout_uid
-    assert sim.pods() == CPU_PODS
+    assert sim.pods() == SIGNAL_GAME_PODS
 
 
 async def test_a_failed_report_restarts_once_and_the_old_coordinator_is_not_counted_again() -> None:
@@ -220,11 +211,11 @@ async def test_suspend_checkpoints_then_deletes_pods_and_resume_recreates() -> N
     await sim.step()
     coordinator = sim.api.obj("pods", "signal-game-coordinator")
     request = coordinator["metadata"]["annotations"][naming.ANNOTATION_CHECKPOINT]
-    assert sim.pods() == CPU_PODS  # waiting for the checkpoint
+    assert sim.pods() == SIGNAL_GAME_PODS  # waiting for the checkpoint
     assert sim.status["phase"] == "Suspended"
     assert sim.condition("Suspended")["status"] == "False"
     await sim.step()
-    assert sim.pods() == CPU_PODS
+    assert sim.pods() == SIGNAL_GAME_PODS
     sim.progress = progress("checkpointed", REQUEST=request)
     await sim.step()
     assert sim.pods() == set()
@@ -234,7 +225,7 @@ async def test_suspend_checkpoints_then_deletes_pods_and_resume_recreates() -> N
     sim.progress = None
     sim.patch_spec({"suspend": False})
     await sim.step()
-    assert sim.pods() == CPU_PODS
+    assert sim.pods() == SIGNAL_GAME_PODS
     assert sim.condition("Suspended")["reason"] == "Resumed"
 
 
@@ -242,7 +233,7 @@ async def test_suspend_without_checkpoint_answer_times_out() -> None:
     sim = await running_sim()
     sim.patch_spec({"suspend": True})
     await sim.step()
-    assert sim.pods() == CPU_PODS
+    assert sim.pods() == SIGNAL_GAME_PODS
     await sim.step(sim.settings.checkpoint_timeout + 1)
     assert sim.pods() == set()
 
@@ -267,7 +258,7 @@ async def test_the_deadline_checkpoints_then_fails_the_job_and_survives_a_restar
     coordinator = sim.api.obj("pods", "signal-game-coordinator")
     request = coordinator["metadata"]["annotations"][naming.ANNOTATION_CHECKPOINT]
     assert request.startswith("deadlineexceeded-")
-    assert sim.pods() == CPU_PODS  # kept until the checkpoint is done
+    assert sim.pods() == SIGNAL_GAME_PODS  # kept until the checkpoint is done
     assert sim.condition("Progressing")["reason"] == "DeadlineExceeded"
     assert sim.status["phase"] == "Running"
     sim.progress = progress("checkpointed", REQUEST=request).model_copy(update={"attempt": 1})
@@ -341,7 +332,7 @@ async def test_invalid_spec_fails_naming_the_field_and_stays_quiet(mutate: Any, 
     # Fixing the spec (a new generation) brings the job back.
     sim.replace_spec(stored_job()["spec"])
     await sim.step()
-    assert sim.status["phase"] == "Pending" and sim.pods() == CPU_PODS
+    assert sim.status["phase"] == "Pending" and sim.pods() == SIGNAL_GAME_PODS
 
 
 async def test_invalid_spec_quoting_a_huge_value_still_fits_the_status() -> None:
@@ -393,7 +384,7 @@ async def test_a_child_the_api_server_refuses_makes_the_spec_invalid_instead_of_
     assert sim.api.writes == writes
     sim.replace_spec(stored_job()["spec"])  # a new spec is tried
     await sim.step()
-    assert sim.status["phase"] == "Pending" and sim.pods() == CPU_PODS
+    assert sim.status["phase"] == "Pending" and sim.pods() == SIGNAL_GAME_PODS
 
 
 async def test_quota_refusal_rolls_the_job_back_and_retries() -> None:
@@ -409,7 +400,7 @@ async def test_quota_refusal_rolls_the_job_back_and_retries() -> None:
     assert sim.api.requests["create"] == creates and sim.pods() == set()
     sim.api.pod_quota = None
     await sim.step(sim.settings.quota_backoff + 1)
-    assert sim.pods() == CPU_PODS
+    assert sim.pods() == SIGNAL_GAME_PODS
     await sim.step()
     assert sim.condition("QuotaExceeded")["status"] == "False"
 

@@ -16,12 +16,12 @@ import numpy.typing as npt
 
 from polyrl_runtime.experience.types import (
     _EMPTY_IDS,
-    CONTEXT,
     FloatArray,
     IntArray,
     Sample,
     _cut,
     _no_ids,
+    loss_mask_of,
 )
 
 
@@ -113,13 +113,12 @@ class SampleBatch:
     @property
     def loss_mask(self) -> npt.NDArray[np.bool_]:
         """Per response token (flat, as `response_ids`): True where sampled, False on context tokens."""
-        mask: npt.NDArray[np.bool_] = self.versions != CONTEXT
-        return mask
+        return loss_mask_of(self.versions)
 
     @property
     def trained_tokens(self) -> int:
         """Response tokens the loss is taken over (sampled ones; context tokens excluded)."""
-        return int(np.count_nonzero(self.versions != CONTEXT))
+        return int(np.count_nonzero(loss_mask_of(self.versions)))
 
     @property
     def nbytes(self) -> int:

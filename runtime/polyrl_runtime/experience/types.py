@@ -62,6 +62,12 @@ CONTEXT = int(np.iinfo(np.int32).min)
 _NO_VERSION = np.iinfo(np.int32).max
 
 
+def loss_mask_of(versions: IntArray) -> npt.NDArray[np.bool_]:
+    """True on the tokens the policy sampled (trained), False on context tokens."""
+    mask: npt.NDArray[np.bool_] = versions != CONTEXT
+    return mask
+
+
 def oldest_versions(versions: IntArray, offsets: npt.NDArray[np.int64]) -> IntArray:
     """Each row's oldest sampled-token version (rows start at `offsets`, the last offset excluded):
     context tokens are ignored; a row always has at least one sampled token."""
@@ -121,8 +127,7 @@ class Turn:
     @property
     def loss_mask(self) -> npt.NDArray[np.bool_]:
         """True on the response tokens the policy sampled (trained), False on context tokens."""
-        mask: npt.NDArray[np.bool_] = self.versions != CONTEXT
-        return mask
+        return loss_mask_of(self.versions)
 
     @cached_property
     def min_version(self) -> int:
@@ -352,8 +357,7 @@ class Sample:
     @property
     def loss_mask(self) -> npt.NDArray[np.bool_]:
         """True on the response tokens the policy sampled (trained), False on context tokens."""
-        mask: npt.NDArray[np.bool_] = self.versions != CONTEXT
-        return mask
+        return loss_mask_of(self.versions)
 
     @property
     def nbytes(self) -> int:

@@ -5,21 +5,17 @@ that evaluates every 2 steps and at the end, with the results in its metrics and
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
-import yaml
 
 from polyrl_operator.api.progress import EvalProgress
 from polyrl_runtime.coordinator.driver_base import PolicyRun
 from polyrl_runtime.coordinator.evaluation import summarize
 from polyrl_runtime.coordinator.report import JobSnapshot, PolicySnapshot, progress_report
+from polyrl_testenv.localrun import metrics_rows, run_to_end, write_job
 
-POLYRL = str(Path(sys.executable).parent / "polyrl")
 Episodes = Sequence[Sequence[Mapping[str, float] | str]]
 
 
@@ -113,20 +109,9 @@ def test_polyrl_run_evaluates_every_n_steps_and_at_the_end(tmp_path: Path) -> No
             ],
         },
     }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled")
-    r = subprocess.run(
-        [POLYRL, "run", str(path), "--out", str(out), "--plain"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    run_to_end(write_job(job, tmp_path / "job.yaml"), out, "--plain")
+    rows = metrics_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert rows[0].get("eval_reward_mean") is None and rows[0].get("eval_pass_at_k") is None
     for x in rows[1:]:  # step 2 (everySteps) and step 3 (the last)

@@ -6,33 +6,20 @@ several times what a policy that does not learn moves."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from polyrl_testenv.localrun import metrics_rows, run_to_end
+
 EXAMPLES = Path(__file__).parents[3] / "manifests" / "examples"
-POLYRL = str(Path(sys.executable).parent / "polyrl")
 
 
 def run_example(name: str, out: Path) -> dict[str, list[float]]:
     """Run manifests/examples/`name` to the end; each policy's per-step mean reward."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
-    r = subprocess.run(
-        [POLYRL, "run", str(EXAMPLES / name), "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_to_end(EXAMPLES / name, out, "--quiet")
     rewards: dict[str, list[float]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in metrics_rows(out):
         rewards.setdefault(row["policy"], []).append(float(row["reward_mean"]))
     return rewards
 

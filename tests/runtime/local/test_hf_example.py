@@ -4,32 +4,19 @@ replies, and each policy's final weights are exported as a Hugging Face director
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import transformers
 
+from polyrl_testenv.localrun import run_to_end
+
 EXAMPLE = Path(__file__).parents[3] / "manifests" / "examples" / "guessing-hf-cpu.yaml"
-POLYRL = str(Path(sys.executable).parent / "polyrl")
 
 
 @pytest.mark.slow
 def test_the_hugging_face_example_learns_and_exports(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
-    r = subprocess.run(
-        [POLYRL, "run", str(EXAMPLE), "--out", str(tmp_path), "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=800,
-        env=env,
-        check=False,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = run_to_end(EXAMPLE, tmp_path, "--quiet", timeout=800)
     assert summary["steps"] == {"left": 80, "right": 80}
     for policy in ("left", "right"):
         # At the start the reward is about 0.1 (the right digit first 1 time in 5, then the end id 1

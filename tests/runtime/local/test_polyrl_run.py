@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,16 +14,9 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from polyrl_testenv.localrun import POLYRL, metrics_rows, polyrl_run, run_env
+
 DATA = Path(__file__).parent.parent / "data"
-POLYRL = str(Path(sys.executable).parent / "polyrl")
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "polyrl" / "torch_extensions"))
-    return env
 
 
 def _job(tmp: Path, name: str = "job.yaml", **training: int) -> Path:
@@ -35,36 +27,30 @@ def _job(tmp: Path, name: str = "job.yaml", **training: int) -> Path:
     return path
 
 
-def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [POLYRL, "run", *args], capture_output=True, text=True, timeout=timeout, env=_env(), check=False
-    )
-
-
 def test_bad_job_files_give_a_clear_message(tmp_path: Path) -> None:
     bad_yaml = tmp_path / "broken.yaml"
     bad_yaml.write_text("spec: [unclosed\n")
-    r = _run(str(bad_yaml))
+    r = polyrl_run(str(bad_yaml))
     assert r.returncode == 2 and "broken.yaml" in r.stderr and "not valid YAML" in r.stderr
     doc = yaml.safe_load((DATA / "selfplay-tiny.yaml").read_text())
     doc["spec"]["training"]["totalSteps"] = 0
     invalid = tmp_path / "invalid.yaml"
     invalid.write_text(yaml.safe_dump(doc))
-    r = _run(str(invalid))
+    r = polyrl_run(str(invalid))
     assert r.returncode == 2 and "spec.training.totalSteps" in r.stderr
-    r = _run(str(tmp_path / "missing.yaml"))
+    r = polyrl_run(str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "cannot read" in r.stderr
-    r = _run(str(_job(tmp_path)), "--cpus", "gpu=0")
+    r = polyrl_run(str(_job(tmp_path)), "--cpus", "gpu=0")
     assert r.returncode == 2 and "--cpus gpu=0: unknown role 'gpu'" in r.stderr
 
 
 @pytest.mark.slow
 def test_run_writes_results_and_resume_continues(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    r = _run(str(_job(tmp_path, totalSteps=3)), "--out", str(out), "--plain")
+    r = polyrl_run(str(_job(tmp_path, totalSteps=3)), "--out", str(out), "--plain")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "== done" in r.stdout and "agent: 3 steps" in r.stdout
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3]
     # The summary also gives the mean of the last (up to 10) steps, a steadier reading than one step.
     tail = json.loads((out / "summary.json").read_text())["last_steps_mean"]["agent"]
@@ -79,12 +65,12 @@ def test_run_writes_results_and_resume_continues(tmp_path: Path) -> None:
     # The resumed run also takes --cpus (each role pinned; test_fleet checks the actors' masks).
     cpu = max(os.sched_getaffinity(0))
     pins = [a for role in ("rollout", "workflow", "trainer") for a in ("--cpus", f"{role}={cpu}")]
-    r = _run(
+    r = polyrl_run(
         str(_job(tmp_path, "longer.yaml", totalSteps=5)), "--out", str(out), "--plain", "--resume", *pins
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"rollout on CPU {cpu}, workflow on CPU {cpu}, trainer on CPU {cpu}" in r.stdout
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
     assert json.loads((out / "summary.json").read_text())["last_steps_mean"]["agent"]["steps"] == 5
     assert (out / "checkpoints" / "step-000005").is_dir()
@@ -98,7 +84,7 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=run_env(),
     )
     try:
         deadline = time.monotonic() + 180

@@ -11,12 +11,8 @@ import pytest
 import torch
 import transformers
 
-from polyrl_runtime.engines.api import PromptTooLongError, SamplingParams
-from polyrl_runtime.engines.pool import EnginePool
-from polyrl_runtime.engines.torch_engine import TorchEngine
-from polyrl_runtime.models import load_tokenizer
-from polyrl_runtime.workflows.api import EpisodeContext
-from polyrl_testenv.inprocess import InProcessEngine
+from polyrl_runtime.engines.api import PromptTooLongError
+from polyrl_testenv.inprocess import solver_context
 
 
 @pytest.fixture(scope="module")
@@ -34,24 +30,11 @@ def lively_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def _ctx(uri: str, max_new_tokens: int = 12) -> EpisodeContext:
-    engine = TorchEngine("e0", "solver", uri, transport="shm", seed=1, dtype="float32")
-    return EpisodeContext(
-        "ep-1",
-        "g-1",
-        0,
-        0,
-        EnginePool({"solver": {"e0": InProcessEngine(engine)}}),
-        {"solver": load_tokenizer(uri)},
-        {"solver": SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)},
-    )
-
-
 def test_stop_strings_cut_the_text_and_keep_the_trained_tokens(lively_dir: Path) -> None:
     uri = f"file://{lively_dir}"
 
     async def go() -> None:
-        ctx = _ctx(uri)
+        ctx = solver_context(uri, max_new_tokens=12)
         agent = ctx.agent("solver")
         free = await agent.generate("the answer is")
         assert free.finish_reason == "length" and len(free.token_ids) == 12
@@ -74,7 +57,7 @@ def test_chat_prompts_use_the_template_and_end_ids_stop_replies(lively_dir: Path
     uri = f"file://{lively_dir}"
 
     async def go() -> None:
-        ctx = _ctx(uri, max_new_tokens=40)
+        ctx = solver_context(uri, max_new_tokens=40)
         agent = ctx.agent("solver")
         ids = agent.chat_prompt([{"role": "user", "content": "see:3"}])
         hf = transformers.AutoTokenizer.from_pretrained(str(lively_dir))
@@ -94,7 +77,7 @@ def test_a_prompt_too_long_names_the_agent_and_the_lengths(lively_dir: Path) -> 
     uri = f"file://{lively_dir}"
 
     async def go() -> None:
-        agent = _ctx(uri).agent("solver")
+        agent = solver_context(uri, max_new_tokens=12).agent("solver")
         with pytest.raises(
             PromptTooLongError, match=r"agent solver \(policy solver\): a prompt of 600 tokens"
         ):

@@ -4,16 +4,11 @@ around the tool's result), and a few steps of `polyrl run` on tiny-qwen2 train i
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from polyrl_runtime.engines.api import SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
@@ -22,8 +17,7 @@ from polyrl_runtime.models import load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.calculator import Calculator
 from polyrl_runtime.workflows.tools import ToolCall, run_calculator
-
-POLYRL = str(Path(sys.executable).parent / "polyrl")
+from polyrl_testenv.localrun import metrics_rows, run_to_end, write_job
 
 
 class _Method:
@@ -103,20 +97,8 @@ def test_polyrl_run_trains_the_calculator_agent(tmp_path: Path) -> None:
             "checkpoint": {"everySteps": 3, "keep": 1},
         },
     }
-    path = tmp_path / "calculator.yaml"
-    path.write_text(yaml.safe_dump(job))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
     out = tmp_path / "out"
-    r = subprocess.run(
-        [POLYRL, "run", str(path), "--out", str(out), "--plain"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    summary = run_to_end(write_job(job, tmp_path / "calculator.yaml"), out, "--plain")
     assert summary["state"] == "done" and summary["steps"] == {"solver": 3}
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3]

@@ -17,16 +17,11 @@ import torch
 import transformers
 from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall
 
-from polyrl_runtime.engines.api import SamplingParams
-from polyrl_runtime.engines.pool import EnginePool
-from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.experience.types import CONTEXT
-from polyrl_runtime.models import load_tokenizer
-from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.chat import TemplatePrefixError
 from polyrl_runtime.workflows.openai_client import UnsupportedArgumentError
 from polyrl_runtime.workflows.tools import CALCULATOR
-from polyrl_testenv.inprocess import InProcessEngine
+from polyrl_testenv.inprocess import solver_context
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>'
 QUESTION = [{"role": "user", "content": "what is 3+4?"}]
@@ -73,22 +68,9 @@ def caller_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     return _save(model, tok, tmp_path_factory.mktemp("chat") / "caller")
 
 
-def _ctx(uri: str, max_new_tokens: int = 8, temperature: float = 0.0) -> EpisodeContext:
-    engine = TorchEngine("e0", "solver", uri, transport="shm", seed=1, dtype="float32")
-    return EpisodeContext(
-        "ep-1",
-        "g-1",
-        0,
-        0,
-        EnginePool({"solver": {"e0": InProcessEngine(engine)}}),
-        {"solver": load_tokenizer(uri)},
-        {"solver": SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)},
-    )
-
-
 def test_chat_returns_the_reply_text(lively_dir: Path) -> None:
     async def go() -> None:
-        ctx = _ctx(f"file://{lively_dir}")
+        ctx = solver_context(f"file://{lively_dir}", max_new_tokens=8)
         agent = ctx.agent("solver")
         reply = await agent.chat(QUESTION)
         assert reply.finish_reason == "length" and len(reply.token_ids) == 8
@@ -110,7 +92,7 @@ def test_a_conversation_with_a_tool_result_is_one_sequence(lively_dir: Path, sto
     allowed = [hf.convert_tokens_to_ids("<|im_end|>")] if stop_first else None
 
     async def go() -> None:
-        ctx = _ctx(uri, temperature=1.0)
+        ctx = solver_context(uri, max_new_tokens=8, temperature=1.0)
         agent = ctx.agent("solver")
         first = await agent.chat(QUESTION, allowed=allowed)  # sampled
         history = [*QUESTION, first.message, {"role": "tool", "content": "7"}]
@@ -144,7 +126,7 @@ def test_a_conversation_with_a_tool_result_is_one_sequence(lively_dir: Path, sto
 
 def test_a_history_that_does_not_extend_the_conversation_starts_a_new_one(lively_dir: Path) -> None:
     async def go() -> None:
-        ctx = _ctx(f"file://{lively_dir}", max_new_tokens=3)
+        ctx = solver_context(f"file://{lively_dir}", max_new_tokens=3)
         agent = ctx.agent("solver")
         first = await agent.chat(QUESTION)
         await agent.chat([{"role": "user", "content": "another task"}])
@@ -170,7 +152,7 @@ def test_a_template_that_is_not_prefix_stable_is_refused_naming_the_agent(
     out = _save(transformers.AutoModelForCausalLM.from_pretrained(str(lively_dir)), tok, tmp_path / "m")
 
     async def go() -> None:
-        agent = _ctx(f"file://{out}").agent("solver")
+        agent = solver_context(f"file://{out}", max_new_tokens=8).agent("solver")
         first = await agent.chat(QUESTION)
         with pytest.raises(
             TemplatePrefixError, match=r"agent 'solver' \(policy 'solver'\).*not prefix-stable"
@@ -182,7 +164,7 @@ def test_a_template_that_is_not_prefix_stable_is_refused_naming_the_agent(
 
 def test_a_conversation_keeps_one_decoding_constraint(lively_dir: Path) -> None:
     async def go() -> None:
-        agent = _ctx(f"file://{lively_dir}", max_new_tokens=2).agent("solver")
+        agent = solver_context(f"file://{lively_dir}", max_new_tokens=2).agent("solver")
         first = await agent.chat(QUESTION, allowed=["1", "2"])
         with pytest.raises(ValueError, match="agent 'solver': every chat call of one conversation"):
             await agent.chat([*QUESTION, first.message, {"role": "user", "content": "?"}], allowed=["3"])
@@ -192,13 +174,13 @@ def test_a_conversation_keeps_one_decoding_constraint(lively_dir: Path) -> None:
 
 def test_tool_calls_come_back_parsed_and_as_openai_types(caller_dir: Path) -> None:
     async def go() -> None:
-        ctx = _ctx(f"file://{caller_dir}", max_new_tokens=100)
+        ctx = solver_context(f"file://{caller_dir}", max_new_tokens=100)
         reply = await ctx.agent("solver").chat(QUESTION, tools=[CALCULATOR])
         assert reply.raw_text == CALL and reply.finish_reason == "stop"
         [call] = reply.tool_calls
         assert (call.name, call.arguments) == ("calculator", {"expression": "3+4"})
         # The same through the OpenAI client (a new episode: the same greedy reply).
-        client = _ctx(f"file://{caller_dir}", max_new_tokens=100).openai("solver")
+        client = solver_context(f"file://{caller_dir}", max_new_tokens=100).openai("solver")
         completion = await client.chat.completions.create(
             messages=QUESTION, tools=[CALCULATOR], temperature=0.0
         )
@@ -215,7 +197,7 @@ def test_tool_calls_come_back_parsed_and_as_openai_types(caller_dir: Path) -> No
 
 def test_openai_client_continues_the_conversation_with_sdk_messages(lively_dir: Path) -> None:
     async def go() -> None:
-        ctx = _ctx(f"file://{lively_dir}", max_new_tokens=4)
+        ctx = solver_context(f"file://{lively_dir}", max_new_tokens=4)
         client = ctx.openai("solver")
         first = await client.chat.completions.create(messages=QUESTION, max_tokens=3)
         assert first.choices[0].finish_reason == "length" and first.usage is not None
@@ -236,7 +218,7 @@ def test_openai_client_refuses_what_it_cannot_honour(
     lively_dir: Path, kwargs: dict[str, Any], named: str
 ) -> None:
     async def go() -> None:
-        client = _ctx(f"file://{lively_dir}").openai("solver")
+        client = solver_context(f"file://{lively_dir}", max_new_tokens=8).openai("solver")
         with pytest.raises(UnsupportedArgumentError, match=rf"agent 'solver': .*{named}"):
             await client.chat.completions.create(messages=QUESTION, **kwargs)
 

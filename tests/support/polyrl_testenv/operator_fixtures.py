@@ -19,6 +19,18 @@ from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES
 PROGRESS_SAMPLES = Path(__file__).resolve().parents[2] / "operator" / "data" / "progress"
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 UID = "3f1c2a9e-0000-4000-8000-000000000001"
+# The pods of the CPU example job (`CPU_EXAMPLE`): the coordinator, the workflow worker, and a rollout
+# and a trainer per policy.
+SIGNAL_GAME_PODS = frozenset(
+    {
+        "signal-game-coordinator",
+        "signal-game-workflow-0",
+        "signal-game-speaker-rollout-0",
+        "signal-game-speaker-trainer-0",
+        "signal-game-listener-rollout-0",
+        "signal-game-listener-trainer-0",
+    }
+)
 
 
 def stored_job(
