@@ -177,20 +177,7 @@ class WorkflowWorker:
         sample = Row(row) if row is not None else None
         self._track(len(tickets))
         try:
-            ctxs = [
-                EpisodeContext(
-                    episode_id=f"{group_id}-{i}",
-                    group_id=group_id,
-                    index=i,
-                    seed=seed,
-                    pool=self.pool,
-                    tokenizers=self.tokenizers,
-                    sampling=self.sampling,
-                    agent_policies=self.agent_policies,
-                    sample=sample,
-                )
-                for i in range(len(tickets))
-            ]
+            ctxs = self._contexts(group_id, len(tickets), seed, self.sampling, sample)
             results = await asyncio.gather(*(self._one(c) for c in ctxs))
         finally:
             self._track(-len(tickets))
@@ -216,24 +203,30 @@ class WorkflowWorker:
         sampling = (
             {n: replace(p, temperature=0.0) for n, p in self.sampling.items()} if greedy else self.sampling
         )
-        ctxs = [
+        ctxs = self._contexts(eval_id, k, seed, sampling, Row(row))
+        results = await asyncio.gather(*(self._one(c) for c in ctxs))
+        return [
+            r.policy_rewards if r.ok else f"episode {r.episode_id} ({r.reason}): {r.error}"
+            for r, _ in results
+        ]
+
+    def _contexts(
+        self, group_id: str, n: int, seed: int, sampling: dict[str, SamplingParams], sample: Row | None
+    ) -> list[EpisodeContext]:
+        """The contexts of a group's `n` episodes (`<group id>-<index>`), all playing `sample`."""
+        return [
             EpisodeContext(
-                episode_id=f"{eval_id}-{i}",
-                group_id=eval_id,
+                episode_id=f"{group_id}-{i}",
+                group_id=group_id,
                 index=i,
                 seed=seed,
                 pool=self.pool,
                 tokenizers=self.tokenizers,
                 sampling=sampling,
                 agent_policies=self.agent_policies,
-                sample=Row(row),
+                sample=sample,
             )
-            for i in range(k)
-        ]
-        results = await asyncio.gather(*(self._one(c) for c in ctxs))
-        return [
-            r.policy_rewards if r.ok else f"episode {r.episode_id} ({r.reason}): {r.error}"
-            for r, _ in results
+            for i in range(n)
         ]
 
     async def run_groups(self, groups: Sequence[tuple[Any, ...]]) -> list[GroupReport | str]:
