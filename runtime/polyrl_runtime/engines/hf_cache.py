@@ -19,6 +19,7 @@ the result is the same; only the memory is not bounded by the window).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,11 +159,33 @@ class BatchCache:
             input_ids=ids[:, None],
             attention_mask=self.mask(width) if self.padded else None,
             position_ids=self.positions(),
-            cache=self.cache,
             use_cache=True,
+            **{cache_argument(model): self.cache},
         )
         self.width = width
         return _logits(out)[:, -1]
+
+
+_CACHE_ARGUMENT: dict[type[torch.nn.Module], str] = {}
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    cls = type(model)
+    if cls not in _CACHE_ARGUMENT:
+        _CACHE_ARGUMENT[cls] = _cache_argument(cls)
+    return _CACHE_ARGUMENT[cls]
+
+
+def _cache_argument(cls: type[torch.nn.Module]) -> str:
+    """The name under which the model's `forward` takes its key/value cache: `cache` in recent
+    transformers releases, `past_key_values` before. Passing the wrong one is silently swallowed by
+    the model's `**kwargs`, and every decoding step would then see its one new token only."""
+    params = inspect.signature(cls.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{cls.__name__}.forward takes no key/value cache (neither cache nor past_key_values)")
 
 
 def _logits(out: Any) -> torch.Tensor:
@@ -190,8 +213,8 @@ def prefill(
         input_ids=ids,
         attention_mask=mask if padded else None,
         position_ids=(torch.arange(width, device=device) - pad).clamp(min=0),
-        cache=cache,
         use_cache=True,
+        **{cache_argument(model): cache},
         logits_to_keep=1,  # only the last position's logits: no [rows, width, vocab] projection
     )
     return BatchCache(_cache_of(_layers(cache)), pad, width), _logits(out)[:, -1]

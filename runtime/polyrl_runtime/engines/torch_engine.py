@@ -42,7 +42,7 @@ from polyrl_runtime.engines.hf_cache import BatchCache, prefill
 from polyrl_runtime.engines.stops import find_stop
 from polyrl_runtime.models import KVCache, TinyCausalLM, Tokenizer, context_limit, load_model, load_tokenizer
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
-from polyrl_runtime.weights.endpoints import EngineWeights
+from polyrl_runtime.weights.sides import EngineWeights
 
 log = structlog.get_logger(__name__)
 

@@ -71,12 +71,24 @@ def make_receiver(name: str, **kwargs: Any) -> WeightReceiver:
     return get_transport(name).receiver(**kwargs)
 
 
+def _objectstore_sender(*args: Any, **kwargs: Any) -> WeightSender:
+    # Imported when used: the transport needs Ray, the others (and in-process engines) do not.
+    from polyrl_runtime.weights.objectstore import ObjectStoreSender
+
+    return ObjectStoreSender(*args, **kwargs)
+
+
+def _objectstore_receiver(*args: Any, **kwargs: Any) -> WeightReceiver:
+    from polyrl_runtime.weights.objectstore import ObjectStoreReceiver
+
+    return ObjectStoreReceiver(*args, **kwargs)
+
+
 def _register_builtins() -> None:
     from polyrl_runtime.weights.collective import CollectiveReceiver, CollectiveSender
-    from polyrl_runtime.weights.objectstore import ObjectStoreReceiver, ObjectStoreSender
     from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
 
-    register_transport("objectstore", ObjectStoreSender, ObjectStoreReceiver)
+    register_transport("objectstore", _objectstore_sender, _objectstore_receiver)
     register_transport("shm", ShmSender, ShmReceiver)
     register_transport("collective", CollectiveSender, CollectiveReceiver)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from polyrl_runtime.engines.hf_cache import BatchCache, prefill
+from polyrl_runtime.engines.hf_cache import BatchCache, cache_argument, prefill
 
 Op = tuple[str, Any]
 
@@ -90,3 +90,52 @@ def test_prefill_refuses_empty_sequences(model: Any) -> None:
         prefill(model, [[5, 6], []])
     with pytest.raises(ValueError, match="at least one"):
         prefill(model, [])
+
+
+class _PastKeyValuesModel(torch.nn.Module):
+    """The model with the forward signature of transformers releases before the cache argument was
+    named `cache`: the cache must reach it as `past_key_values`, or each step sees one token only."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> Any:
+        return self.inner(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=past_key_values,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+        )
+
+
+class _NoCacheModel(torch.nn.Module):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids
+
+
+def test_the_cache_reaches_the_model_under_the_name_its_forward_takes(model: Any) -> None:
+    old = _PastKeyValuesModel(model)
+    assert (cache_argument(model), cache_argument(old)) == ("cache", "past_key_values")
+    with pytest.raises(TypeError, match="takes no key/value cache"):
+        cache_argument(_NoCacheModel())
+    seqs = [_seq(6, 1), _seq(3, 2)]
+    with torch.inference_mode():
+        batch, logits = prefill(old, seqs)  # both call the model with keywords only
+        for _ in range(3):
+            for seq, row in zip(seqs, logits, strict=True):
+                torch.testing.assert_close(row, _alone(model, seq), atol=1e-4, rtol=0)
+                seq.append(int(row.argmax()))
+            logits = batch.decode(old, torch.tensor([s[-1] for s in seqs]))

@@ -25,6 +25,7 @@ from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.engines.api import Generation, PromptTooLongError, SamplingParams
 from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.weights import make_sender
+from polyrl_testenv.models import join_midway
 
 PROMPTS = [[5 + (i * 37 + n) % 300 for i in range(n)] for n in (1, 3, 9, 20, 6, 14)]
 
@@ -79,18 +80,6 @@ def _greedy(model: Any, prompt: Sequence[int], n: int) -> list[int]:
     return [int(t) for t in out[0, len(prompt) :]]
 
 
-async def _join_midway(
-    eng: TorchEngine, requests: list[tuple[list[int], SamplingParams]]
-) -> list[Generation]:
-    """The first half starts; the rest join once the first running request has 3 tokens."""
-    half = len(requests) // 2
-    first = [asyncio.create_task(eng.generate(p, s)) for p, s in requests[:half]]
-    while not eng._active or len(eng._active[0].tokens) < 3:
-        await asyncio.sleep(0.001)
-    rest = [eng.generate(p, s) for p, s in requests[half:]]
-    return list(await asyncio.gather(*first, *rest))
-
-
 def _recomputed(
     model: Any, prompts: list[list[int]], gens: list[Generation], temperature: float
 ) -> list[Any]:
@@ -110,7 +99,7 @@ def test_greedy_equals_hf_generate_with_requests_joining_and_leaving(model_dirs:
     reqs = [
         (p, SamplingParams(temperature=0, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths, strict=True)
     ]
-    gens = asyncio.run(_join_midway(eng, reqs))
+    gens = asyncio.run(join_midway(eng, reqs))
     model = _hf(model_dirs["a"])
     for p, n, g in zip(PROMPTS, lengths, gens, strict=True):
         assert g.token_ids.tolist() == _greedy(model, p, n)
@@ -128,7 +117,7 @@ def test_behaviour_logprobs_equal_a_full_sequence_recompute(
         (p, SamplingParams(temperature=temperature, max_new_tokens=n, seed=i))
         for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))
     ]
-    gens = asyncio.run(_join_midway(eng, reqs))
+    gens = asyncio.run(join_midway(eng, reqs))
     assert [len(g.token_ids) for g in gens] == lengths
     want = _recomputed(_hf(model_dirs["a"]), PROMPTS, gens, temperature)
     for g, w in zip(gens, want, strict=True):
