@@ -176,3 +176,11 @@ def test_vs_trl_benchmark_runs() -> None:
         # At these sizes a role may have used less than the clock's tick (10 ms) and is left out.
         parts = [x.rsplit(" ", 1) for x in line.split(": ", 1)[1].split(", ")]
         assert parts and all(name in roles and float(ms) > 0 for name, ms in parts), line
+
+
+@pytest.mark.slow
+def test_stability_benchmark_runs() -> None:
+    out = _run("stability.py", "--seeds", "1", "--steps", "3", "--episodes", "16", "--dtypes", "float32")
+    runs = [line for line in out.splitlines() if line.startswith("float32 seed 1 ")]
+    assert [line.split()[3] for line in runs] == ["plain:", "polyrl:"], out
+    assert "float32: plain" in out and "polyrl" in out and "goal (polyrl >= plain)" in out

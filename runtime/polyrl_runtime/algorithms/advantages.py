@@ -1,7 +1,19 @@
 """Advantages from per-sample learning signals, normalised per policy (Dr. MAS, MARS) or globally.
 
 Input signals are what the samples carry: for GRPO already group-relative (reward minus the group's
-mean for that agent), for PPO the raw reward. Modes (`algorithm.advantageNorm`):
+mean for that agent), for PPO the raw reward.
+
+GRPO signals are centred within their group, so they are not centred again; their scale is the root
+mean square over the samples that carry a gradient (a non-zero signal). A group whose members all got
+the same reward has none, and counting its zeros would shrink the scale as groups saturate: the few
+groups still mixed would get advantages several times those of a batch where every group is mixed,
+each step would move the policy as far whatever the evidence behind it, and a run nearly solved
+would swing back (measured by benchmarks/stability.py). Scaled this way, an informative group
+gets the same advantages however many others in the batch are informative, as with GRPO's per-group
+standard deviation, while one scale per policy keeps every policy's advantages at unit scale
+whatever its reward scale.
+
+Modes (`algorithm.advantageNorm`):
   * `per-policy`: centre and scale by this policy's batch statistics: each agent's advantages have
     unit scale whatever its reward scale, so one agent's large rewards cannot drown another's;
   * `per-agent`: centre and scale each agent's samples by that agent's own statistics: when several
@@ -45,6 +57,11 @@ class AdvantageStats:
         return self.total / self.count if self.count else 0.0
 
     @property
+    def rms(self) -> float:
+        """Root mean square about zero (the spread of signals that are centred already)."""
+        return math.sqrt(max(0.0, self.total_sq / self.count)) if self.count else 0.0
+
+    @property
     def std(self) -> float:
         if self.count < 2:
             return 0.0
@@ -52,12 +69,20 @@ class AdvantageStats:
         return math.sqrt(var * self.count / (self.count - 1))
 
 
-def agent_stats(signals: torch.Tensor, agents: Sequence[str]) -> dict[str, AdvantageStats]:
-    """Statistics of each agent's signals (`agents[i]` is sample i's agent)."""
+def scale_stats(signals: torch.Tensor, algorithm: str = "grpo") -> AdvantageStats:
+    """The statistics an advantage's scale comes from: for GRPO the signals that carry a gradient
+    (non-zero), for PPO every signal."""
+    return AdvantageStats.of(signals[signals != 0] if algorithm == "grpo" else signals)
+
+
+def agent_stats(
+    signals: torch.Tensor, agents: Sequence[str], algorithm: str = "grpo"
+) -> dict[str, AdvantageStats]:
+    """`scale_stats` of each agent's signals (`agents[i]` is sample i's agent)."""
     out: dict[str, AdvantageStats] = {}
     for name in sorted(set(agents)):
         rows = torch.tensor([a == name for a in agents], dtype=torch.bool)
-        out[name] = AdvantageStats.of(signals[rows])
+        out[name] = scale_stats(signals[rows], algorithm)
     return out
 
 
@@ -80,8 +105,10 @@ def advantages(
     agents: Sequence[str] = (),
     by_agent: Mapping[str, AdvantageStats] | None = None,
 ) -> torch.Tensor:
-    """One advantage per sample. `stats` cover the policy's whole step batch (all ranks); `per-agent`
-    also needs each sample's agent and `by_agent`, every agent's statistics over all ranks."""
+    """One advantage per sample. `stats` (`scale_stats`) cover the policy's whole step batch (all
+    ranks); `per-agent` also needs each sample's agent and `by_agent`, every agent's statistics over
+    all ranks."""
+    grpo = algorithm == "grpo"
     if mode == "per-agent":
         if by_agent is None or len(agents) != len(signals):
             raise ValueError(
@@ -89,12 +116,17 @@ def advantages(
             )
         if not len(signals):
             return signals
+        if grpo:
+            rms = torch.tensor([by_agent[a].rms for a in agents], dtype=signals.dtype)
+            return signals / (rms + EPS)
         means = torch.tensor([by_agent[a].mean for a in agents], dtype=signals.dtype)
         stds = torch.tensor([by_agent[a].std for a in agents], dtype=signals.dtype)
         return (signals - means) / (stds + EPS)
     if mode == "none":
-        return signals - stats.mean if algorithm == "ppo" else signals
-    centred = signals - stats.mean
+        return signals if grpo else signals - stats.mean
+    if grpo and mode == "per-policy":
+        return signals / (stats.rms + EPS)
+    centred = signals if grpo else signals - stats.mean
     if mode == "per-policy":
         return centred / (stats.std + EPS)
     if mode == "global":

@@ -28,7 +28,13 @@ import torch
 
 from polyrl_operator.api import Policy
 from polyrl_runtime import storage
-from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages, agent_stats, merge_agent_stats
+from polyrl_runtime.algorithms.advantages import (
+    AdvantageStats,
+    advantages,
+    agent_stats,
+    merge_agent_stats,
+    scale_stats,
+)
 from polyrl_runtime.algorithms.losses import (
     LossConfig,
     TokenBatch,
@@ -164,7 +170,7 @@ class DeepSpeedTrainer(TrainerWeights):
 
     def _agent_stats(self, signals: torch.Tensor, agents: tuple[str, ...]) -> dict[str, AdvantageStats]:
         """Every agent's signal statistics over all ranks (ranks may hold different agents)."""
-        local = agent_stats(signals, agents)
+        local = agent_stats(signals, agents, self.algo.name)
         if self.world == 1:
             return local
         import torch.distributed as dist
@@ -195,11 +201,8 @@ class DeepSpeedTrainer(TrainerWeights):
     def _forward_loss(
         self, tb: TokenBatch, behav: torch.Tensor, adv: torch.Tensor, prox: torch.Tensor | None
     ) -> tuple[torch.Tensor, Any]:
-        entropy = None
-        if self.loss_cfg.entropy_coef > 0:
-            logp, entropy = sequence_logprobs_and_entropy(self.engine, tb, self.temperature)
-        else:
-            logp = sequence_logprobs(self.engine, tb, self.temperature)
+        # The entropy is always computed (a metric); it enters the loss only with entropyCoef > 0.
+        logp, entropy = sequence_logprobs_and_entropy(self.engine, tb, self.temperature)
         device = logp.device
         mask = tb.response_mask.to(device)
         ref = None
@@ -228,7 +231,7 @@ class DeepSpeedTrainer(TrainerWeights):
         batch: SampleBatch | None = lease.batch if lease is not None else None
         n = 0 if batch is None else len(batch)
         signals = torch.from_numpy(batch.rewards.astype(np.float32)) if batch is not None else torch.zeros(0)
-        local = AdvantageStats.of(signals)
+        local = scale_stats(signals, self.algo.name)
         tokens_local = 0 if batch is None else batch.trained_tokens  # context tokens are not trained
         count, total, total_sq, tokens = self._allreduce(
             [local.count, local.total, local.total_sq, tokens_local]

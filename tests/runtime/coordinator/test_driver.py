@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import pickle
 import time
 import urllib.request
@@ -37,6 +38,8 @@ def test_sync_mode_trains_strictly_on_policy(ray_local: Any, tmp_path: Path) -> 
         # behaviour logprobs (engine) == proximal logprobs (trainer): importance weight exactly 1
         assert rec.is_weight_mean == pytest.approx(1.0, abs=1e-3)
         assert rec.samples == 16 * 2  # 16 episodes per step, speaker + listener turn each
+        # the entropy of the sampled distributions (over each turn's allowed ids) is always reported
+        assert 0.0 < rec.entropy <= math.log(4) + 1e-6  # at most 4 allowed ids (vocab: 4)
     assert summary.dropped["agent"]["stale"] == 0
     assert summary.first_reward["agent"] is not None
 
