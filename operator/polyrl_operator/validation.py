@@ -1,12 +1,15 @@
 """Validate RLJob manifests with the same models that generate the CRD, naming file, line and field.
 
-Used by ``polyrl validate``. Each problem says where it is (file, line of the YAML document, field path
-like ``spec.policies[1].rollout.replicas.min``) and what is wrong in the user's terms.
+Used by ``polyrl validate`` and, through ``load_rljobs``, by ``polyrl run`` and the runtime's pods, so
+every command reports a bad job file in the same words. Each problem says where it is (file, the line
+of the offending field in the YAML, field path like ``spec.policies[1].rollout.replicas.min``) and what
+is wrong in the user's terms. A missing field is reported at the line of the mapping that lacks it.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import types
 import typing
@@ -53,6 +56,14 @@ class Document:
     body: Any
     index: int = 1
     """Position of the document in its file (1-based)."""
+    node: yaml.Node | None = None
+    """The composed YAML node the body was built from (its marks give each field's line); None for
+    JSON, where every problem is reported at the document's line."""
+
+    def line_of(self, loc: tuple[int | str, ...]) -> int:
+        """The line of the field at ``loc`` (a pydantic error location: aliases and list indices),
+        else of its deepest ancestor present in the document (a missing field: its parent)."""
+        return field_line(self.node, loc) if self.node is not None else self.line
 
 
 class _Loader(yaml.SafeLoader):
@@ -67,9 +78,35 @@ _Loader.add_implicit_resolver(
 )
 
 
+def field_line(node: yaml.Node, loc: tuple[int | str, ...]) -> int:
+    """The 1-based line of the node at ``loc`` below ``node``, else of its deepest ancestor there.
+
+    A part that names no key of the current mapping is passed over: pydantic puts markers in
+    locations (a union's branch, a tagged union's tag) that are not keys of the document."""
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if not 0 <= part < len(node.value):
+                break
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        elif isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            found = next((kv for kv in reversed(node.value) if kv[0].value == part), None)
+            if found is not None:
+                line = found[0].start_mark.line + 1
+                node = found[1]
+        else:
+            break
+    return line
+
+
 def load_documents(path: Path) -> Iterator[Document]:
-    """Yield each document of a YAML file; raises yaml.YAMLError with a line on a syntax error."""
+    """Yield each document of a YAML (or, ending in .json, JSON) file; raises yaml.YAMLError or
+    json.JSONDecodeError, with a line, on a syntax error."""
     text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        yield Document(str(path), 1, json.loads(text))
+        return
     loader = _Loader(text)
     index = 0
     try:
@@ -78,7 +115,8 @@ def load_documents(path: Path) -> Iterator[Document]:
             if node is None:  # pragma: no cover - check_node said there is one
                 break
             index += 1
-            yield Document(str(path), node.start_mark.line + 1, loader.construct_document(node), index)
+            body = loader.construct_document(node)
+            yield Document(str(path), node.start_mark.line + 1, body, index, node)
     finally:
         loader.dispose()
 
@@ -172,31 +210,36 @@ def _explain(err: Any) -> tuple[tuple[int | str, ...], str]:
     return loc, message
 
 
-def validate_document(doc: Document) -> list[Problem]:
-    """Problems with one document, or [] when it is a valid RLJob (or not an RLJob at all)."""
+def document_problems(doc: Document, exc: ValidationError) -> list[Problem]:
+    """Each error of validating ``doc`` as one problem, at the line of the field it names."""
+    problems = []
+    for err in exc.errors():
+        loc, message = _explain(err)
+        problems.append(Problem(doc.file, doc.line_of(loc), _format_loc(loc), message))
+    return problems
+
+
+def check_document(doc: Document) -> tuple[RLJob | None, list[Problem]]:
+    """The RLJob of one document and its problems: (job, []) when it is a valid RLJob, (None, [])
+    when it is not an RLJob at all, (None, problems) otherwise."""
     body = doc.body
     if not isinstance(body, dict):
-        return [Problem(doc.file, doc.line, "", "document is not a mapping (expected a Kubernetes object)")]
+        problem = Problem(doc.file, doc.line, "", "document is not a mapping (expected a Kubernetes object)")
+        return None, [problem]
     if body.get("kind") != KIND:
-        return _misspelled_kind(doc)
+        return None, _misspelled_kind(doc)
     if body.get("apiVersion") != API_VERSION:
-        return [
-            Problem(
-                doc.file,
-                doc.line,
-                "apiVersion",
-                f"must be {API_VERSION} for kind {KIND} (got {body.get('apiVersion')!r})",
-            )
-        ]
+        message = f"must be {API_VERSION} for kind {KIND} (got {body.get('apiVersion')!r})"
+        return None, [Problem(doc.file, doc.line_of(("apiVersion",)), "apiVersion", message)]
     try:
-        RLJob.model_validate(body)
+        return RLJob.model_validate(body), []
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc, message = _explain(err)
-            problems.append(Problem(doc.file, doc.line, _format_loc(loc), message))
-        return problems
-    return []
+        return None, document_problems(doc, exc)
+
+
+def validate_document(doc: Document) -> list[Problem]:
+    """Problems with one document, or [] when it is a valid RLJob (or not an RLJob at all)."""
+    return check_document(doc)[1]
 
 
 def _misspelled_kind(doc: Document) -> list[Problem]:
@@ -210,7 +253,7 @@ def _misspelled_kind(doc: Document) -> list[Problem]:
         return []
     hint = f"; did you mean {KIND!r}?" if isinstance(kind, str) and kind else ""
     message = f"unknown kind {kind!r} for apiVersion {api_version!r} in document {doc.index}: polyrl.dev serves only kind {KIND!r}{hint}"
-    return [Problem(doc.file, doc.line, "kind", message)]
+    return [Problem(doc.file, doc.line_of(("kind",)), "kind", message)]
 
 
 @dataclass
@@ -222,8 +265,10 @@ class FileReport:
     problems: list[Problem]
 
 
-def validate_file(path: Path) -> FileReport:
-    """Validate every RLJob in a (multi-document) YAML file."""
+def load_rljobs(path: Path) -> tuple[list[RLJob], int, list[Problem]]:
+    """The valid RLJobs of a (multi-document) YAML or JSON file, how many RLJob documents it has,
+    and every problem found (unreadable file, syntax error, invalid RLJob, misspelled kind)."""
+    jobs: list[RLJob] = []
     problems: list[Problem] = []
     count = 0
     try:
@@ -232,15 +277,26 @@ def validate_file(path: Path) -> FileReport:
                 continue
             if isinstance(doc.body, dict) and doc.body.get("kind") == KIND:
                 count += 1
-            problems.extend(validate_document(doc))
+            job, found = check_document(doc)
+            problems.extend(found)
+            if job is not None:
+                jobs.append(job)
     except OSError as exc:
         problems.append(Problem(str(path), None, "", f"cannot read: {exc.strerror or exc}"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
         problems.append(Problem(str(path), line, "", f"not valid YAML: {getattr(exc, 'problem', exc)}"))
+    except json.JSONDecodeError as exc:
+        problems.append(Problem(str(path), exc.lineno, "", f"not valid JSON: {exc.msg}"))
     except UnicodeDecodeError as exc:
         problems.append(Problem(str(path), None, "", f"not UTF-8 text: {exc.reason}"))
+    return jobs, count, problems
+
+
+def validate_file(path: Path) -> FileReport:
+    """Validate every RLJob in a (multi-document) YAML file."""
+    _, count, problems = load_rljobs(path)
     return FileReport(str(path), count, problems)
 
 

@@ -2,7 +2,7 @@
 
 `load_job(path)` accepts the file a user writes (`polyrl run job.yaml`, which may hold several YAML
 documents: the first RLJob is used) and the JSON the operator mounts in pods (`POLYRL_CONFIG`). Errors
-name the file and the field.
+name the file, the line and the field, exactly as `polyrl validate` does.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
 from polyrl_operator.api import RLJob
+from polyrl_operator.validation import load_rljobs
 from polyrl_runtime import netmap
 
 ENV_DEFAULTS = {
@@ -26,6 +24,10 @@ ENV_DEFAULTS = {
     # machine. The actors (engines, trainers, workflow workers) are the job's work: on a shared
     # machine they must not yield to everything else. Read by the raylet when it starts.
     "RAY_worker_niceness": "0",
+    # A raylet exits when its runtime-env agent (a Python process it starts) does not answer within
+    # this many ms of the first worker start: Ray's 30 s, on a loaded machine where several nodes
+    # start at once, killed a raylet at start. Read by the raylet when it starts.
+    "RAY_agent_register_timeout_ms": "120000",
 }
 
 
@@ -41,40 +43,16 @@ def set_env_defaults() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "polyrl" / "torch_extensions"))
 
 
-def _documents(path: Path) -> list[Any]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise JobFileError(f"{path}: cannot read: {e.strerror or e}") from e
-    try:
-        if path.suffix == ".json":
-            return [json.loads(text)]
-        return [d for d in yaml.safe_load_all(text) if d is not None]
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise JobFileError(f"{path}: not valid YAML/JSON: {e}") from e
-
-
-def _format_errors(path: Path, err: ValidationError) -> str:
-    lines = [f"{path}: invalid RLJob:"]
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        lines.append(f"  {loc}: {e['msg']}")
-    return "\n".join(lines)
-
-
-def parse_job(doc: Any, source: str = "<job>") -> RLJob:
-    try:
-        return RLJob.model_validate(doc)
-    except ValidationError as e:
-        raise JobFileError(_format_errors(Path(source), e)) from e
-
-
 def load_job(path: str | Path) -> RLJob:
+    """The first RLJob of the file. Every problem `polyrl validate` would report fails it, in the same
+    words (polyrl_operator.validation): one line per problem, naming file, line and field."""
     path = Path(path)
-    docs = [d for d in _documents(path) if isinstance(d, dict) and d.get("kind") == "RLJob"]
-    if not docs:
+    jobs, _, problems = load_rljobs(path)
+    if problems:
+        raise JobFileError("\n".join(str(p) for p in problems))
+    if not jobs:
         raise JobFileError(f"{path}: no document with kind: RLJob")
-    return parse_job(docs[0], str(path))
+    return jobs[0]
 
 
 @dataclass(frozen=True)

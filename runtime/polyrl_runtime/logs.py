@@ -98,8 +98,11 @@ def configure_logging(
     level: str | None = None,
     environ: Mapping[str, str] | None = None,
     stream: TextIO | None = None,
+    colors: bool = True,
 ) -> Format:
     """Configure structlog and the standard `logging` root for this process; returns the format used.
+    `colors`: ANSI colours in the console format (`polyrl run` turns them off when its output is not a
+    terminal, under --plain and with NO_COLOR).
 
     Idempotent: a second call replaces the first (tests and `polyrl run` after a pod's defaults)."""
     env = os.environ if environ is None else environ
@@ -121,7 +124,7 @@ def configure_logging(
     render: list[Processor] = (
         [structlog.processors.format_exc_info, _event_first, structlog.processors.JSONRenderer(default=str)]
         if fmt == "json"
-        else [_event_first, structlog.dev.ConsoleRenderer()]
+        else [_event_first, structlog.dev.ConsoleRenderer(colors=colors)]
     )
     handler = _StdoutHandler() if stream is None else logging.StreamHandler(stream)
     handler.setFormatter(

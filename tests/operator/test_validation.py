@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -18,16 +20,44 @@ def _write(tmp_path: Path, name: str, docs: list[object]) -> Path:
     return path
 
 
+def _deepest_present(doc: Any, field: str) -> str | int | None:
+    """The last part of `field` (a printed path: dots and [i]) that `doc` holds; None: not even the
+    first. The line a problem at `field` is reported on is that part's."""
+    node, found = doc, None
+    for part in re.findall(r"[^.\[\]]+", field):
+        key: str | int = int(part) if part.isdigit() else part
+        in_dict = isinstance(node, dict) and key in node
+        in_list = isinstance(node, list) and isinstance(key, int) and key < len(node)
+        if not (in_dict or in_list):
+            break
+        node, found = node[key], key
+    return found
+
+
+def _assert_on_field_line(path: Path, doc: Any, field: str, line: int | None) -> None:
+    """`line` is the line in `path` of `field`, or of its deepest ancestor in `doc` (a missing
+    field is reported on its parent's line)."""
+    assert line is not None
+    text = path.read_text().splitlines()[line - 1]
+    part = _deepest_present(doc, field)
+    if isinstance(part, int):  # a list item starts with "- "
+        assert text.lstrip().startswith("- "), (field, line, text)
+    else:
+        assert part is not None and re.search(rf"(^|[ -]){re.escape(part)}:", text), (field, line, text)
+
+
 @pytest.mark.parametrize("case", BAD_CASES, ids=lambda c: c.id)
 def test_bad_input_is_rejected_with_its_field(case: BadCase, tmp_path: Path) -> None:
-    path = _write(tmp_path, f"{case.id}.yaml", [case.document()])
+    doc = case.document()
+    path = _write(tmp_path, f"{case.id}.yaml", [doc])
     report = validate_file(path)
     assert report.problems, f"{case.id} was accepted"
     paths = [p.path for p in report.problems]
     assert case.field in paths, f"expected a problem at {case.field}, got {report.problems}"
     for problem in report.problems:
         assert problem.file == str(path)
-        assert problem.line == 1
+        # The line of the offending field (of its parent when it is missing), not the document's.
+        _assert_on_field_line(path, doc, problem.path, problem.line)
 
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=lambda c: c.id)
@@ -37,7 +67,8 @@ def test_cli_exits_nonzero_and_prints_file_and_field(
     path = _write(tmp_path, "job.yaml", [case.document()])
     assert main(["validate", str(path)]) == 1
     err = capsys.readouterr().err
-    assert f"{path}:1: {case.field}:" in err
+    [problem] = [p for p in validate_file(path).problems if p.path == case.field][:1]
+    assert f"{path}:{problem.line}: {case.field}:" in err
     assert "1 of 1 file(s) invalid" in err
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable
 from typing import Any
 
 import ray
@@ -56,7 +57,7 @@ from polyrl_runtime.experience.actor import create_experience_actor
 from polyrl_runtime.experience.buffer import PolicyConfig
 from polyrl_runtime.models import ModelLoadError
 from polyrl_runtime.weights import VersionRegistry, choose_transport
-from polyrl_runtime.workflows.api import load_workflow
+from polyrl_runtime.workflows.preflight import PreflightError, check_entry_points
 
 __all__ = ["Driver", "DriverOptions", "JobFailedError"]
 
@@ -73,7 +74,7 @@ class Driver:
         grpo = [p.algorithm.group_size for p in self.spec.policies if p.algorithm.name == "grpo"]
         self.group_size = max(grpo or [1])
         self.store = CheckpointStore(opts.checkpoint_root, self.spec.checkpoint.keep)
-        self.control = JobControl(opts.on_event)
+        self.control = JobControl(opts.on_event, opts.startup)
         self.state: State = "starting"
         self.message, self.retryable, self.interrupted = "", True, False
         self.runs: dict[str, PolicyRun] = {}
@@ -116,7 +117,8 @@ class Driver:
             self.state, self.message, self.retryable = "failed", str(e), e.retryable
             log.error("job.failed", error=str(e))
         await asyncio.to_thread(self.metrics.close)
-        return await run_summary(self.snapshot(), self.records, self.buffer)
+        startup = self.control.startup.seconds
+        return await run_summary(self.snapshot(), self.records, self.buffer, self.metrics.ends, startup)
 
     async def _until_done_or_stopped(self, trainers: list[asyncio.Task[None]]) -> None:
         waiters: list[asyncio.Future[Any]] = [
@@ -163,11 +165,11 @@ class Driver:
     async def _start(self) -> None:
         spec = self.spec
         try:
-            load_workflow(spec.workflow.entrypoint, spec.workflow.args)
+            check_entry_points(spec)  # before any actor: the code the job names imports
             feed = await asyncio.to_thread(open_train_feed, spec)
             eval_rows = await asyncio.to_thread(load_eval_rows, spec)
-        except ImportError as e:
-            raise JobFailedError(f"spec.workflow.entrypoint: {e}", retryable=False) from e
+        except PreflightError as e:
+            raise JobFailedError(str(e), retryable=False) from e
         except DataError as e:
             raise JobFailedError(str(e), retryable=False) from e
         ref = self.store.latest() if self.opts.resume else None
@@ -182,18 +184,36 @@ class Driver:
         capacity = (s + 2) * self.E * len(configs) + 4 * self.group_size
         node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         snapshot = ref.buffer() if ref is not None else None
-        self.buffer = create_experience_actor(configs, capacity, snapshot=snapshot, scheduling_strategy=node)
+        phase = self.control.phase
+        with phase("actors", "starting actors (" + self._actor_counts() + ")"):
+            self.buffer = create_experience_actor(
+                configs, capacity, snapshot=snapshot, scheduling_strategy=node
+            )
+            for p in spec.policies:
+                for _ in range(p.rollout.replicas.min):
+                    self.fleet.new_engine(p)
+                self.runs[p.name] = PolicyRun(
+                    p.name, self.fleet.new_trainers(p, self.buffer), window=RewardWindow(self.E)
+                )
+            job_json = self.job.model_dump_json(by_alias=True)
+            for _ in range(spec.workflow.replicas.min):
+                self.fleet.new_worker(job_json, self.buffer, self.opts.episode_timeout_s)
+            await asyncio.gather(
+                self.buffer.__ray_ready__.remote(),
+                *(self._reported(n, self._ready(run.ranks)) for n, run in self.runs.items()),
+            )
         if ref is not None:  # a policy that had finished trains again when the job asks for more steps
             done = {p.name: int(ref.state["policies"].get(p.name, {}).get("step", 0)) for p in spec.policies}
             await asyncio.gather(
                 *(self.buffer.reopen.remote(n) for n, step in done.items() if step < self.total)
             )
-        for p in spec.policies:
-            for _ in range(p.rollout.replicas.min):
-                self.fleet.new_engine(p)
-            self.runs[p.name] = PolicyRun(
-                p.name, self.fleet.new_trainers(p, self.buffer), window=RewardWindow(self.E)
+        with phase("model_load", "loading the models into the rollout engines"):
+            engines = self.fleet.engines
+            await asyncio.gather(
+                *(self._reported(n, self._ready([s.handle for s in engines[n].values()])) for n in self.runs)
             )
+            # Workflow workers load each policy's tokenizer as they start.
+            await self._reported(None, self._ready([w.handle for w in self.fleet.workers.values()]))
         self.producer = self._new_producer(feed)
         self.checkpointer.attach(self.buffer, self._counters, self.metrics.flush)
         self.trainers = {n: self._new_trainer(run) for n, run in self.runs.items()}
@@ -208,11 +228,11 @@ class Driver:
             episode_timeout_s=self.opts.episode_timeout_s,
         )
         self.control.emit("starting", transport=transport, resume=ref.location if ref else None)
-        await asyncio.gather(*(self._setup_reported(n, ref, transport) for n in self.trainers))
-        job_json = self.job.model_dump_json(by_alias=True)
-        for _ in range(spec.workflow.replicas.min):
-            self.fleet.new_worker(job_json, self.buffer, self.opts.episode_timeout_s)
-        await asyncio.gather(*(w.handle.stats.remote() for w in self.fleet.workers.values()))
+        doing = "initialising the trainers (process groups, models, DeepSpeed"
+        with phase("trainer_init", doing + (", checkpoint)" if ref is not None else ")")):
+            await asyncio.gather(*(self._reported(n, t.setup(ref)) for n, t in self.trainers.items()))
+        with phase("first_weights", f"first weight sync to the engines ({transport})"):
+            await asyncio.gather(*(self._reported(n, t.connect(transport)) for n, t in self.trainers.items()))
         if ref is not None:
             self._restore_counters(ref, buffered_groups(snapshot))
         await self.metrics.open({n: r.step for n, r in self.runs.items()} if ref is not None else {})
@@ -235,13 +255,34 @@ class Driver:
             evaluator=self.evaluator,
         )
 
-    async def _setup_reported(self, name: str, ref: CheckpointRef | None, transport: str) -> None:
-        """Set up one policy's trainer, with a model that cannot be loaded reported as the job's
-        failure, naming the policy (not retried: the same spec would fail the same way)."""
+    def _actor_counts(self) -> str:
+        spec = self.spec
+        engines = sum(p.rollout.replicas.min for p in spec.policies)
+        ranks = sum(p.trainer.replicas * p.trainer.ranks for p in spec.policies)
+        workers = spec.workflow.replicas.min
+
+        def n(count: int, what: str) -> str:
+            return f"{count} {what}{'' if count == 1 else 's'}"
+
+        return f"{n(engines, 'engine')}, {n(ranks, 'trainer rank')}, {n(workers, 'workflow worker')}"
+
+    @staticmethod
+    async def _ready(actors: list[Any]) -> None:
+        """Until each of `actors` is constructed (its process started and its `__init__` returned)."""
+        await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
+
+    async def _reported(self, name: str | None, work: Awaitable[None]) -> None:
+        """Policy `name`'s start-up `work`, with a model that cannot be loaded reported as the job's
+        failure, naming the policy (not retried: the same spec would fail the same way). `name`
+        None: work for every policy; the policy named is the one whose model URI the error names."""
         try:
-            await self.trainers[name].setup(ref, transport)
+            await work
         except Exception as e:
             cause = root_cause(e)
+            if name is None and isinstance(cause, ModelLoadError):
+                name = next((p.name for p in self.spec.policies if p.model.uri in str(cause)), None)
+                if name is None:
+                    raise JobFailedError(str(cause), retryable=False) from e
             if isinstance(cause, ModelLoadError):
                 named = str(cause) if str(cause).startswith(f"policy {name}") else f"policy {name}: {cause}"
                 raise JobFailedError(named, retryable=False) from e

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from polyrl_operator.api.progress import EvalProgress
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
-from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
+from polyrl_runtime.coordinator.metrics import RewardWindow, StartupPhases, StepRecord
 from polyrl_runtime.coordinator.tasks import fail_on_error
 from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
@@ -59,6 +60,8 @@ class DriverOptions:
     checkpoint_requests: Callable[[], str | None] | None = None
     on_event: Callable[[str, dict[str, Any]], None] | None = None
     attempt: int | None = None  # the pod's POLYRL_ATTEMPT, reported in /progress (None: polyrl run)
+    # The start-up phases' durations (metrics.py): the caller may have timed some before the driver's.
+    startup: StartupPhases = field(default_factory=StartupPhases)
 
 
 @dataclass
@@ -84,6 +87,7 @@ class PolicyRun:
             "step": self.step,
             "version": self.step,
             "samples_per_episode": self.samples_per_episode,
+            "rewards": self.window.state(),
         }
         if self.last_eval is not None:  # /progress and the RLJob status show it until the next pass
             state["evaluation"] = self.last_eval.to_wire()
@@ -92,6 +96,7 @@ class PolicyRun:
     def restored(self, state: dict[str, Any]) -> None:
         """Take back what `checkpoint_state` saved, but the step: the trainer's load sets it."""
         self.samples_per_episode = state.get("samples_per_episode")
+        self.window.restore(state.get("rewards", {}))
         ev = state.get("evaluation")
         self.last_eval = EvalProgress.model_validate(ev) if ev is not None else None
 
@@ -102,12 +107,15 @@ class JobControl:
     Every component that can end the job or report an event gets this one object; the first
     failure wins, later ones only stop the job again."""
 
-    def __init__(self, on_event: Callable[[str, dict[str, Any]], None] | None) -> None:
+    def __init__(
+        self, on_event: Callable[[str, dict[str, Any]], None] | None, startup: StartupPhases | None = None
+    ) -> None:
         self.stop = asyncio.Event()
         self.fatal: JobFailedError | None = None
         self._on_event = on_event
         self.started = time.monotonic()
         self.elapsed_before = 0.0  # the wall time of the attempts before a resume
+        self.startup = startup if startup is not None else StartupPhases()
 
     def fail(self, message: str, *, retryable: bool = True) -> None:
         if self.fatal is None:
@@ -117,6 +125,13 @@ class JobControl:
     def emit(self, kind: str, **data: Any) -> None:
         if self._on_event is not None:
             self._on_event(kind, data)
+
+    @contextmanager
+    def phase(self, name: str, doing: str) -> Iterator[None]:
+        """Time one start-up phase (`StartupPhases`), first reporting what it does (event `startup`)."""
+        self.emit("startup", phase=name, doing=doing)
+        with self.startup.timed(name):
+            yield
 
     def guarded(self, work: Any, what: str) -> asyncio.Task[None]:
         """A task whose unexpected exception fails the job (retryably), naming it."""

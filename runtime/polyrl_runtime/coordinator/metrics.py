@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Totals:
+    """A policy's running totals that step records also give per step: samples the buffer dropped
+    (by reason) and the job's failed episodes."""
+
+    dropped: dict[str, int] = field(default_factory=dict)
+    failed_episodes: int = 0
+
+    def since(self, before: Totals) -> Totals:
+        """What was added since `before` (an earlier reading of the same totals)."""
+        return Totals(
+            {k: v - before.dropped.get(k, 0) for k, v in self.dropped.items()},
+            self.failed_episodes - before.failed_episodes,
+        )
+
+
 @dataclass
 class StepRecord:
+    """One optimizer step of one policy. Counters are this step's (since the policy's previous
+    step) unless named `_total` (since the job started, across resumes): docs/local-run.md#metrics
+    lists every column."""
+
     policy: str
     step: int
     version: int
@@ -30,27 +53,46 @@ class StepRecord:
     sync_s: float
     elapsed_s: float
     samples_per_s: float
+    # Samples of this policy the buffer dropped, by reason (stale, policy_finished, job_cancelled).
     dropped: dict[str, int] = field(default_factory=dict)
+    dropped_total: dict[str, int] = field(default_factory=dict)
+    # Episodes of the job that failed (any reason); several policies' rows count the same failures.
     failed_episodes: int = 0
+    failed_episodes_total: int = 0
     # The eval pass at this step (coordinator/evaluation.py), when one ran: mean reward and pass@k.
     eval_reward_mean: float | None = None
     eval_pass_at_k: float | None = None
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
-        dropped = d.pop("dropped")
-        for k, v in sorted(dropped.items()):
+        for k, v in sorted(d.pop("dropped").items()):
             d[f"dropped_{k}"] = v
+        for k, v in sorted(d.pop("dropped_total").items()):
+            d[f"dropped_{k}_total"] = v
         return d
 
 
 class RewardWindow:
-    """Raw rewards of one policy's finished episodes since its last step (and a running total)."""
+    """Raw rewards of one policy's finished episodes since its last step (and a running total).
+
+    Part of each checkpoint (`state`, `restore`): the episodes reported since the last step may have
+    samples in the checkpoint's buffer, which the first step after a resume trains on, so that step
+    reports their rewards, as the run that produced them would have."""
 
     def __init__(self, size: int) -> None:
         self.recent: deque[float] = deque(maxlen=size)
         self.success: deque[float] = deque(maxlen=size)
         self.since_step = 0
+
+    def state(self) -> dict[str, Any]:
+        return {"recent": list(self.recent), "success": list(self.success), "since_step": self.since_step}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.recent.clear()
+        self.recent.extend(float(x) for x in state.get("recent", []))
+        self.success.clear()
+        self.success.extend(float(x) for x in state.get("success", []))
+        self.since_step = int(state.get("since_step", 0))
 
     def add(self, reward: float, success: float | None) -> None:
         self.recent.append(reward)
@@ -64,3 +106,72 @@ class RewardWindow:
         reward = sum(self.recent) / len(self.recent) if self.recent else None
         success = sum(self.success) / len(self.success) if self.success else None
         return reward, success, n
+
+
+SERIES_KEYS = ("reward_mean", "success_mean")
+
+
+@dataclass
+class SeriesEnds:
+    """Per policy, the first and the last value of each of `SERIES_KEYS` reported in the job's
+    metrics series (steps without one skipped). A resumed run continues its checkpoint's series,
+    so the first values stay those of the job's first run."""
+
+    first: dict[str, dict[str, float]] = field(default_factory=dict)
+    last: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        policy = str(row["policy"])
+        for key in SERIES_KEYS:
+            value = row.get(key)
+            if value is not None:
+                self.first.setdefault(policy, {}).setdefault(key, float(value))
+                self.last.setdefault(policy, {})[key] = float(value)
+
+    def first_of(self, policy: str, key: str) -> float | None:
+        return self.first.get(policy, {}).get(key)
+
+    def last_of(self, policy: str, key: str) -> float | None:
+        return self.last.get(policy, {}).get(key)
+
+
+# The start-up phases, in the order they run, and the words the summary prints for each.
+STARTUP_PHASES: dict[str, str] = {
+    "ray": "ray",
+    "actors": "actors",
+    "model_load": "model load",
+    "trainer_init": "trainer init",
+    "first_weights": "first weights",
+}
+
+
+@dataclass
+class StartupPhases:
+    """How long each start-up phase of a run took, in seconds. The phases follow one another (each
+    ends before the next begins), so together they are the start-up's wall time, bar reading the
+    job, its workflow and its data before them:
+
+    - ray: starting the local Ray cluster (`polyrl run`; a pod's command starts the pod's Ray);
+    - actors: starting every actor's process (engines, trainer ranks, workflow workers, the
+      experience buffer) until the trainer ranks and the buffer have imported their code and answered;
+    - model_load: the rollout engines loading their models and the workflow workers each policy's
+      tokenizer, as they start (with the other actors: this is what is left once those answered);
+    - trainer_init: the trainer ranks joining their process group and building their model,
+      reference model and DeepSpeed engine (and loading the checkpoint, on a resume);
+    - first_weights: publishing each policy's starting weights to its engines.
+    """
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Time `phase` (also when it fails: the summary of a failed start shows where it stopped)."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - start
+
+    def describe(self) -> str:
+        """The phases as the summary prints them: `ray 2.1s, actors 6.0s, ...`."""
+        return ", ".join(f"{STARTUP_PHASES.get(p, p)} {s:.1f}s" for p, s in self.seconds.items())

@@ -96,6 +96,7 @@ class MetricsFile:
         self._part_rows: list[str] = []  # the current part's rows (object store)
         self._dirty = False
         self._flushed = time.monotonic()
+        self.kept: list[dict[str, Any]] = []  # the rows `open` kept: the series before this run
 
     def open(self, steps: dict[str, int]) -> int:
         """Start writing after the rows of `steps` (each policy's step in the checkpoint the job
@@ -104,7 +105,7 @@ class MetricsFile:
             path = Path(self.directory) / LOCAL_NAME
             path.parent.mkdir(parents=True, exist_ok=True)
             old = _parse(path.read_text(), str(path)) if path.is_file() else []
-            kept = unique_rows(old, steps)
+            kept = self.kept = unique_rows(old, steps)
             if kept != old:
                 tmp = path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -115,7 +116,7 @@ class MetricsFile:
         old = []
         for _, uri in parts:
             old += _parse(storage.read_bytes(uri).decode(), uri)
-        kept = unique_rows(old, steps)
+        kept = self.kept = unique_rows(old, steps)
         self._part_rows = [json.dumps(r) + "\n" for r in kept]
         if len(parts) == 1 and kept == old:
             self._part = parts[0][0]  # continue the one part there is

@@ -16,7 +16,7 @@ import structlog
 from polyrl_operator.api import RLJob
 from polyrl_runtime import storage
 from polyrl_runtime.coordinator.driver_base import DriverOptions, JobFailedError
-from polyrl_runtime.coordinator.metrics import StepRecord
+from polyrl_runtime.coordinator.metrics import SeriesEnds, StepRecord
 from polyrl_runtime.coordinator.metrics_files import MetricsFile
 from polyrl_runtime.coordinator.sinks import GuardedSink, SinkError, build_sink
 
@@ -37,6 +37,7 @@ class MetricsLog:
         self.job, self.opts = job, opts
         self.directory = metrics_dir(opts)
         self.records: list[StepRecord] = []
+        self.ends = SeriesEnds()  # the whole series': the rows before this run, then its records
         self.file = MetricsFile(self.directory)
         self.sinks: list[GuardedSink] = []
         self._opened = False
@@ -44,10 +45,10 @@ class MetricsLog:
     async def open(self, steps: dict[str, int]) -> None:
         """Continue the series after `steps` (the checkpoint's step per policy; {}: a fresh start)
         and start the job's sinks. A sink whose package is missing fails the job (a fix to the
-        image or the spec); one whose server cannot be reached is left out, with a warning."""
-        kept = await asyncio.to_thread(self.file.open, steps)
-        self._opened = True
-        log.info("metrics.series", directory=self.directory, rows_kept=kept)
+        image or the spec); one whose server cannot be reached is left out, with a warning.
+
+        The sinks start first: a job that fails here leaves the series as it was (a fresh start
+        would empty it)."""
         cfg = self.job.spec.metrics
         resume_step = min(steps.values()) if steps else 0
         for i, sink_cfg in enumerate(cfg.sinks):
@@ -63,14 +64,20 @@ class MetricsLog:
                 continue
             self.sinks.append(GuardedSink(sink, cfg.max_sink_failures))
             log.info("metrics.sink", sink=sink_cfg.type)
+        kept = await asyncio.to_thread(self.file.open, steps)
+        self._opened = True
+        for row in self.file.kept:
+            self.ends.add(row)
+        log.info("metrics.series", directory=self.directory, rows_kept=kept)
 
     async def add(self, rec: StepRecord) -> None:
         self.records.append(rec)
+        row = rec.row()
+        self.ends.add(row)
         if self.opts.on_record is not None:
             self.opts.on_record(rec)
         if not self._opened:
             return
-        row = rec.row()
         try:
             if self.file.add(row):
                 await asyncio.to_thread(self.file.flush)
@@ -91,6 +98,9 @@ class MetricsLog:
             sink.flush()
 
     def close(self) -> None:
+        sinks, self.sinks = self.sinks, []  # started even when the series never opened (a failure)
+        for sink in sinks:
+            sink.close()
         if not self._opened:
             return
         self._opened = False
@@ -98,5 +108,3 @@ class MetricsLog:
             self.file.close()
         except Exception as e:
             log.warning("metrics.write_failed", directory=self.directory, error=str(e))
-        for sink in self.sinks:
-            sink.close()

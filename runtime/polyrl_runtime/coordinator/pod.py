@@ -49,6 +49,7 @@ from polyrl_runtime.config import (
 )
 from polyrl_runtime.coordinator.waits import head_attempt, split_address, wait_for_head, watch_start
 from polyrl_runtime.waiting import Attempt, Wait, WaitTimeout, wait_until
+from polyrl_runtime.workflows.preflight import entry_point_problems
 
 log = structlog.get_logger(__name__)
 
@@ -156,6 +157,13 @@ def run_coordinator(
         return 2
     env, job = loaded
     out_dir = Path(out) if out else _scratch(job.metadata.name)
+    http = env.http_port if http_port is None else http_port
+    problems = entry_point_problems(job.spec)
+    if problems:
+        # No Ray head for a job whose code does not import: the driver finds the same problems as
+        # its first step and serves them on /progress as a failure restarting cannot fix.
+        log.error("job.preflight_failed", problems=[str(p) for p in problems])
+        return asyncio.run(_coordinate(job, env, out_dir, None, http))
     ray_port = netmap.listen_port(RAY_GCS_PORT) if ray_port is None else ray_port
     dashboard = netmap.listen_port(RAY_DASHBOARD_PORT) if job.spec.coordinator.dashboard else None
     head = start_ray(
@@ -163,9 +171,7 @@ def run_coordinator(
         out_dir / "ray-head.log",
     )
     try:
-        return asyncio.run(
-            _coordinate(job, env, out_dir, ray_port, env.http_port if http_port is None else http_port)
-        )
+        return asyncio.run(_coordinate(job, env, out_dir, ray_port, http))
     except WaitTimeout as e:
         log.error("coordinator.head_failed", error=str(e), ray_log=str(out_dir / "ray-head.log"))
         sys.stderr.write(f"error: {e}\n")
@@ -189,7 +195,9 @@ async def _connect(address: str, temp_dir: str, deadline_s: float = 120.0) -> No
     )
 
 
-async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int, http_port: int) -> int:
+async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int | None, http_port: int) -> int:
+    """Run the driver and serve /progress; `ray_port` None: no Ray head was started (the job's code
+    does not import), and the driver reports that failure without connecting to one."""
     import ray
 
     from polyrl_runtime.coordinator.checkpoint import checkpoint_root
@@ -212,17 +220,20 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int, htt
     loop.add_signal_handler(signal.SIGINT, driver.stop, "interrupted")
     start_deadline = float(os.environ.get("POLYRL_START_TIMEOUT_S", "1800"))
     try:
-        await _connect(f"127.0.0.1:{ray_port}", _temp_dir(ray_port))
-        run = asyncio.create_task(driver.run())
-        watch = asyncio.create_task(watch_start(driver, job, start_deadline))
-        await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if watch.done() and not watch.cancelled() and isinstance(watch.exception(), WaitTimeout):
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
-            log.error("coordinator.start_timeout", error=str(watch.exception()))
-            return 1
-        watch.cancel()
-        summary = await run
+        if ray_port is None:
+            summary = await driver.run()  # fails at its first step, which makes no Ray call
+        else:
+            await _connect(f"127.0.0.1:{ray_port}", _temp_dir(ray_port))
+            run = asyncio.create_task(driver.run())
+            watch = asyncio.create_task(watch_start(driver, job, start_deadline))
+            await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if watch.done() and not watch.cancelled() and isinstance(watch.exception(), WaitTimeout):
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+                log.error("coordinator.start_timeout", error=str(watch.exception()))
+                return 1
+            watch.cancel()
+            summary = await run
     finally:
         # The operator reads the final /progress (final versions and rewards; done, or failed and not
         # retryable) before this pod ends: keep serving until it did, at most POLYRL_LINGER_S seconds.

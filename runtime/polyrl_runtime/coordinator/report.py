@@ -21,7 +21,7 @@ from polyrl_operator.api.progress import (
 )
 from polyrl_runtime.coordinator.driver_base import PolicyRun, State
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
-from polyrl_runtime.coordinator.metrics import StepRecord
+from polyrl_runtime.coordinator.metrics import SeriesEnds, StepRecord
 from polyrl_runtime.experience.buffer import PolicyStats
 
 log = structlog.get_logger(__name__)
@@ -115,6 +115,9 @@ def progress_report(s: JobSnapshot) -> Progress:
 
 @dataclass
 class RunSummary:
+    """A finished run. The first and last rewards and successes are the job's metrics series' (one
+    value per policy, None before its first step): a resumed run keeps the first run's first ones."""
+
     state: str
     message: str
     steps: dict[str, int]
@@ -128,10 +131,17 @@ class RunSummary:
     records: list[StepRecord] = field(default_factory=list)
     buffers: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per policy: samples produced, consumed (acknowledged), redelivered, buffered, leased."""
+    first_success: dict[str, float | None] = field(default_factory=dict)
+    last_success: dict[str, float | None] = field(default_factory=dict)
+    startup: dict[str, float] = field(default_factory=dict)
+    """Seconds each start-up phase took (metrics.StartupPhases), in the order they ran."""
 
 
-async def run_summary(s: JobSnapshot, records: list[StepRecord], buffer: Any) -> RunSummary:
-    """What a finished run reports: counters, rewards, every step record, the buffers' accounting."""
+async def run_summary(
+    s: JobSnapshot, records: list[StepRecord], buffer: Any, ends: SeriesEnds, startup: dict[str, float]
+) -> RunSummary:
+    """What a finished run reports: counters, rewards (`ends`: the series' first and last), every
+    step record of this run, the buffers' accounting and the start-up phases' durations."""
     dropped: dict[str, dict[str, int]] = {}
     buffers: dict[str, dict[str, int]] = {}
     if buffer is not None:
@@ -146,15 +156,16 @@ async def run_summary(s: JobSnapshot, records: list[StepRecord], buffer: Any) ->
             log.warning(
                 "summary.buffer_stats_unavailable", error=str(e).splitlines()[0] if str(e) else repr(e)
             )
-    first: dict[str, float | None] = {}
-    for r in records:
-        first.setdefault(r.policy, r.reward_mean)
+    names = [p.name for p in s.policies]
     return RunSummary(
         state=s.state,
         message=s.message,
         steps={p.name: p.step for p in s.policies},
-        first_reward=first,
-        last_reward={p.name: p.last_reward for p in s.policies},
+        first_reward={n: ends.first_of(n, "reward_mean") for n in names},
+        last_reward={n: ends.last_of(n, "reward_mean") for n in names},
+        first_success={n: ends.first_of(n, "success_mean") for n in names},
+        last_success={n: ends.last_of(n, "success_mean") for n in names},
+        startup=dict(startup),
         wall_s=s.elapsed_s,
         episodes=s.episodes,
         failed=s.failed,

@@ -24,7 +24,7 @@ from polyrl_runtime.coordinator.checkpointing import Checkpointer
 from polyrl_runtime.coordinator.driver_base import JobControl, PolicyRun
 from polyrl_runtime.coordinator.evaluation import Evaluator
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
-from polyrl_runtime.coordinator.metrics import StepRecord
+from polyrl_runtime.coordinator.metrics import StepRecord, Totals
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.weights import VersionRegistry
@@ -84,10 +84,10 @@ class PolicyTrainer:
         self.stall_timeout_s, self.group_size = stall_timeout_s, group_size
         self.E = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps
+        self._totals = Totals()  # at the previous step record (or the loop's start)
 
-    async def setup(self, ref: CheckpointRef | None, transport: str) -> None:
-        """Rendezvous the ranks, load the checkpoint if it has this policy, connect the weight sync
-        and publish the starting weights."""
+    async def setup(self, ref: CheckpointRef | None) -> None:
+        """Rendezvous the ranks and build their models; load the checkpoint if it has this policy."""
         run = self.run
         addr, port = await run.ranks[0].address.remote()
         await asyncio.gather(*(r.setup.remote(addr, port) for r in run.ranks))
@@ -97,6 +97,10 @@ class PolicyTrainer:
             run.step = int(ref.state["policies"][run.name]["step"])
         elif ref is not None:  # a policy added to the job since the checkpoint starts from its model
             log.info("policy.not_in_checkpoint", policy=run.name, checkpoint=ref.location)
+
+    async def connect(self, transport: str) -> None:
+        """Connect the weight sync to the policy's engines and publish the starting weights."""
+        run = self.run
         engines = {n: s.handle for n, s in self.fleet.engines[run.name].items()}
         kwargs = {"num_receivers": len(engines)} if transport == "collective" else {}
         bucket = self.spec.weight_sync.bucket_mb << 20
@@ -106,8 +110,14 @@ class PolicyTrainer:
         )
         await self.sync_weights(run.step)
 
+    def _read_totals(self, stats: PolicyStats) -> Totals:
+        return Totals(dict(stats.dropped), sum(self.producer.failures.values()))
+
     async def loop(self) -> None:
         run, stop = self.run, self.control.stop
+        # Per-step counters count from here: a resumed job's restored totals are not its first step's.
+        start: dict[str, PolicyStats] = await self.buffer.stats.remote()
+        self._totals = self._read_totals(start[run.name])
         while run.step < self.total and not stop.is_set():
             n = await self._wait_for_step()
             if not n:
@@ -143,9 +153,16 @@ class PolicyTrainer:
         return replace(rec, eval_reward_mean=res.reward_mean, eval_pass_at_k=res.pass_at_k)
 
     async def _wait_for_step(self) -> int:
-        """Samples for one step (0 when stopping): a full step, or whatever is buffered when no more
-        can come (credit exhausted, nothing in flight: episodes with fewer turns than usual)."""
+        """Samples for one step (0 when stopping).
+
+        Sync: every sample of the version's episodes, once they are all in (its credit used up, no
+        episode under way). Its episodes number episodesPerStep, or up to a group more when failed
+        ones were replaced (experience/buffer.py); their samples, however many turns each had: a
+        step of a fixed sample count left the rest of a version's samples to be dropped as stale.
+        Async: a full step, or whatever is buffered when no more can come (credit exhausted,
+        nothing in flight: episodes with fewer turns than usual)."""
         run = self.run
+        sync = self.spec.effective_max_staleness == 0
         stalled_since: float | None = None
         while not self.control.stop.is_set():
             # Read once: the first report sets it while we wait, and a step's size must not change
@@ -155,14 +172,21 @@ class PolicyTrainer:
             # A long poll: the buffer answers as soon as the step is complete. Polling every 10 ms
             # (two Ray calls per policy each time) cost the driver and the buffer about 0.1 CPU-s
             # per optimizer step of the async benchmark, on 2 cores a visible share.
-            stats: dict[str, PolicyStats] = await self.buffer.stats.remote((run.name, need), 0.05)
+            stats: dict[str, PolicyStats] = await self.buffer.stats.remote(
+                (run.name, need), 0.05, whole_version=sync
+            )
             st = run.stats = stats[run.name]
             in_flight = self.producer.in_flight
             # The train data ran out: whatever is buffered is the last step; nothing buffered, none.
             data_done = self.producer.data_finished and in_flight == 0
             if data_done and not st.buffered and not st.leased:
                 return 0
-            if per_episode is not None:
+            if sync:
+                # `pending` and `credit` come from one reading under the buffer's lock: an episode
+                # granted a ticket is counted from that moment, before the producer hears of it.
+                if st.buffered and not st.pending and (st.credit <= 0 or data_done):
+                    return int(st.buffered)
+            elif per_episode is not None:
                 if st.buffered >= need:
                     return need
                 # Credit for less than a group is not granted (episodes start in whole groups).
@@ -170,7 +194,8 @@ class PolicyTrainer:
                     return int(st.buffered)
             # No credit, nothing buffered, leased or on its way: nothing can ever change (credit only
             # grows when this policy trains). A bug, but the job must fail clearly, never hang.
-            if st.credit >= self.group_size or st.buffered or st.leased or in_flight:
+            has_credit = st.credit > 0 if sync else st.credit >= self.group_size
+            if has_credit or st.buffered or st.leased or st.pending or in_flight:
                 stalled_since = None
             elif stalled_since is None:
                 stalled_since = time.monotonic()
@@ -227,6 +252,8 @@ class PolicyTrainer:
         run.stats = stats[run.name]
         samples = sum(r.samples for r in results)
         run.staleness = (run.stats.staleness_mean, run.stats.staleness_max)
+        totals = self._read_totals(run.stats)
+        step, self._totals = totals.since(self._totals), totals
         return StepRecord(
             policy=run.name,
             step=version,
@@ -249,8 +276,10 @@ class PolicyTrainer:
             sync_s=sync_s,
             elapsed_s=self.control.elapsed(),
             samples_per_s=samples / max(time.perf_counter() - t0, 1e-9),
-            dropped=dict(run.stats.dropped),
-            failed_episodes=sum(self.producer.failures.values()),
+            dropped=step.dropped,
+            dropped_total=totals.dropped,
+            failed_episodes=step.failed_episodes,
+            failed_episodes_total=totals.failed_episodes,
         )
 
     async def sync_weights(self, version: int) -> None:

@@ -112,11 +112,17 @@ class ExperienceService:
         """Each policy's trainer version: what a workflow stamps on the tokens it generates next."""
         return self.buffer.versions()
 
-    def stats(self, wait_for: tuple[str, int] | None = None, timeout: float = 0.0) -> dict[str, PolicyStats]:
+    def stats(
+        self, wait_for: tuple[str, int] | None = None, timeout: float = 0.0, *, whole_version: bool = False
+    ) -> dict[str, PolicyStats]:
         """Every policy's stats; with `wait_for` (policy, n), first wait up to `timeout` for n samples
-        of that policy to be buffered (one long poll instead of many short ones)."""
+        of that policy to be buffered, or with `whole_version` (sync mode) for every episode of its
+        current version to be in (one long poll instead of many short ones)."""
         if wait_for is not None:
-            self.buffer.wait_buffered(*wait_for, timeout)
+            if whole_version:
+                self.buffer.wait_version_in(wait_for[0], timeout)
+            else:
+                self.buffer.wait_buffered(*wait_for, timeout)
         return {p: self.buffer.stats(p) for p in self.buffer.policies}
 
     def snapshot(self) -> BufferSnapshot:

@@ -8,12 +8,16 @@ a batch back (`nack`) has its samples redelivered first. `advance` records a tra
 Accounting, per policy, at every moment:  produced == buffered + leased + consumed + sum(dropped).
 A sample leaves only by an ack (consumed) or a drop with a counted `DropReason`.
 
-Back-pressure, per policy p (AReaL's staleness control): the episodes admitted for p that have not been
-dropped never exceed (version_p + max_staleness + 1) * episodes_per_version, so in async mode producers
-run at most `max_staleness` versions ahead, and in sync mode (max_staleness=0) exactly one step's worth
-is generated per version; nor, for a policy with a `final_version`, final_version * episodes_per_version
-(no episode is started that no step will train on). A job-wide bound on resident episodes (tickets out + episodes with samples
-not yet consumed or dropped) keeps memory bounded whatever the producer/consumer speed ratio.
+Back-pressure, per policy p (AReaL's staleness control): in async mode the episodes admitted for p
+that have not been dropped never exceed (version_p + max_staleness + 1) * episodes_per_version, so
+producers run at most `max_staleness` versions ahead; nor, for a policy with a `final_version`,
+final_version * episodes_per_version (no episode is started that no step will train on). In sync mode
+(max_staleness=0) each version admits episodes_per_version episodes on top of those of the earlier
+versions, and the credit a failed episode gives back is granted again as a whole group, even past the
+version's count: a sync step gets its full count of finished episodes, at most a group minus one more,
+and nothing is started that a later version would drop as stale. A job-wide bound on resident episodes
+(tickets out + episodes with samples not yet consumed or dropped) keeps memory bounded whatever the
+producer/consumer speed ratio.
 
 The types are in state.py, the bookkeeping under the lock (drops, settling, requeues) in core.py,
 snapshots for checkpoints in snapshots.py; this module is the protocol producers and consumers use.
@@ -74,20 +78,29 @@ class ExperienceBuffer(BufferCore):
         return len(self._tickets) + self._live_episodes
 
     def _can_admit(self, policies: frozenset[str], episodes: int = 1) -> bool:
-        return self._admissible(policies) >= episodes
+        return self._admissible(policies, episodes) >= episodes
 
-    def _admissible(self, policies: frozenset[str]) -> int:
-        """How many episodes playing `policies` could be started now. Each ticket issued lowers this
-        by exactly one (one more resident episode, one less credit in every policy it names)."""
+    def _admissible(self, policies: frozenset[str], group: int = 1) -> int:
+        """How many episodes playing `policies` could be started now, in groups of `group`. Each
+        ticket issued lowers this by exactly one (one more resident episode, one less credit in every
+        policy it names), but for the rounding up of a sync policy's credit."""
         if self._cancelled:
             return 0
         # A finished policy takes no credit: its samples will be dropped (and counted) on arrival. An
         # episode only finished policies would play is not started at all: no step could train on it
         # (the producer ran on between the last step and the job's end: 16-20 episodes, all dropped).
-        credits = [self._p[n].credit() for n in policies if not self._p[n].finished]
+        credits = [self._credit(self._p[n], group) for n in policies if not self._p[n].finished]
         if not credits:
             return 0
         return max(0, min(self.capacity_episodes - self.resident_episodes, *credits))
+
+    @staticmethod
+    def _credit(p: PolicyState, group: int) -> int:
+        """A sync policy's credit rounded up to whole groups: the credit failed episodes gave back
+        (one each) is granted as a group that replaces them; granted only as what is left of the
+        version's count, it was too little for a group, and the step trained short."""
+        c = p.credit()
+        return -(-c // group) * group if p.cfg.max_staleness == 0 and c > 0 else c
 
     def acquire(self, policies: Iterable[str], timeout: float | None = 0.0) -> Ticket | None:
         """Credit for one episode from each policy named (all or none); None if none came in time."""
@@ -116,7 +129,7 @@ class ExperienceBuffer(BufferCore):
         with self._cond:
             if n < group or not self.wait(lambda: self._can_admit(names, group), timeout):
                 return out
-            k = min(n, self._admissible(names)) // group * group
+            k = min(n, self._admissible(names, group)) // group * group
             for name in names:
                 self._p[name].admitted += k
             first = self._next_id
@@ -266,7 +279,7 @@ class ExperienceBuffer(BufferCore):
         with self._cond:
             if version < p.version:
                 raise ValueError(f"{policy}: version {version} < current {p.version}")
-            p.version = version
+            newer, p.version = version > p.version, version
             before = p.buffered
             keep: deque[Segment] = deque()
             for c, i, j in p.queue:
@@ -276,6 +289,8 @@ class ExperienceBuffer(BufferCore):
                     keep += self._drop_stale(p, c, i, j)
             p.queue = keep
             p.buffered = sum(j - i for _, i, j in keep)
+            if newer and p.cfg.max_staleness == 0:  # after the drops: their credit went back
+                p.base = p.admitted - self._pairs_ahead(policy)
             self._cond.notify_all()
             return before - p.buffered
 
@@ -327,13 +342,30 @@ class ExperienceBuffer(BufferCore):
     def stats(self, policy: str) -> PolicyStats:
         p = self._policy(policy)
         with self._cond:
-            return p.stats(sum(ls.n for ls in self._leases.values() if ls.policy == policy))
+            return p.stats(
+                sum(ls.n for ls in self._leases.values() if ls.policy == policy),
+                sum(1 for t in self._tickets.values() if policy in t.policies),
+            )
 
     def wait_buffered(self, policy: str, n: int, timeout: float | None) -> bool:
         """Wait (up to `timeout`) until `policy` has at least `n` samples buffered."""
         p = self._policy(policy)
         with self._cond:
             return self.wait(lambda: p.buffered >= n or self._cancelled, timeout)
+
+    def wait_version_in(self, policy: str, timeout: float | None) -> bool:
+        """Sync mode: wait (up to `timeout`) until every episode of `policy`'s current version is in:
+        samples buffered, its credit used up, no ticket naming it out."""
+        p = self._policy(policy)
+
+        def ready() -> bool:
+            if self._cancelled:
+                return True
+            out = any(policy in t.policies for t in self._tickets.values())
+            return p.buffered > 0 and p.credit() <= 0 and not out
+
+        with self._cond:
+            return self.wait(ready, timeout)
 
     def snapshot(self) -> BufferSnapshot:
         """State for a checkpoint (snapshots.py): leased samples count as unconsumed."""
@@ -366,9 +398,14 @@ class ExperienceBuffer(BufferCore):
             buf._p[name].buffered = len(chunk)
         buf._live_episodes = int(np.count_nonzero(episodes))
         buf._cancelled = snap.cancelled
+        before = {c.name: c.max_staleness for c in snap.configs}
+        for c in configs:
+            # A checkpoint without the sync version's base, or one from an async run: what is
+            # buffered is all the current version's once the stale samples are dropped (below).
+            if "base" not in snap.policies.get(c.name, {}) or before.get(c.name) != c.max_staleness:
+                buf._p[c.name].base = buf._p[c.name].admitted - buf._pairs_ahead(c.name)
         for c in gone:
             buf.finish(c.name)
-        before = {c.name: c.max_staleness for c in snap.configs}
         for c in configs:  # a changed maxStaleness applies to what is buffered at once
             if c.name in before and c.max_staleness != before[c.name]:
                 buf.advance(c.name, buf._p[c.name].version)

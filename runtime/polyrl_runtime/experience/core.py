@@ -99,6 +99,17 @@ class BufferCore:
         self._p[c.policy].admitted -= credit_back  # pairs that ended with nothing trained on
         self._live_episodes -= ended
 
+    def _pairs_ahead(self, name: str) -> int:
+        """The policy's (episode, policy) pairs that, in sync mode, count against its current
+        version: those with a sample buffered (once a new version has dropped the stale ones, the
+        rest are of that version) and tickets out naming it (their episodes, of an older version,
+        will be dropped on arrival and give their credit back). Leased samples are not: their
+        trainer acknowledges them for the version they were leased at."""
+        pairs: set[tuple[int, int]] = set()
+        for c, i, j in self._p[name].queue:
+            pairs.update((id(c), k) for k in np.unique(c.row_pair[i:j]).tolist())
+        return len(pairs) + sum(1 for t in self._tickets.values() if name in t.policies)
+
     def wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
         if timeout is None:
             self._cond.wait_for(ready)

@@ -50,6 +50,7 @@ def take_snapshot(
             "staleness_sum": p.staleness_sum,
             "staleness_max": p.staleness_max,
             "finished": p.finished,
+            "base": p.base,
         }
         for name, p in policies.items()
     }

@@ -67,6 +67,7 @@ class PolicyStats:
     staleness_mean: float
     staleness_max: int
     finished: bool
+    pending: int = 0  # tickets naming the policy not yet put or released (episodes under way)
 
 
 @dataclass
@@ -85,8 +86,18 @@ class PolicyState:
     finished: bool = False
     queue: deque[Segment] = field(default_factory=deque)  # row ranges of chunks, oldest first
     buffered: int = 0  # rows in `queue`
+    # Sync mode: the pairs of the earlier versions, taken when the policy reached its current
+    # version: `admitted` then, less the pairs that count against the new version (samples still
+    # buffered, tickets still out: BufferCore._pairs_ahead). Unused in async mode.
+    base: int = 0
 
     def limit(self) -> int:
+        if self.cfg.max_staleness == 0:
+            # Sync: `episodes_per_version` on top of the earlier versions' episodes, however many
+            # those were (a version may end up to a group over: failed episodes are replaced by whole
+            # groups), so one version's replacements never shorten the next.
+            done = self.cfg.final_version is not None and self.version >= self.cfg.final_version
+            return self.base + (0 if done else self.cfg.episodes_per_version)
         versions = self.version + self.cfg.max_staleness + 1
         if self.cfg.final_version is not None:
             versions = min(versions, self.cfg.final_version)
@@ -95,8 +106,9 @@ class PolicyState:
     def credit(self) -> int:
         return self.limit() - self.admitted
 
-    def stats(self, leased: int) -> PolicyStats:
-        """The counters as `PolicyStats`; `leased`: this policy's rows out on leases."""
+    def stats(self, leased: int, pending: int) -> PolicyStats:
+        """The counters as `PolicyStats`; `leased`: this policy's rows out on leases, `pending`: the
+        tickets naming it not yet put or released."""
         return PolicyStats(
             policy=self.cfg.name,
             version=self.version,
@@ -111,6 +123,7 @@ class PolicyState:
             staleness_mean=self.staleness_sum / self.consumed if self.consumed else 0.0,
             staleness_max=self.staleness_max,
             finished=self.finished,
+            pending=pending,
         )
 
 

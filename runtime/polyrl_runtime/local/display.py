@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.live import Live
@@ -13,19 +14,30 @@ from rich.table import Table
 from polyrl_runtime.coordinator.metrics import StepRecord
 
 
+def use_colour(live: bool | None, environ: Mapping[str, str], stream: TextIO) -> bool:
+    """Whether `polyrl run` colours its output: never under --plain (`live` False), when the output
+    is not a terminal (a file, a pipe) or when NO_COLOR is set to anything but the empty string."""
+    return live is not False and stream.isatty() and not environ.get("NO_COLOR")
+
+
 def _fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
 class ProgressDisplay:
     def __init__(
-        self, policies: list[str], total: int, *, live: bool | None = None, quiet: bool = False
+        self,
+        policies: list[str],
+        total: int,
+        *,
+        live: bool | None = None,
+        quiet: bool = False,
+        colour: bool = True,
     ) -> None:
         self.policies, self.total, self.quiet = policies, total, quiet
-        self.console = Console(stderr=False)
+        self.console = Console(stderr=False, no_color=not colour)
         self.live_mode = self.console.is_terminal if live is None else live
         self.latest: dict[str, StepRecord] = {}
-        self.first: dict[str, StepRecord] = {}
         self._live: Live | None = None
         self._last_line = 0.0
         self._printed: dict[str, int] = {}
@@ -52,7 +64,6 @@ class ProgressDisplay:
             write(text)
 
     def record(self, rec: StepRecord) -> None:
-        self.first.setdefault(rec.policy, rec)
         self.latest[rec.policy] = rec
         if self.quiet:
             return
@@ -88,7 +99,7 @@ class ProgressDisplay:
                 _fmt(r.success_mean if r else None, 2),
                 f"{r.staleness_mean:.2f}/{r.staleness_max}" if r else "-",
                 f"{r.samples_per_s:.0f}" if r else "-",
-                str(sum(r.dropped.values())) if r else "-",
+                str(sum(r.dropped_total.values())) if r else "-",
             )
         return t
 

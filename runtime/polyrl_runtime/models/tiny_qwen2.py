@@ -2,8 +2,9 @@
 
 `create_tiny_qwen2(DIR)` writes an ordinary Hugging Face model directory — `config.json`,
 `generation_config.json`, `model.safetensors`, and a byte-level BPE tokenizer trained here on a small
-fixed corpus, with a ChatML chat template — which then loads through `AutoModelForCausalLM` /
-`AutoTokenizer` exactly like a downloaded checkpoint. Nothing downstream special-cases it.
+fixed corpus, with a ChatML chat template that renders `tools` as Qwen2.5's does — which then loads
+through `AutoModelForCausalLM` / `AutoTokenizer` exactly like a downloaded checkpoint. Nothing
+downstream special-cases it.
 
 The build is deterministic (fixed corpus, fixed seed), so every process that materialises
 `builtin://tiny-qwen2` gets the same weights and the same token ids. Word embeddings are tied to the
@@ -30,14 +31,30 @@ from polyrl_runtime.waiting import lock_deadline_s, locked
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
 SPECIALS = (PAD, "<|im_start|>", EOS)
+# ChatML; with `tools`, first a system block laid out as Qwen2.5's own template does it: a leading
+# system message, then the JSON schema of each tool, one a line, inside <tools></tools>, and the
+# Hermes tool-call format the parser reads (workflows/tools.py). Qwen2.5's instructions are
+# shortened: this tokenizer spends about one token per character of JSON (the calculator's schema
+# is ~270 tokens) and Qwen's full text alone would be ~350 more. HF renders templates with trim_blocks,
+# so the newlines that follow a block tag are written as {{ '\n' }}. Without tools, the rendering (and
+# so every token count) is plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{% set merged = tools and messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if merged %}{{ messages[0]['content'] }}{{ '\\n\\n' }}{% endif %}"
+    "# Tools{{ '\\n\\n' }}<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>{{ '\\n\\n' }}For each function call, return "
+    "<tool_call>{{ '\\n' }}{\"name\": <function-name>, \"arguments\": <args-json-object>}{{ '\\n' }}</tool_call>"
+    "<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% for message in messages %}{% if not (merged and loop.first) %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Bumped whenever the build changes, so a cached directory from another build is never reused.
-BUILD = 1
+# Bumped whenever the build changes (weights, tokenizer, chat template), so a cached directory from
+# another build is never reused: `materialise` keys the cache by it.
+BUILD = 2
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,9 @@ class TinyQwen2Size:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     vocab_size: int = 320
-    max_position_embeddings: int = 512
+    # Room for a tool schema in the prompt (about 300 tokens each with this tokenizer). The weights do
+    # not depend on it (rotary positions have no parameters).
+    max_position_embeddings: int = 2048
 
 
 SIZES = {"tiny-qwen2": TinyQwen2Size()}
@@ -113,13 +132,16 @@ def _tokenizer() -> Any:
     )
 
 
-def create_tiny_qwen2(directory: Path | str, *, name: str = "tiny-qwen2", seed: int = 0) -> Path:
-    """Write the model directory `directory` (created; its parent must exist or be creatable)."""
+def create_tiny_qwen2(
+    directory: Path | str, *, name: str = "tiny-qwen2", seed: int = 0, size: TinyQwen2Size | None = None
+) -> Path:
+    """Write the model directory `directory` (created; its parent must exist or be creatable): the
+    built-in `name`, or with `size` a model of that shape (same tokenizer and template)."""
     transformers: Any = importlib.import_module("transformers")
 
-    if name not in SIZES:
+    if size is None and name not in SIZES:
         raise ValueError(f"unknown built-in Hugging Face model builtin://{name}; known: {sorted(SIZES)}")
-    size = SIZES[name]
+    size = size or SIZES[name]
     transformers.utils.logging.disable_progress_bar()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

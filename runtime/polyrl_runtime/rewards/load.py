@@ -1,5 +1,6 @@
 """Finding a reward function by name (a built-in) or import path `module:attr`, and calling it so
-that a function that raises is reported naming the function and the episode."""
+that a function that raises is reported naming the function and the episode. `import_object` is the
+one resolver of `module:attr` strings (rewards, workflow entrypoints, the start-up checks)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,29 @@ class RewardError(RuntimeError):
     """A reward function could not be loaded, raised, or returned something that is not a number."""
 
 
+class ImportPathError(ImportError):
+    """A `module:attr` string does not name an object that imports; the message says which part
+    failed and the underlying error."""
+
+
+def import_object(path: str) -> Any:
+    """The object `module:attr` names (`attr` may be dotted: `Class.method`). Whatever importing the
+    module raises (a missing package, a syntax error in it, an error at its top level) becomes an
+    ImportPathError carrying the error's type and text."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ImportPathError(f"{path!r} is not of the form 'module:attr'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:
+        raise ImportPathError(f"cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImportPathError(f"module {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
 @cache
 def load_reward(name: str) -> RewardFn:
     """A built-in (`exact_match`, `numeric`, `math`) or `module:attr` (any callable taking the
@@ -29,10 +53,8 @@ def load_reward(name: str) -> RewardFn:
             f"reward function {name!r}: neither a built-in ({', '.join(sorted(BUILTINS))}) nor 'module:attr'"
         )
     try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
+        obj = import_object(name)
+    except ImportPathError as e:
         raise RewardError(f"reward function {name!r}: cannot import it: {e}") from e
     if not callable(obj):
         raise RewardError(f"reward function {name!r}: {type(obj).__name__} is not callable")

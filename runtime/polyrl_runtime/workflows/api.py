@@ -22,7 +22,6 @@ draw the task: every member of the group then plays the same task.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,11 +38,16 @@ from polyrl_runtime.workflows.tools import parse_tool_calls
 
 if TYPE_CHECKING:
     from polyrl_runtime.workflows.openai_client import OpenAIClient
-from polyrl_runtime.rewards.load import RewardError, score
+from polyrl_runtime.rewards.load import ImportPathError, RewardError, import_object, score
 
 
 class WorkflowImportError(ImportError):
-    """The entrypoint cannot be imported or is not a workflow class."""
+    """The entrypoint cannot be imported or is not a workflow class (`field` "entrypoint"), or it
+    cannot be created with the job's args (`field` "args"); `reason` says why."""
+
+    def __init__(self, entrypoint: str, reason: str, *, field: str = "entrypoint") -> None:
+        super().__init__(f"workflow entrypoint {entrypoint!r}: {reason}")
+        self.entrypoint, self.reason, self.field = entrypoint, reason, field
 
 
 class Workflow:
@@ -84,34 +88,33 @@ class Outcome:
         return out
 
 
-def load_workflow(entrypoint: str, args: Mapping[str, Any] | None) -> tuple[Any, dict[str, str]]:
-    """Import `module:attr`, instantiate it with `args` (minus `policies`); return it and the
-    agent -> policy mapping. Errors say which part failed."""
-    module_name, _, attr = entrypoint.partition(":")
-    if not module_name or not attr:
-        raise WorkflowImportError(f"workflow entrypoint {entrypoint!r} is not of the form 'module:attr'")
+def import_workflow(entrypoint: str) -> Any:
+    """The class (or factory) `module:attr` names; a WorkflowImportError says which part failed."""
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise WorkflowImportError(
-            f"workflow entrypoint {entrypoint!r}: cannot import module {module_name!r}: {e}"
-        ) from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise WorkflowImportError(f"workflow entrypoint {entrypoint!r}: {module_name} has no {attr!r}")
-        obj = getattr(obj, part)
+        return import_object(entrypoint)
+    except ImportPathError as e:
+        raise WorkflowImportError(entrypoint, str(e)) from e
+
+
+def create_workflow(entrypoint: str, cls: Any, args: Mapping[str, Any] | None) -> tuple[Any, dict[str, str]]:
+    """`cls` instantiated with `args` (minus `policies`), and the agent -> policy mapping. Whatever
+    the constructor raises (unknown args, a check of its own) becomes a WorkflowImportError."""
     kwargs = dict(args or {})
     mapping = {str(k): str(v) for k, v in (kwargs.pop("policies", None) or {}).items()}
     try:
-        instance = obj(**kwargs)
+        instance = cls(**kwargs)
     except Exception as e:
-        raise WorkflowImportError(
-            f"workflow entrypoint {entrypoint!r}: cannot create it with args {kwargs}: {e}"
-        ) from e
+        reason = f"cannot create it with args {kwargs}: {type(e).__name__}: {e}"
+        raise WorkflowImportError(entrypoint, reason, field="args") from e
     if not callable(getattr(instance, "run_episode", None)):
-        raise WorkflowImportError(f"workflow entrypoint {entrypoint!r}: has no run_episode method")
+        raise WorkflowImportError(entrypoint, "has no run_episode method")
     return instance, mapping
+
+
+def load_workflow(entrypoint: str, args: Mapping[str, Any] | None) -> tuple[Any, dict[str, str]]:
+    """Import `module:attr`, instantiate it with `args` (minus `policies`); return it and the
+    agent -> policy mapping. Errors say which part failed."""
+    return create_workflow(entrypoint, import_workflow(entrypoint), args)
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,8 @@ class Agent:
         else:
             self.ctx.turns[conv.turn_index] = turn
         raw = self._text(gen, False)
-        parsed = parse_tool_calls(raw, id_prefix=f"call_{self.name}_{len(conv.versions)}") if tools else None
+        prefix = f"call_{self.name}_{len(conv.versions)}"
+        parsed = parse_tool_calls(raw, id_prefix=prefix, tools=tool_list) if tool_list else None
         reply = ChatReply.of(raw, gen.token_ids.tolist(), gen.finish_reason, parsed)
         conv.messages = [*msgs, reply.message]
         self.ctx.conversations[self.name] = conv

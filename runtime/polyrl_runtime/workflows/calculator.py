@@ -6,11 +6,14 @@
     assistant:  7                        <- turn 2: the answer (sampled, trained)
 
 The whole exchange is ONE training sequence (workflows/chat.py): the two replies are trained, the
-question, the tool's result and the template's tokens are context. The calculator is offered to the
-chat template as a tool schema; a reply in the Hermes format (`<tool_call>{...}</tool_call>`) is
-parsed as a call. A model too small to have learnt that format (`builtin://tiny-qwen2`, random
-weights) is constrained to the digits and operators its expressions and their values use (`compact: true`, the default) and its first reply
-is the calculator's expression itself; a malformed call gets the tool's error as its result.
+question, the tool's result and the template's tokens are context. With `compact: false` the
+calculator is offered to the chat template as a tool schema, and a first reply in the Hermes format
+(`<tool_call>{...}</tool_call>`) is parsed as a call (a malformed one gets the tool's error as its
+result). A model too small to have learnt that format (`builtin://tiny-qwen2`, random weights) plays
+`compact: true`, the default: it is constrained to the digits and operators its expressions and their
+values use, its first reply is the calculator's expression itself, and it is shown no schema (the
+schema alone would take most of the tiny model's 512 positions, and a constrained reply cannot
+follow it anyway).
 
 Rewards: 1 for the right final answer (a reply of just that number, ended by the model), as the
 episode reward, `answer_credit` (0.5) for the right number not ended there; and a per-turn reward `call_reward` (0.5 by default) for a calculator call whose
@@ -24,14 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, Workflow
-from polyrl_runtime.workflows.tools import (
-    CALCULATOR,
-    ToolCall,
-    ToolResult,
-    calculate,
-    parse_tool_calls,
-    run_calculator,
-)
+from polyrl_runtime.workflows.chat import ChatReply
+from polyrl_runtime.workflows.tools import CALCULATOR, ToolCall, ToolResult, calculate, run_calculator
 
 DIGITS = "0123456789"
 
@@ -73,14 +70,15 @@ class Calculator(Workflow):
         self.answer_credit = answer_credit
         self.alphabet = alphabet(max_operand, operators)
 
-    def _call(self, text: str, call_id: str) -> ToolCall | ToolResult:
+    def _call(self, reply: ChatReply, call_id: str) -> ToolCall | ToolResult:
         """The calculator call in a first reply, or the error the tool answers a malformed one with."""
         if self.compact:
-            return ToolCall(call_id, "calculator", {"expression": text})
-        parsed = parse_tool_calls(text, id_prefix=call_id)
-        if parsed.error is not None or len(parsed.tool_calls) != 1:
-            return ToolResult(call_id, f"error: {parsed.error or 'expected one calculator call'}", ok=False)
-        return parsed.tool_calls[0]
+            return ToolCall(call_id, "calculator", {"expression": reply.raw_text})
+        if reply.tool_error is not None or len(reply.tool_calls) != 1:
+            answered = reply.written_calls[0].id if reply.written_calls else call_id
+            error = reply.tool_error or "expected one calculator call"
+            return ToolResult(answered, f"error: {error}", ok=False)
+        return reply.tool_calls[0]
 
     async def run_episode(self, ctx: EpisodeContext) -> Outcome:
         a, b = ctx.rng.randint(0, self.max_operand), ctx.rng.randint(0, self.max_operand)
@@ -94,12 +92,13 @@ class Calculator(Workflow):
             allowed = [tok.token_id(c) for c in sorted(self.alphabet)]
             allowed += tok.stop_ids[:1]
         sampling: dict[str, Any] = {"max_new_tokens": self.reply_tokens, "allowed": allowed}
+        tools = None if self.compact else [CALCULATOR]
         history: list[dict[str, Any]] = [{"role": "user", "content": f"compute {expression}"}]
-        first = await agent.chat(history, tools=[CALCULATOR], **sampling)
-        call = self._call(first.raw_text, f"call_{ctx.index}")
+        first = await agent.chat(history, tools=tools, **sampling)
+        call = self._call(first, f"call_{ctx.index}")
         result = run_calculator(call) if isinstance(call, ToolCall) else call
         history += [first.message, result.message()]
-        answer = await agent.chat(history, tools=[CALCULATOR], **sampling)
+        answer = await agent.chat(history, tools=tools, **sampling)
         right = answer.finish_reason == "stop" and answer.text.strip() == target
         # partial credit: the right number, but the model went on instead of ending its turn
         started = not right and answer.text.strip().startswith(target)

@@ -31,7 +31,7 @@ import numpy as np
 from polyrl_runtime.engines.api import Generation
 from polyrl_runtime.experience.types import CONTEXT, Turn
 from polyrl_runtime.models import Tokenizer
-from polyrl_runtime.workflows.tools import ParsedReply, ToolCall
+from polyrl_runtime.workflows.tools import ParsedReply, ReplyKind, ToolCall, WrittenCall, reply_kind
 
 
 class TemplatePrefixError(ValueError):
@@ -131,6 +131,8 @@ class ChatReply:
 
     `text`: the reply without tool-call blocks (the whole reply when none were asked for, or when
     they did not parse: then `tool_error` says why); `tool_calls`: the parsed calls (with tools only);
+    `written_calls`: every block as the model wrote it, malformed ones too (what the OpenAI client
+    returns as `tool_calls`); `content`: the reply without its blocks, also when they did not parse;
     `token_ids`: the ids sampled in this call; `finish_reason`: "stop" or "length"."""
 
     text: str
@@ -139,17 +141,31 @@ class ChatReply:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_error: str | None = None
     raw_text: str = ""
+    written_calls: tuple[WrittenCall, ...] = ()
+    content: str | None = None  # None: `text`
 
     @classmethod
     def of(cls, raw: str, ids: list[int], finish: str, parsed: ParsedReply | None) -> ChatReply:
         if parsed is None:
             return cls(raw, ids, finish, raw_text=raw)
-        return cls(parsed.content, ids, finish, parsed.tool_calls, parsed.error, raw)
+        return cls(
+            parsed.content, ids, finish, parsed.tool_calls, parsed.error, raw, parsed.written, parsed.outside
+        )
+
+    @property
+    def kind(self) -> ReplyKind:
+        """How the reply reads (workflows/tools.py): plain text, tool calls, or a malformed call."""
+        return reply_kind(self.tool_calls, self.tool_error)
 
     @property
     def message(self) -> dict[str, Any]:
-        """The reply as an assistant message to append to the history for the next call."""
-        m: dict[str, Any] = {"role": "assistant", "content": self.text}
-        if self.tool_calls:
-            m["tool_calls"] = [c.as_openai() for c in self.tool_calls]
+        """The reply as an assistant message to append to the history for the next call, in OpenAI's
+        form: the text outside the tool-call blocks and every block as written (a malformed one too,
+        so the history shows the call the model made and the tool's answer to it can follow)."""
+        m: dict[str, Any] = {
+            "role": "assistant",
+            "content": self.text if self.content is None else self.content,
+        }
+        if self.written_calls:
+            m["tool_calls"] = [c.as_openai() for c in self.written_calls]
         return m

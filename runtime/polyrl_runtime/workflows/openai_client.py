@@ -11,6 +11,15 @@ reply and new messages continues one conversation, trained as one sequence. The 
 `openai` SDK's own types (`ChatCompletion`, tool calls as `ChatCompletionMessageToolCall`), as
 AReaL's `ArealOpenAI` does. Arguments a rollout cannot honour (`n` > 1, `stream`, ...) raise
 `UnsupportedArgumentError` naming the argument instead of being silently ignored.
+
+Tool calls are read by the one parser `agent.chat` uses (workflows/tools.py), so both classify a
+reply alike. A malformed call is never returned as plain text: like the OpenAI API, which returns a
+call's `arguments` as the model generated them and never parses them, the message lists every block
+the model wrote as a tool call, with its `arguments` as the model wrote them (`json.loads` fails on
+them when they are not JSON) and `finish_reason` "tool_calls". What is wrong is in the message's
+extra field `tool_error` (and each malformed call's `error`), read with `tool_error(message)`.
+The message is `reply.message` of `agent.chat`, so the next call's history continues the
+conversation either way.
 """
 
 from __future__ import annotations
@@ -38,17 +47,28 @@ class UnsupportedArgumentError(ValueError):
 _IGNORED = frozenset({"model", "user", "metadata", "store", "parallel_tool_calls", "tool_choice"})
 
 
+def tool_error(message: ChatCompletionMessage) -> str | None:
+    """Why the tool calls of a completion's message are malformed (None: they are well-formed, or
+    there are none). The SDK's message has no such field: it is an extra one of this client."""
+    error = (message.model_extra or {}).get("tool_error")
+    return None if error is None else str(error)
+
+
 def completion_of(reply: ChatReply, *, model: str, prompt_tokens: int, created: int) -> ChatCompletion:
-    """The OpenAI `ChatCompletion` for one chat reply."""
+    """The OpenAI `ChatCompletion` for one chat reply: the content and tool calls of `reply.message`."""
     calls = [
         ChatCompletionMessageToolCall(
             id=c.id,
             type="function",
-            function=Function(name=c.name, arguments=c.as_openai()["function"]["arguments"]),
+            function=Function(name=c.name, arguments=c.arguments),
+            **({"error": c.error} if c.error is not None else {}),
         )
-        for c in reply.tool_calls
+        for c in reply.written_calls
     ]
-    message = ChatCompletionMessage(role="assistant", content=reply.text, tool_calls=calls or None)
+    extra = {"tool_error": reply.tool_error} if reply.tool_error is not None else {}
+    message = ChatCompletionMessage(
+        role="assistant", content=reply.message["content"], tool_calls=calls or None, **extra
+    )
     finish = "tool_calls" if calls else ("length" if reply.finish_reason == "length" else "stop")
     n = len(reply.token_ids)
     return ChatCompletion(

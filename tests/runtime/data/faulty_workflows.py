@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from polyrl_runtime.workflows.api import EpisodeContext
@@ -19,3 +20,14 @@ class SometimesFails(SignalGame):
         if ctx.index == 0:
             raise RuntimeError("flaky environment")
         return await super().run_episode(ctx)
+
+
+class FailsAFraction(SignalGame):
+    """Fails about a quarter of the episodes, at the end (after the agents' turns: work done and
+    lost), a different member of each group each time, some groups not at all and some twice."""
+
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        outcome = await super().run_episode(ctx)
+        if random.Random(ctx.seed * 7919 + ctx.index).random() < 0.25:
+            raise RuntimeError(f"flaky environment (episode {ctx.episode_id})")
+        return outcome

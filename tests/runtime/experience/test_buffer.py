@@ -311,7 +311,7 @@ def test_restore_under_the_jobs_current_policies() -> None:
     restored = ExperienceBuffer.restore(snap, [PolicyConfig("a", 3, 0), PolicyConfig("new", 4, 1)], 50)
     a, gone, new = restored.stats("a"), restored.stats("gone"), restored.stats("new")
     assert a.buffered == 1 and a.dropped[DropReason.STALE] == 1  # lag 2 > the new maxStaleness 0
-    assert a.credit == (2 + 0 + 1) * 3 - 1  # the new episodes per version; e1 still holds credit
+    assert a.credit == 3 - 1  # sync now: the version's new episodes per version, e1 one of them
     assert gone.finished and gone.buffered == 0 and gone.dropped[DropReason.POLICY_FINISHED] == 2
     assert new.buffered == 0 and new.credit == (0 + 1 + 1) * 4
     assert restored.capacity_episodes == 50

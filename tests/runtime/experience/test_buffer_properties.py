@@ -45,6 +45,9 @@ class Model:
     finished: set[str] = field(default_factory=set)
     cancelled: bool = False
     episodes: int = 0
+    # Sync: the pairs of earlier versions, as of the policy's latest version change.
+    base: dict[str, int] = field(default_factory=lambda: {p: 0 for p in POLICIES})
+    carried: dict[str, int] = field(default_factory=lambda: {p: 0 for p in POLICIES})  # tickets out then
 
     def live_pairs(self, policy: str) -> int:
         """(episode, policy) pairs that still hold credit: some sample live, or some consumed."""
@@ -53,6 +56,10 @@ class Model:
             for (_, p), ids in self.pairs.items()
             if p == policy and any(self.fate[i] in ("live", "consumed") for i in ids)
         )
+
+    def queued_pairs(self, policy: str) -> int:
+        """(episode, policy) pairs with a sample buffered (not leased)."""
+        return len({sid.split("/")[0] for sid in self.queue[policy]})
 
     def admitted(self, policy: str) -> int:
         return sum(1 for ps in self.tickets.values() if policy in ps) + self.live_pairs(policy)
@@ -77,8 +84,16 @@ class BufferMachine(RuleBasedStateMachine):
         self.issued: dict[int, Ticket] = {}
         self.saved: tuple[bytes, Model, list[PolicyConfig]] | None = None
 
+    def _sync_done(self, p: str) -> bool:
+        c = self.cfgs[POLICIES.index(p)]
+        return (
+            c.max_staleness == 0 and c.final_version is not None and self.model.version[p] >= c.final_version
+        )
+
     def _limit(self, p: str) -> int:
         c = self.cfgs[POLICIES.index(p)]
+        if c.max_staleness == 0:  # sync: one version's episodes on top of the earlier versions'
+            return self.model.base[p] + (0 if self._sync_done(p) else c.episodes_per_version)
         versions = self.model.version[p] + c.max_staleness + 1
         if c.final_version is not None:
             versions = min(versions, c.final_version)
@@ -264,6 +279,9 @@ class BufferMachine(RuleBasedStateMachine):
             else:
                 keep.append(sid)
         m.queue[policy] = keep
+        if step:  # what is admitted and not buffered (nor under way) belongs to earlier versions
+            m.base[policy] = m.live_pairs(policy) - m.queued_pairs(policy)
+            m.carried[policy] = sum(1 for ps in m.tickets.values() if policy in ps)
 
     @precondition(lambda self: len(self.model.finished) < 1)
     @rule(policy=st.sampled_from(POLICIES))
@@ -360,7 +378,10 @@ class BufferMachine(RuleBasedStateMachine):
         m = self.model
         for policy in POLICIES:
             if policy not in m.finished and not m.cancelled:
-                assert m.admitted(policy) <= self._limit(policy)
+                # A sync version counts the episodes under way at its start as its own; the final
+                # version has no room for them (no step trains on them: dropped when it finishes).
+                out = m.carried[policy] if self._sync_done(policy) else 0
+                assert m.admitted(policy) <= self._limit(policy) + out
                 assert self.buf.stats(policy).credit == self._limit(policy) - m.admitted(policy)
         assert m.resident() <= self.capacity
         assert self.buf.resident_episodes == m.resident()

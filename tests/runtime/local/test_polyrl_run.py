@@ -115,7 +115,7 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
 
 
 def test_tail_means_cover_the_last_steps_of_each_policy() -> None:
-    from polyrl_runtime.local.run import tail_means
+    from polyrl_runtime.local.results import tail_means
 
     rows = [{"policy": p, "reward_mean": float(i), "success_mean": None} for i in range(15) for p in "ab"]
     rows.append({"policy": "a", "reward_mean": None, "success_mean": 1.0})

@@ -33,7 +33,7 @@ def test_load_model_honours_the_dtype(tiny_qwen2_dir: Path, dtype: str, expected
     model: Any = load_model(f"file://{tiny_qwen2_dir}", dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {expected}
     assert model.config._attn_implementation == "sdpa"
-    assert context_limit(model) == 512
+    assert context_limit(model) == 2048
 
 
 def test_auto_dtype_is_bfloat16_for_gpu_placement(tiny_qwen2_dir: Path) -> None:

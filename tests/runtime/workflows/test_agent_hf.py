@@ -8,26 +8,17 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from polyrl_runtime.engines.api import PromptTooLongError
 from polyrl_testenv.inprocess import solver_context
+from polyrl_testenv.models import lively_qwen2
 
 
 @pytest.fixture(scope="module")
 def lively_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 with larger random weights, so greedy replies vary from token to token."""
-    out = tmp_path_factory.mktemp("agent-hf") / "m"
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.15, generator=gen)
-    model.save_pretrained(str(out))
-    transformers.AutoTokenizer.from_pretrained(str(tiny_qwen2_dir)).save_pretrained(str(out))
-    return out
+    return lively_qwen2(tiny_qwen2_dir, tmp_path_factory.mktemp("agent-hf") / "m", seed=5)
 
 
 def test_stop_strings_cut_the_text_and_keep_the_trained_tokens(lively_dir: Path) -> None:
@@ -79,8 +70,8 @@ def test_a_prompt_too_long_names_the_agent_and_the_lengths(lively_dir: Path) -> 
     async def go() -> None:
         agent = solver_context(uri, max_new_tokens=12).agent("solver")
         with pytest.raises(
-            PromptTooLongError, match=r"agent solver \(policy solver\): a prompt of 600 tokens"
+            PromptTooLongError, match=r"agent solver \(policy solver\): a prompt of 2100 tokens"
         ):
-            await agent.generate([5] * 600)
+            await agent.generate([5] * 2100)
 
     asyncio.run(go())

@@ -22,6 +22,7 @@ from polyrl_runtime.workflows.chat import TemplatePrefixError
 from polyrl_runtime.workflows.openai_client import UnsupportedArgumentError
 from polyrl_runtime.workflows.tools import CALCULATOR
 from polyrl_testenv.inprocess import solver_context
+from polyrl_testenv.models import lively_qwen2
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>'
 QUESTION = [{"role": "user", "content": "what is 3+4?"}]
@@ -36,22 +37,18 @@ def _save(model: Any, tok: Any, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def lively_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 with larger random weights, so greedy replies vary from token to token."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.15, generator=gen)
-    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_qwen2_dir))
-    return _save(model, tok, tmp_path_factory.mktemp("chat") / "lively")
+    return lively_qwen2(tiny_qwen2_dir, tmp_path_factory.mktemp("chat") / "lively", seed=5)
 
 
 @pytest.fixture(scope="module")
 def caller_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen2 fitted (a few hundred Adam steps) to answer QUESTION with a calculator call."""
+    """The tiny Qwen2 fitted (a few hundred Adam steps) to answer QUESTION, with the calculator's
+    schema in the prompt, with a calculator call."""
     tok = transformers.AutoTokenizer.from_pretrained(str(tiny_qwen2_dir))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32)
-    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)
+    prompt = tok.apply_chat_template(
+        QUESTION, tools=[CALCULATOR], add_generation_prompt=True, return_dict=False
+    )
     target = [*tok.encode(CALL, add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
     ids = torch.tensor([prompt + target])
     labels = ids.clone()

@@ -10,8 +10,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall
 
 from polyrl_runtime.workflows.api import Outcome
 from polyrl_runtime.workflows.chat import ChatReply
-from polyrl_runtime.workflows.openai_client import completion_of
-from polyrl_runtime.workflows.tools import ParsedReply, ToolCall, parse_tool_calls
+from polyrl_runtime.workflows.openai_client import completion_of, tool_error
+from polyrl_runtime.workflows.tools import ParsedReply, ToolCall, WrittenCall, parse_tool_calls, tool_names
 
 ADD = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 MUL = '<tool_call>\n{"name": "mul", "arguments": "{\\"a\\": 3}"}\n</tool_call>'
@@ -52,7 +52,16 @@ MUL = '<tool_call>\n{"name": "mul", "arguments": "{\\"a\\": 3}"}\n</tool_call>'
             "<tool_call>[1, 2]</tool_call>",
             ParsedReply("<tool_call>[1, 2]</tool_call>", (), "tool call c_0 is not a JSON object"),
         ),
-        (f"{ADD}<tool_call>{{", ParsedReply(f"{ADD}<tool_call>{{", (), "unbalanced <tool_call> tags")),
+        (
+            f"{ADD}<tool_call>{{",
+            ParsedReply(f"{ADD}<tool_call>{{", (), "tool call c_1: <tool_call> is never closed"),
+        ),
+        (
+            f'{{"name": "add"}}</tool_call>{ADD}',
+            ParsedReply(
+                f'{{"name": "add"}}</tool_call>{ADD}', (), "tool call c_0: </tool_call> without an opening"
+            ),
+        ),
         # One good call and one bad: the whole reply is text, nothing half-executed.
         (
             f"{ADD}<tool_call>oops</tool_call>",
@@ -67,6 +76,63 @@ def test_parse_tool_calls(text: str, expected: ParsedReply) -> None:
         assert got.error is None
     else:
         assert got.error is not None and got.error.startswith(expected.error)
+        assert got.kind == "malformed" and got.written  # every block is still reported as written
+
+
+ARGS_TEXT = '<tool_call>{"name": "add", "arguments": "{a: 1}"}</tool_call>'
+CUT = '<tool_call>{"name": "add", "arguments": {"a": 1'
+
+
+@pytest.mark.parametrize(
+    ("text", "written"),
+    [
+        (ADD, [WrittenCall("c_0", "add", '{"a": 1, "b": 2}')]),
+        # arguments as a string that is not JSON: that string, as the OpenAI API returns arguments
+        (ARGS_TEXT, [WrittenCall("c_0", "add", "{a: 1}", "tool call c_0 (add): 'arguments' is a string")]),
+        # a block that is not JSON: its name where one can be read, and its whole text
+        (
+            f"{CUT}</tool_call>",
+            [WrittenCall("c_0", "add", CUT.removeprefix("<tool_call>"), "tool call c_0 is not")],
+        ),
+        (
+            CUT,
+            [
+                WrittenCall(
+                    "c_0", "add", CUT.removeprefix("<tool_call>"), "tool call c_0: <tool_call> is never"
+                )
+            ],
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+            [WrittenCall("c_0", "f", "[1]", "tool call c_0 (f)")],
+        ),
+        ("<tool_call>oops</tool_call>", [WrittenCall("c_0", "", "oops", "tool call c_0 is not JSON")]),
+        (
+            f"{ADD} then <tool_call>oops</tool_call>",
+            [
+                WrittenCall("c_0", "add", '{"a": 1, "b": 2}'),
+                WrittenCall("c_1", "", "oops", "tool call c_1 is not"),
+            ],
+        ),
+    ],
+)
+def test_every_block_is_reported_as_written(text: str, written: list[WrittenCall]) -> None:
+    got = parse_tool_calls(text, id_prefix="c").written
+    assert [(w.id, w.name, w.arguments) for w in got] == [(w.id, w.name, w.arguments) for w in written]
+    for g, w in zip(got, written, strict=True):
+        assert (g.error is None) == (w.error is None)
+        assert w.error is None or (g.error is not None and g.error.startswith(w.error))
+
+
+def test_a_call_to_a_tool_not_offered_is_malformed() -> None:
+    tools = [{"type": "function", "function": {"name": "mul", "parameters": {}}}]
+    got = parse_tool_calls(ADD, id_prefix="c", tools=tools)
+    assert got.kind == "malformed" and got.tool_calls == ()
+    assert got.error == "tool call c_0 calls 'add', which is not a tool offered (mul)"
+    assert parse_tool_calls(ADD, id_prefix="c", tools=[*tools, {"name": "add"}]).kind == "calls"
+    # a schema without a name: names are not checked
+    assert parse_tool_calls(ADD, id_prefix="c", tools=[{"type": "function"}]).kind == "calls"
+    assert tool_names([{"type": "function", "function": {"name": "a"}}, {"name": "b"}]) == frozenset("ab")
 
 
 @pytest.mark.parametrize(
@@ -98,3 +164,25 @@ def test_completion_of_a_reply_with_tool_calls() -> None:
     assert reply.message["tool_calls"][0]["function"]["name"] == "add"
     plain = completion_of(ChatReply.of("hi", [1], "length", None), model="m", prompt_tokens=1, created=1)
     assert plain.choices[0].finish_reason == "length" and plain.choices[0].message.tool_calls is None
+    assert tool_error(plain.choices[0].message) is None
+
+
+def test_completion_of_a_malformed_call_is_a_tool_call_with_raw_arguments() -> None:
+    text = f"let me see {ARGS_TEXT}"
+    reply = ChatReply.of(text, [5, 6], "stop", parse_tool_calls(text, id_prefix="call"))
+    assert reply.kind == "malformed" and reply.text == text and reply.tool_calls == ()
+    choice = completion_of(reply, model="solver", prompt_tokens=3, created=1).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "let me see"
+    [tc] = choice.message.tool_calls or []
+    assert isinstance(tc, ChatCompletionMessageToolCall)
+    assert (tc.id, tc.function.name, tc.function.arguments) == ("call_0", "add", "{a: 1}")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(tc.function.arguments)
+    assert tool_error(choice.message) == reply.tool_error
+    assert (tc.model_extra or {})["error"] == reply.tool_error
+    # the SDK message is the reply's own history message (so a conversation continues either way)
+    dumped = choice.message.model_dump(exclude_none=True)
+    assert {k: dumped[k] for k in ("role", "content", "tool_calls")} == {
+        **reply.message,
+        "tool_calls": [{**reply.message["tool_calls"][0], "error": reply.tool_error}],
+    }

@@ -11,7 +11,8 @@ Networking: all pods share 127.0.0.1, so each pod gets its own free host port fo
 containerPort, kept for the pod name's life (a recreated pod keeps its address, as a Service's
 ClusterIP would). The map of those ports and of the Service DNS names they stand for is the JSON file
 `POLYRL_NETMAP` that the runtime honours (polyrl_runtime.netmap). The operator, which is not a pod,
-reaches Services through this kubelet's proxy: `http://127.0.0.1:<proxy_port>/<ns>/<svc>/<port>/...`.
+reaches Services through this kubelet's proxy (kubeproxy.py):
+`http://127.0.0.1:<proxy_port>/<ns>/<svc>/<port>/...`.
 
 Status, as the real kubelet reports it for `restartPolicy: Never`: Running with `podIP 127.0.0.1`
 once started; the Ready condition from the readiness probe (httpGet, probed every `probe_period`
@@ -37,11 +38,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from polyrl_runtime.netmap import free_port
+from polyrl_testenv.kubeproxy import ServiceProxy
 from polyrl_testenv.operator_proc import SyncApi
 
 Obj = dict[str, Any]
@@ -115,20 +116,20 @@ class TestKubelet:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="test-kubelet", daemon=True)
-        self._proxy = ThreadingHTTPServer(("127.0.0.1", 0), self._proxy_handler())
-        self.proxy_port = int(self._proxy.server_address[1])
+        self.proxy = ServiceProxy(self._resolve)
+        self.proxy_port = self.proxy.port
 
     # -- public -----------------------------------------------------------------------------------
 
     def start(self) -> TestKubelet:
-        threading.Thread(target=self._proxy.serve_forever, daemon=True).start()
+        self.proxy.start()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
-        self._proxy.shutdown()
+        self.proxy.stop()
         for run in self.runs.values():
             self._terminate(list(run.procs.values()), grace=5.0)
 
@@ -434,42 +435,11 @@ class TestKubelet:
             tmp.write_text(json.dumps(doc))
             tmp.replace(self.netmap_path)
 
-    def _proxy_handler(self) -> type[BaseHTTPRequestHandler]:
-        kubelet = self
-
-        class Proxy(BaseHTTPRequestHandler):
-            def _forward(self) -> None:
-                parts = self.path.lstrip("/").split("/", 3)
-                target = (
-                    kubelet.endpoints.get(f"{parts[1]}.{parts[0]}.svc:{parts[2]}")
-                    if len(parts) == 4
-                    else None
-                )
-                if target is None:
-                    self.send_error(502, f"no endpoint for {self.path}")
-                    return
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
-                req = urllib.request.Request(f"http://{target}/{parts[3]}", body, method=self.command)
-                req.add_header("Content-Type", self.headers.get("Content-Type") or "application/json")
-                try:
-                    with urllib.request.urlopen(req, timeout=10) as r:
-                        code, data = r.status, r.read()
-                except urllib.error.HTTPError as e:
-                    code, data = e.code, e.read()
-                except OSError as e:
-                    self.send_error(502, str(e))
-                    return
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:  # the client gave up (its timeout): nothing to answer
-                    pass
-
-            do_GET = do_POST = _forward  # noqa: N815 (http.server's names)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        return Proxy
+    def _resolve(self, ns: str, svc: str, port: str) -> tuple[str, str] | None:
+        """Where the proxy sends a request for `svc`'s `port` in `ns`, and which pod listens there."""
+        target = self.endpoints.get(f"{svc}.{ns}.svc:{port}")
+        if target is None:
+            return None
+        host_port = int(target.rsplit(":", 1)[1])
+        pods = list(self.ports.items())  # a copy: the kubelet's loop adds pods meanwhile
+        return target, next((pod for pod, ports in pods if host_port in ports.values()), "?")

@@ -11,6 +11,7 @@ the control plane first: `make controlplane` (or `hack/controlplane/prepare.sh`)
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -25,6 +26,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m polyrl_testenv.laptop")
     parser.add_argument("--namespace", default="default", help="namespace the operator watches")
     args = parser.parse_args()
+    # One line per event (a pod slow to answer the operator's proxy, kubeproxy.py), no tracebacks.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     plane = ControlPlane.start()
     kubelet = None
     operator = None
