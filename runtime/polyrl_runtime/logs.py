@@ -88,7 +88,8 @@ class _StdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to `sys.stdout` as it is at each record (test harnesses and redirections replace it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.setStream(sys.stdout)
+        # Not `setStream`: it flushes the stream it replaces, which a harness may have closed.
+        self.stream = sys.stdout
         super().emit(record)
 
 

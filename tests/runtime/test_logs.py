@@ -145,3 +145,17 @@ def test_the_entry_points_refuse_an_unknown_format_naming_the_variable(tmp_path:
             2,
             "error: POLYRL_LOG_FORMAT='xml': expected one of json, console",
         )
+
+
+def test_the_stdout_handler_follows_stdout_past_a_closed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from polyrl_runtime.logs import _StdoutHandler
+
+    handler = _StdoutHandler()
+    gone = io.TextIOWrapper(io.BytesIO())  # like pytest's capture: flushing it once closed raises
+    monkeypatch.setattr(sys, "stdout", gone)
+    handler.emit(logging.LogRecord("t", logging.WARNING, __file__, 1, "first", None, None))
+    gone.close()  # a harness closed the stream the handler last wrote to
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", now)
+    handler.emit(logging.LogRecord("t", logging.WARNING, __file__, 2, "second", None, None))
+    assert now.getvalue() == "second\n"
