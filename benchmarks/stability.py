@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if "polyrl" in args.sides:
                 stop_ray()
-    print(f"goal {'met' if met else 'NOT met'} in every dtype" if met else "goal NOT met")
+    print("goal met in every dtype" if met else "goal NOT met")
     return 0
 
 
