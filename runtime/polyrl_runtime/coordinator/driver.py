@@ -50,7 +50,7 @@ from polyrl_runtime.coordinator.report import (
     run_summary,
     worker_views,
 )
-from polyrl_runtime.coordinator.tasks import root_cause
+from polyrl_runtime.coordinator.tasks import all_or_first_error, root_cause
 from polyrl_runtime.coordinator.training import PolicyTrainer, ProducerEventSink
 from polyrl_runtime.data import DataError
 from polyrl_runtime.experience.actor import create_experience_actor
@@ -207,13 +207,6 @@ class Driver:
             await asyncio.gather(
                 *(self.buffer.reopen.remote(n) for n, step in done.items() if step < self.total)
             )
-        with phase("model_load", "loading the models into the rollout engines"):
-            engines = self.fleet.engines
-            await asyncio.gather(
-                *(self._reported(n, self._ready([s.handle for s in engines[n].values()])) for n in self.runs)
-            )
-            # Workflow workers load each policy's tokenizer as they start.
-            await self._reported(None, self._ready([w.handle for w in self.fleet.workers.values()]))
         self.producer = self._new_producer(feed)
         self.checkpointer.attach(self.buffer, self._counters, self.metrics.flush)
         self.trainers = {n: self._new_trainer(run) for n, run in self.runs.items()}
@@ -228,15 +221,31 @@ class Driver:
             episode_timeout_s=self.opts.episode_timeout_s,
         )
         self.control.emit("starting", transport=transport, resume=ref.location if ref else None)
-        doing = "initialising the trainers (process groups, models, DeepSpeed"
-        with phase("trainer_init", doing + (", checkpoint)" if ref is not None else ")")):
-            await asyncio.gather(*(self._reported(n, t.setup(ref)) for n, t in self.trainers.items()))
+        # The engines load their models while the trainers build theirs: each side's processes
+        # are busy with their own imports and models, so neither waits for the other.
+        await all_or_first_error(self._load_models(), self._init_trainers(ref))
         with phase("first_weights", f"first weight sync to the engines ({transport})"):
             await asyncio.gather(*(self._reported(n, t.connect(transport)) for n, t in self.trainers.items()))
         if ref is not None:
             self._restore_counters(ref, buffered_groups(snapshot))
         await self.metrics.open({n: r.step for n, r in self.runs.items()} if ref is not None else {})
         self.control.emit("started", policies=list(self.runs))
+
+    async def _load_models(self) -> None:
+        """Wait for the rollout engines (loading their models) and the workflow workers (loading
+        each policy's tokenizer), which began as their actors started."""
+        assert self.fleet is not None
+        engines, workers = self.fleet.engines, self.fleet.workers
+        with self.control.phase("model_load", "loading the models into the rollout engines"):
+            await asyncio.gather(
+                *(self._reported(n, self._ready([s.handle for s in engines[n].values()])) for n in self.runs)
+            )
+            await self._reported(None, self._ready([w.handle for w in workers.values()]))
+
+    async def _init_trainers(self, ref: CheckpointRef | None) -> None:
+        doing = "initialising the trainers (process groups, models, DeepSpeed"
+        with self.control.phase("trainer_init", doing + (", checkpoint)" if ref is not None else ")")):
+            await asyncio.gather(*(self._reported(n, t.setup(ref)) for n, t in self.trainers.items()))
 
     def _new_trainer(self, run: PolicyRun) -> PolicyTrainer:
         assert self.fleet is not None and self.producer is not None

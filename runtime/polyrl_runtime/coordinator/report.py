@@ -6,7 +6,7 @@ Both are built from a `JobSnapshot`, a typed copy of the job's state the driver 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -19,10 +19,12 @@ from polyrl_operator.api.progress import (
     Worker,
     WorkflowProgress,
 )
-from polyrl_runtime.coordinator.driver_base import PolicyRun, State
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import SeriesEnds, StepRecord
 from polyrl_runtime.experience.buffer import PolicyStats
+
+if TYPE_CHECKING:  # the driver's modules import torch; `polyrl run` loads them while Ray starts
+    from polyrl_runtime.coordinator.driver_base import PolicyRun, State
 
 log = structlog.get_logger(__name__)
 

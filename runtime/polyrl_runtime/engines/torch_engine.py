@@ -40,7 +40,8 @@ from polyrl_runtime.engines.api import EngineStats, Generation, PromptTooLongErr
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.engines.hf_cache import BatchCache, prefill
 from polyrl_runtime.engines.stops import find_stop
-from polyrl_runtime.models import KVCache, TinyCausalLM, Tokenizer, context_limit, load_model, load_tokenizer
+from polyrl_runtime.models import Tokenizer, context_limit, load_model, load_tokenizer
+from polyrl_runtime.models.tiny import KVCache, TinyCausalLM
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
 from polyrl_runtime.weights.sides import EngineWeights
 

@@ -13,18 +13,20 @@ the summary gives each start-up phase's duration (coordinator/metrics.py `Startu
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime.config import JobFileError, load_job, placement_resources, set_env_defaults
 from polyrl_runtime.coordinator.checkpoint import CheckpointStore, checkpoint_root
-from polyrl_runtime.coordinator.driver import Driver, DriverOptions
 from polyrl_runtime.coordinator.metrics import StartupPhases
 from polyrl_runtime.coordinator.report import RunSummary
 from polyrl_runtime.cpusets import format_cpus
@@ -33,6 +35,9 @@ from polyrl_runtime.local.interrupts import EXIT_INTERRUPTED, Interrupts
 from polyrl_runtime.local.results import clear_previous, summary_lines, write_results
 from polyrl_runtime.logs import LogConfigError, configure_logging
 from polyrl_runtime.workflows.preflight import PreflightError, check_entry_points
+
+if TYPE_CHECKING:
+    from polyrl_runtime.coordinator.driver import Driver
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +53,23 @@ def import_from_cwd() -> None:
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
+
+
+DRIVER_MODULE = "polyrl_runtime.coordinator.driver"
+
+
+def import_in_background(module: str) -> threading.Thread:
+    """Import `module` on a thread. The driver's modules (torch among them: about 2 s of CPU) load
+    while `ray.init` waits on the processes it starts, which leaves a core idle. A module that fails
+    to import fails again, with its own error, where the main thread imports it."""
+
+    def load() -> None:
+        with contextlib.suppress(Exception):
+            importlib.import_module(module)
+
+    thread = threading.Thread(target=load, name=f"import {module}", daemon=True)
+    thread.start()
+    return thread
 
 
 def init_local_ray(job: RLJob) -> None:
@@ -157,21 +179,25 @@ def run_local(
         elif kind in ("engine_lost", "engine_added", "worker_lost", "worker_added", "drain"):
             display.message(f"{kind}: {data}")
 
-    opts = DriverOptions(
-        out_dir=out_dir,
-        checkpoint_root=root,
-        resume=resume,
-        on_record=display.record,
-        metrics_dir=out_dir,  # metrics.jsonl beside the other results (coordinator/metrics_files.py)
-        on_event=on_event,
-        cpu_sets=dict(cpu_sets or {}),
-        startup=startup,
-    )
     with interrupts.installed():
         display.message(f"starting {job.metadata.name}: a local Ray cluster ...")
         try:
+            driver_import = import_in_background(DRIVER_MODULE)
             with startup.timed("ray"):
                 init_local_ray(job)
+            driver_import.join()
+            from polyrl_runtime.coordinator.driver import Driver, DriverOptions
+
+            opts = DriverOptions(
+                out_dir=out_dir,
+                checkpoint_root=root,
+                resume=resume,
+                on_record=display.record,
+                metrics_dir=out_dir,  # metrics.jsonl beside the other results (coordinator/metrics_files.py)
+                on_event=on_event,
+                cpu_sets=dict(cpu_sets or {}),
+                startup=startup,
+            )
             driver = Driver(job, opts)
             with display:
                 summary = asyncio.run(_drive(driver, port, interrupts))

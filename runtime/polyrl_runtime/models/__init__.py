@@ -9,26 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from polyrl_runtime import storage
 from polyrl_runtime.models.hf import HFTokenizer, ModelLoadError, load_hf_model, resolve_dtype
-from polyrl_runtime.models.tiny import TINY_SIZES, KVCache, TinyCausalLM, TinyConfig, build_tiny
 from polyrl_runtime.models.tiny_qwen2 import SIZES as HF_BUILTINS
 from polyrl_runtime.models.tiny_qwen2 import materialise
 from polyrl_runtime.models.tokenizer import CharTokenizer
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by `load_model` and the model modules (`tiny`, `hf.load_hf_model`), never by this
+# package: the driver and workflow workers use its tokenizers and errors only (tests/runtime/models).
 __all__ = [
     "CharTokenizer",
     "HFTokenizer",
-    "KVCache",
     "ModelLoadError",
-    "TinyCausalLM",
-    "TinyConfig",
     "Tokenizer",
-    "build_tiny",
     "context_limit",
     "load_model",
     "load_tokenizer",
@@ -119,6 +117,8 @@ def load_model(
 ) -> torch.nn.Module:
     """The policy's initial weights as a torch module, in `dtype` (auto: bfloat16 when `cuda`, else
     float32). The seed initialises the plain-torch built-in models; a directory has its weights."""
+    from polyrl_runtime.models.tiny import TINY_SIZES, build_tiny
+
     torch_dtype = resolve_dtype(dtype, cuda=cuda)
     name = _builtin(uri)
     if name is not None and name not in HF_BUILTINS:
@@ -134,6 +134,8 @@ def load_model(
 
 def context_limit(model: torch.nn.Module) -> int:
     """The most tokens (prompt and reply) the model can attend over."""
+    from polyrl_runtime.models.tiny import TinyConfig
+
     cfg = getattr(model, "cfg", None)
     if isinstance(cfg, TinyConfig):
         return cfg.max_len

@@ -13,14 +13,18 @@ import importlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported where a model is built, never at import: the driver and workflow workers use
+# this module's errors and tokenizers only, and torch costs each of those processes about 2 s of CPU.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ModelLoadError(ValueError):
@@ -29,12 +33,14 @@ class ModelLoadError(ValueError):
 
 def resolve_dtype(dtype: str, *, cuda: bool) -> torch.dtype:
     """`model.dtype` as a torch dtype: auto is bfloat16 on a GPU and float32 on a CPU."""
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if cuda else torch.float32
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ModelLoadError(f"model.dtype {dtype!r}: expected auto, {', '.join(DTYPES)}") from None
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"model.dtype {dtype!r}: expected auto, {', '.join(DTYPES)}")
+    dtype_: torch.dtype = getattr(torch, dtype)
+    return dtype_
 
 
 def check_model_dir(path: Path, uri: str) -> None:

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from polyrl_runtime.waiting import lock_deadline_s, locked
 
 EOS = "<|im_end|>"
@@ -137,6 +135,8 @@ def create_tiny_qwen2(
 ) -> Path:
     """Write the model directory `directory` (created; its parent must exist or be creatable): the
     built-in `name`, or with `size` a model of that shape (same tokenizer and template)."""
+    import torch
+
     transformers: Any = importlib.import_module("transformers")
 
     if size is None and name not in SIZES:

@@ -5,7 +5,9 @@ answer is the row's `answer` field.
 - `numeric`: the last number in the completion is within `tolerance` of the answer (a number).
 - `math`: math-verify's parser and verifier (LaTeX, \\boxed{}, fractions, expressions), so
   `\\frac{1}{2}` matches `0.5`. Its timeouts use SIGALRM, which only the main thread may set: off
-  that thread (a Ray async actor's event loop) they are disabled.
+  that thread (a Ray async actor's event loop) they are disabled. math-verify (with sympy) is
+  imported on the first `math` reward, not with this module: every job's driver and workflow
+  workers import the built-ins, and sympy costs each of them about half a second of CPU.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ import re
 import threading
 from collections.abc import Mapping
 from typing import Any
-
-from math_verify import parse, verify
 
 ANSWER_FIELD = "answer"
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -52,6 +52,8 @@ def numeric_answer(completion: str, row: Mapping[str, Any], tolerance: float = 1
 
 
 def math_answer(completion: str, row: Mapping[str, Any]) -> float:
+    from math_verify import parse, verify
+
     main = threading.current_thread() is threading.main_thread()
     timeout = 5 if main else None
     gold_text = str(_answer(row))

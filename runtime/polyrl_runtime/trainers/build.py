@@ -32,6 +32,7 @@ import torch
 
 from polyrl_operator.api import Algorithm, Policy
 from polyrl_runtime.models import is_hf, load_model, resolve_dtype
+from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.trainers.lora import apply_lora
 
 log = structlog.get_logger(__name__)
@@ -144,7 +145,7 @@ def build_model(
 ) -> torch.nn.Module:
     """The policy's model in its dtype: on `device`, or under ZeRO-3 partitioned over the ranks
     (a Hugging Face model only if `hf_zero3_config` is alive)."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     model = load_model(
         policy.model.uri,
@@ -191,8 +192,6 @@ def build_reference(
     policy: Policy, seed: int, cuda: bool, device: torch.device, config: dict[str, Any]
 ) -> Any:
     """The frozen KL reference (the initial policy), or None when `klCoef` is 0."""
-    import deepspeed
-
     if policy.algorithm.kl_coef <= 0:
         return None
     if policy.algorithm.lora is not None:
@@ -205,7 +204,7 @@ def build_reference(
         p.requires_grad_(False)
     if not _zero3(config):
         return ref
-    engine, *_ = deepspeed.initialize(model=ref, config=config)
+    engine, *_ = import_deepspeed().initialize(model=ref, config=config)
     engine.eval()
     return engine
 
@@ -213,8 +212,6 @@ def build_reference(
 def build_trainer(policy: Policy, *, seed: int, cuda: bool, device: torch.device, total_steps: int) -> Built:
     """Model, reference, optimizer, schedule and DeepSpeed engine of one rank. Call on every rank
     of the policy at once, after `deepspeed.init_distributed` (ZeRO-3 partitions collectively)."""
-    import deepspeed
-
     dtype = resolve_dtype(policy.model.dtype, cuda=cuda)
     config = deepspeed_config(policy, dtype)
     hf_config = hf_zero3_config(policy, config)
@@ -224,7 +221,7 @@ def build_trainer(policy: Policy, *, seed: int, cuda: bool, device: torch.device
     model = apply_lora(model, policy)  # unchanged without algorithm.lora; else only adapters train
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=policy.algorithm.lr, weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, *_ = import_deepspeed().initialize(model=model, optimizer=optimizer, config=config)
     set_learning_rate(engine.optimizer, learning_rate(0, policy.algorithm, total_steps))
     ref = build_reference(policy, seed, cuda, device, config)
     return Built(engine=engine, ref=ref, config=config, hf_config=hf_config)

@@ -56,6 +56,7 @@ from polyrl_runtime.trainers.build import (
     learning_rate,
     set_learning_rate,
 )
+from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.trainers.export import export_policy, zero_gather
 from polyrl_runtime.trainers.lora import reference_model
 from polyrl_runtime.trainers.ops import prepare_ops
@@ -119,7 +120,7 @@ class DeepSpeedTrainer(TrainerWeights):
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the policy's process group, then build the model, reference and DeepSpeed engine
         (all ranks at once)."""
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         device = torch.device("cpu")

@@ -30,6 +30,7 @@ import structlog
 import torch
 
 from polyrl_runtime import storage
+from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.trainers.lora import Gather, adapter_tensors, base_model, is_peft
 from polyrl_runtime.trainers.publish import published_tensors
 
@@ -120,7 +121,7 @@ def zero_gather(zero_stage: int) -> Gather | None:
     """How to read full parameters under a ZeRO stage: only ZeRO-3 partitions them."""
     if zero_stage != 3:
         return None
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     def gather(params: list[torch.nn.Parameter]) -> Any:
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import structlog
 
+from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.waiting import lock_deadline_s, locked
 
 log = structlog.get_logger(__name__)
@@ -54,6 +55,7 @@ def build_lock(root: Path) -> Iterator[list[Path]]:
 
 def prepare_ops() -> None:
     """Build or load DeepSpeed's CPU comm op under `build_lock` (no-op where DeepSpeed has none)."""
+    import_deepspeed()
     with build_lock(extensions_dir()):
         from deepspeed.comm.torch import build_shm_op
 

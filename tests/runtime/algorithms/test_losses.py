@@ -107,7 +107,7 @@ def test_trainer_logprobs_equal_the_engines_behaviour_logprobs() -> None:
 
 def test_constrained_rows_of_different_lengths_give_finite_loss_and_gradients() -> None:
     # Regression: a short constrained row is padded with an id outside its allowed set (logprob -inf).
-    from polyrl_runtime.models import build_tiny
+    from polyrl_runtime.models.tiny import build_tiny
 
     model = build_tiny("tiny", 64, seed=4)
     tb = TokenBatch.build(
@@ -126,7 +126,7 @@ def test_constrained_rows_of_different_lengths_give_finite_loss_and_gradients() 
 
 
 def test_entropy_is_over_the_allowed_ids_and_the_bonus_pushes_towards_uniform() -> None:
-    from polyrl_runtime.models import build_tiny
+    from polyrl_runtime.models.tiny import build_tiny
 
     model = build_tiny("tiny", 64, seed=4)
     tb = TokenBatch.build(

@@ -14,7 +14,7 @@ import torch
 from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.engines.api import Generation, SamplingParams
 from polyrl_runtime.engines.torch_engine import TorchEngine, _Request, constrained_logprobs
-from polyrl_runtime.models import build_tiny
+from polyrl_runtime.models.tiny import build_tiny
 from polyrl_runtime.weights import make_sender
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl_runtime.models import CharTokenizer, build_tiny, load_model
+from polyrl_runtime.models import CharTokenizer, load_model
+from polyrl_runtime.models.tiny import build_tiny
 
 
 def test_left_padding_gives_the_same_logits_as_alone() -> None:

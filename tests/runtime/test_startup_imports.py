@@ -1,0 +1,84 @@
+"""What each runtime process imports as it starts: the start-up of `polyrl run` on 2 cores is mostly
+imports, so the modules that cost seconds load only in the processes that use them.
+
+Each check runs in a fresh interpreter: this suite's own process has imported everything.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from polyrl_runtime.trainers.deepspeed_import import skipped_imports
+
+HEAVY = ("torch", "transformers", "deepspeed", "sympy", "math_verify")
+
+
+def imported_after(code: str, watch: tuple[str, ...]) -> dict[str, bool]:
+    """Which of `watch` a fresh interpreter has imported after running `code`."""
+    probe = (
+        textwrap.dedent(code)
+        + f"\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {watch!r}}}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, bool] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        # the local driver before Ray starts: CLI, job file, start-up checks of the job's code
+        "import polyrl_runtime.cli, polyrl_runtime.local.run, polyrl_runtime.workflows.preflight",
+        # a workflow worker: the runner, the built-in workflows and rewards, tokenizers by URI
+        "import polyrl_runtime.workflows.runner, polyrl_runtime.workflows.guessing, polyrl_runtime.rewards",
+        "from polyrl_runtime.models import load_tokenizer, model_dir, ModelLoadError",
+    ],
+    ids=["local-driver", "workflow-worker", "models-package"],
+)
+def test_light_processes_do_not_import_torch_or_sympy(code: str) -> None:
+    assert imported_after(code, HEAVY) == dict.fromkeys(HEAVY, False)
+
+
+def test_the_math_reward_imports_math_verify_when_first_used() -> None:
+    code = """
+    from polyrl_runtime.rewards.builtins import math_answer
+    assert math_answer("the answer is $\\\\frac{1}{2}$", {"answer": "0.5"}) == 1.0
+    """
+    assert imported_after(code, ("math_verify",)) == {"math_verify": True}
+
+
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable() -> None:
+    code = """
+    import importlib.util
+    from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
+    import_deepspeed()
+    assert "deepspeed" in __import__("sys").modules
+    assert "mlflow" not in __import__("sys").modules
+    if importlib.util.find_spec("mlflow") is not None:
+        import mlflow  # the rest of the process imports it as usual
+    """
+    assert imported_after(code, ("deepspeed",)) == {"deepspeed": True}
+
+
+def test_skipped_imports_raise_import_error_and_are_restored() -> None:
+    name = "json.tool"  # a real module this process has not imported
+    sys.modules.pop(name, None)
+    with skipped_imports((name,)), pytest.raises(ImportError):
+        __import__(name)
+    assert name not in sys.modules
+    assert __import__(name) is not None  # importable again
+
+
+def test_skipped_imports_leave_an_imported_module_alone() -> None:
+    with skipped_imports(("json",)):
+        import json as again
+    assert again is json
+    assert sys.modules["json"] is json
