@@ -19,7 +19,7 @@ test: install controlplane helm
 	$(BIN)/mypy operator/polyrl_operator runtime/polyrl_runtime tests/support tests/e2e
 	$(BIN)/lint-imports
 	$(BIN)/polyrl crds check
-	$(BIN)/pytest -p no:cacheprovider tests
+	$(BIN)/pytest -p no:cacheprovider --durations=25 tests
 
 # Trains the main example locally: two Hugging Face policies (the built-in tiny Qwen2) on CPU, with
 # live progress, then a summary, reward curves, metrics, checkpoints and exports in runs/guessing-hf.

@@ -96,11 +96,7 @@ def run_job(
             on_record=on_record,
             cpu_sets=dict(cpu_sets or {}),
         )
-        driver = Driver(job, opts)
-        try:
-            return asyncio.run(driver.run())
-        finally:
-            driver.close()  # the next job in this Ray session starts without this one's actors
+        return asyncio.run(Driver(job, opts).run())  # it stops its actors as it returns
 
 
 def stop_ray() -> None:

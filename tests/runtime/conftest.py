@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,34 @@ def ray_session() -> Iterator[Any]:
         )
     yield ray
     ray.shutdown()
+
+
+def alive_actors() -> dict[str, str]:
+    """This process's Ray session's actors that are not dead: id -> class name (none without Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    from ray._private import state  # the GCS's actor table; the state API needs the dashboard
+
+    return {k: v["ActorClassName"] for k, v in state.actors().items() if v["State"] != "DEAD"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_actor_left() -> Iterator[None]:
+    """Fail the module whose tests leave an actor of the shared Ray session alive: a driver stops
+    its actors as it returns, and a test stops any it made itself. Leftovers kept their processes
+    beside every later test's, with their memory and a share of the 2 cores."""
+    before = set(alive_actors())
+    yield
+    gc.collect()  # a handle only a reference cycle holds is released, as in a long-lived process
+    deadline = time.monotonic() + 30  # `ray.kill` returns before the actor's process has ended
+    leaked = {k: v for k, v in alive_actors().items() if k not in before}
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.5)
+        leaked = {k: v for k, v in alive_actors().items() if k not in before}
+    if leaked:
+        pytest.fail(f"actors left alive by this module's tests: {sorted(leaked.values())}")
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,7 @@ from polyrl_runtime.coordinator.report import (
     run_summary,
     worker_views,
 )
-from polyrl_runtime.coordinator.tasks import all_or_first_error, root_cause
+from polyrl_runtime.coordinator.tasks import root_cause
 from polyrl_runtime.coordinator.training import PolicyTrainer, ProducerEventSink
 from polyrl_runtime.data import DataError
 from polyrl_runtime.experience.actor import create_experience_actor
@@ -87,8 +87,17 @@ class Driver:
         self.fleet: Fleet | None = None
         self.registry = VersionRegistry()
         self.evaluator: Evaluator | None = None
+        self.closed = False
 
     async def run(self) -> RunSummary:
+        """Run the job to its end (done, interrupted or failed) and summarise it. However it ends,
+        cancelled included, every actor it started is stopped before it returns (`close`)."""
+        try:
+            return await self._run()
+        finally:
+            self.close()
+
+    async def _run(self) -> RunSummary:
         try:
             await self._start()
             self.state = "running"
@@ -141,11 +150,14 @@ class Driver:
         await asyncio.gather(*side, return_exceptions=True)
 
     def close(self) -> None:
-        """Stop every actor this driver started (engines, workflow workers, trainers, the buffer).
+        """Stop every actor this driver started (engines, workflow workers, trainers, the buffer);
+        `run` does it as it returns. Idempotent.
 
-        For callers that run several jobs in one Ray session (benchmarks): the driver and its helpers
-        hold each other, so without this the actors live until Python's cycle collector runs, and a
-        finished job's processes stay beside the next job's. Not needed when the process exits."""
+        The driver and its helpers hold each other, so without this the actors would live until
+        Python's cycle collector ran: in a process that runs several jobs in one Ray session (a
+        library user, the benchmarks, the test suite) a finished job's processes stayed beside the
+        next job's, with their memory and a share of the cores."""
+        self.closed = True
         handles: list[Any] = [r for run in self.runs.values() for r in run.ranks]
         if self.fleet is not None:
             handles += [s.handle for engines in self.fleet.engines.values() for s in engines.values()]
@@ -221,9 +233,9 @@ class Driver:
             episode_timeout_s=self.opts.episode_timeout_s,
         )
         self.control.emit("starting", transport=transport, resume=ref.location if ref else None)
-        # The engines load their models while the trainers build theirs: each side's processes
-        # are busy with their own imports and models, so neither waits for the other.
-        await all_or_first_error(self._load_models(), self._init_trainers(ref))
+        # One after the other: at once, on 2 cores, the two sides only slowed each other down.
+        await self._load_models()
+        await self._init_trainers(ref)
         with phase("first_weights", f"first weight sync to the engines ({transport})"):
             await asyncio.gather(*(self._reported(n, t.connect(transport)) for n, t in self.trainers.items()))
         if ref is not None:
@@ -330,6 +342,11 @@ class Driver:
         log.info("job.resumed", checkpoint=ref.location, steps={n: r.step for n, r in self.runs.items()})
 
     async def checkpoint(self, reason: str, request_id: str | None = None) -> CheckpointRef | None:
+        if self.closed:  # the job has ended (its actors are gone): its final checkpoint answers
+            if request_id is not None and self.last_ckpt is not None:
+                self.handled_requests.append(request_id)
+            log.info("checkpoint.after_end", reason=reason, request_id=request_id)
+            return self.last_ckpt
         return await self.checkpointer.checkpoint(reason, request_id)
 
     async def set_draining(self, target: str, draining: bool = True) -> bool:

@@ -147,10 +147,9 @@ STARTUP_PHASES: dict[str, str] = {
 
 @dataclass
 class StartupPhases:
-    """How long each start-up phase of a run took, in seconds. The phases follow one another, but
-    for `model_load` and `trainer_init`, which run at the same time (the engines' processes and the
-    trainers' are each busy with their own models): the start-up's wall time is the sum of the
-    others and the longer of those two, bar reading the job, its workflow and its data before them.
+    """How long each start-up phase of a run took, in seconds. The phases follow one another (each
+    ends before the next begins), so together they are the start-up's wall time, bar reading the
+    job, its workflow and its data before them:
 
     - ray: starting the local Ray cluster (`polyrl run`; a pod's command starts the pod's Ray);
     - actors: starting every actor's process (engines, trainer ranks, workflow workers, the

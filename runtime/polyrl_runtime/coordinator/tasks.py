@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -30,23 +30,6 @@ def fail_on_error(task: asyncio.Task[Any], what: str, fail: Callable[[str], None
 
     task.add_done_callback(done)
     return task
-
-
-async def all_or_first_error(*work: Coroutine[Any, Any, None]) -> None:
-    """Run `work` at once until all of it is done, or until one raises: the others are cancelled
-    (and awaited) and that first error is raised as it is, not wrapped in an exception group."""
-    tasks = [asyncio.ensure_future(w) for w in work]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in tasks:
-            error = t.exception() if t in done else None
-            if error is not None:
-                raise error
-    finally:
-        pending = [t for t in tasks if not t.done()]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
 
 
 _MODEL_LOAD_ERROR = re.compile(r"ModelLoadError: (.+)")
