@@ -143,7 +143,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     from polyrl_operator.kube import KubeClient, load_credentials
     from polyrl_operator.leader import lead
     from polyrl_operator.metrics import Metrics
-    from polyrl_operator.reconcile import Reconciler
+    from polyrl_operator.reconciling import Reconciler
 
     configure_logging(args.verbose)
     settings = load_settings(Path(args.settings) if args.settings else None)

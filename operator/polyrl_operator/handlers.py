@@ -22,7 +22,7 @@ from polyrl_operator.api import GROUP, PLURAL, VERSION
 from polyrl_operator.kinds import CHILD_KINDS
 from polyrl_operator.kube import Credentials
 from polyrl_operator.observed import summarize
-from polyrl_operator.reconcile import Reconciler
+from polyrl_operator.reconciling import Reconciler
 
 LABELS = {naming.LABEL_JOB: kopf.PRESENT}
 

@@ -15,8 +15,9 @@ import pytest
 from polyrl_operator import naming
 from polyrl_operator.builders.priority import Priority, PriorityNotFound
 from polyrl_operator.observed import Child
-from polyrl_operator.planning import JobMemory, Plan, QuotaRefusal, active_status, plan, stored_status
+from polyrl_operator.planning import JobMemory, Plan, QuotaRefusal, plan, stored_status
 from polyrl_operator.planning.conditions import rfc3339
+from polyrl_operator.planning.quota import refused
 from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.operator_fixtures import (
     SIGNAL_GAME_PODS,
@@ -414,14 +415,40 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("case", REFUSALS, ids=lambda c: c.id)
-def test_a_quota_refusal_is_an_input_of_the_status(case: RefusalCase) -> None:
+def test_a_quota_refusal_is_an_input_of_the_next_plan(case: RefusalCase) -> None:
     body, children = running(job())
-    result = plan(body, observed(children), SETTINGS, later(2), JobMemory())
-    assert result.status_inputs is not None
-    status = active_status(result.status_inputs, QuotaRefusal("exceeded quota: pods", case.required)).to_k8s()
+    refusal = QuotaRefusal("exceeded quota: pods", case.required)
+    after = refused(JobMemory(), refusal, status=stored_status(body), settings=SETTINGS, now=later(2))
+    assert after.memory.quota_refusal == refusal and after.memory.quota_failures == 1
+    assert after.event.reason == "QuotaExceeded" and after.event.message.startswith(refusal.message)
+    assert after.look_again == 0  # the status does not say so yet: plan again at once
+    result = plan(body, observed(children), SETTINGS, later(2), after.memory)
+    assert result.status is not None
+    status = result.status.to_k8s()
     for key, value in case.expect.items():
         assert status[key] == value
     conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
     for ctype, expected in case.conditions.items():
         assert conditions[ctype] == expected
-    assert result.status is not None and result.status.to_k8s()["phase"] == "Running"
+    assert result.memory.quota_refusal is None  # reported once, then forgotten
+    if not case.required:
+        # The status now says so: another refusal of the optional pod waits for the backoff.
+        again = refused(result.memory, refusal, status=result.status, settings=SETTINGS, now=later(3))
+        assert again.look_again == SETTINGS.quota_backoff * 2
+
+
+def test_a_quota_refusal_is_not_news_to_a_job_being_suspended() -> None:
+    body, children = running(job())
+    memory = JobMemory(quota_refusal=QuotaRefusal("exceeded quota: pods", False))
+    result = plan(job_with(body, suspend=True), observed(children), SETTINGS, later(2), memory)
+    assert result.status is not None
+    assert result.status.to_k8s()["phase"] == "Suspended"
+    quota = next(c for c in result.status.to_k8s()["conditions"] if c["type"] == "QuotaExceeded")
+    assert quota["status"] == "False"
+    assert result.memory.quota_refusal is None
+
+
+def job_with(body: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    out["spec"].update(spec)
+    return out

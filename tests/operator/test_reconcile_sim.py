@@ -392,6 +392,10 @@ async def test_quota_refusal_rolls_the_job_back_and_retries() -> None:
     sim.api.pod_quota = 4
     await sim.step()
     assert sim.pods() == set()  # never half a job
+    assert 0.0 in sim.kicks  # the next plan, at once, reports the refusal in the status
+    reasons = [e["reason"] for (pl, _, _), e in sim.api.objects.items() if pl == "events"]
+    assert "QuotaExceeded" in reasons
+    await sim.step(0)
     quota = sim.condition("QuotaExceeded")
     assert quota["status"] == "True" and "exceeded quota" in quota["message"]
     assert sim.status["phase"] == "Pending"

@@ -62,6 +62,7 @@ from polyrl_operator.planning.types import (
     Key,
     Plan,
     PodPlan,
+    QuotaRefusal,
     StatusInputs,
     combine,
 )
@@ -115,6 +116,8 @@ def plan(
     gen = meta.get("generation")
     old = stored_status(body)
     memory = memory or JobMemory()
+    # What the last apply reported feeds this plan's status, once: the plan's memory forgets it.
+    refusal, memory = memory.quota_refusal, replace(memory, quota_refusal=None)
     finalizers = meta.get("finalizers") or []
 
     if meta.get("deletionTimestamp"):
@@ -197,7 +200,7 @@ def plan(
                 stopping = plan_stop(inputs, "DeadlineExceeded")
                 decided.append(stopping.actions)
                 if stopping.checkpointing:
-                    frame = _Frame(ref, gen, finalizer, memory, desired | workload_manifest)
+                    frame = _Frame(ref, gen, finalizer, memory, desired | workload_manifest, refusal)
                     return _live(
                         frame, inputs, stopping, "DeadlineExceeded", decided, admission=admission_state
                     )
@@ -230,7 +233,7 @@ def plan(
             decided.append(Actions(requeue_after=wait))
     else:
         pod_plan = plan_stop(inputs, stop_reason)
-    frame = _Frame(ref, gen, finalizer, memory, desired | workload_manifest)
+    frame = _Frame(ref, gen, finalizer, memory, desired | workload_manifest, refusal)
     return _live(frame, inputs, pod_plan, stop_reason, decided, admission=admission_state)
 
 
@@ -243,6 +246,8 @@ class _Frame:
     finalizer: Literal["add", "remove"] | None
     memory: JobMemory
     desired: dict[Key, Manifest]
+    refusal: QuotaRefusal | None = None
+    """The quota refusal the last apply reported (only a live plan's status reports it)."""
 
 
 def _live(
@@ -271,6 +276,9 @@ def _live(
         stop_reason=stop_reason,
         admission=admission,
         quota_message=memory.quota_message,
+        # A refusal is news only to a plan that still wants pods, or waits for quota: a job being
+        # suspended, evicted or not admitted says that instead.
+        refusal=frame.refusal if stop_reason in (None, "QuotaExceeded") else None,
     )
     status = active_status(status_inputs)
     transitions = Actions(events=transition_events(inputs.old, status))
@@ -284,7 +292,6 @@ def _live(
         memory=memory,
         scaled=pod_plan.scaled,
         running=stop_reason is None,
-        status_inputs=status_inputs,
     )
 
 

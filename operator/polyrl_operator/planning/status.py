@@ -2,9 +2,9 @@
 the pod plan counts them), the coordinator's report and the apply outcome to ``RLJobStatus``.
 
 Three shapes of job: invalid (nothing runs), finished (Succeeded or Failed) and live; one function
-each. A quota refusal reported by apply is an input of ``active_status``, so no other code writes
-status. Events that mark a change of state (admitted, suspended, resumed, invalid spec) are derived
-by comparing the old and the new status, never decided a second time.
+each. A quota refusal reported by apply is an input of the next plan (``StatusInputs.refusal``),
+so no other code writes status. Events that mark a change of state (admitted, suspended, resumed,
+invalid spec) are derived by comparing the old and the new status, never decided a second time.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from polyrl_operator.api.status import ConditionType, EvalStatus, Phase
 from polyrl_operator.planning.conditions import Setting, clip, get_condition, rfc3339, set_conditions
 from polyrl_operator.planning.lifecycle import Verdict
 from polyrl_operator.planning.pods import empty_pod_plan
-from polyrl_operator.planning.types import Event, PodPlan, QuotaRefusal, StatusInputs
+from polyrl_operator.planning.types import Event, PodPlan, StatusInputs
 
 SUMMARY_LIMIT = 4096
 """The CRD's maxLength of status.policySummary."""
@@ -153,15 +153,16 @@ def finished_status(
     return _with_policies(status, policies, step)
 
 
-def active_status(inputs: StatusInputs, refusal: QuotaRefusal | None = None) -> RLJobStatus:
+def active_status(inputs: StatusInputs) -> RLJobStatus:
     """The status of a job that is neither finished nor invalid.
 
-    ``refusal``: apply's report that the API server refused a pod for quota; when the pod was one
-    the job cannot run without, the job's pods were removed and it waits (phase Pending)."""
+    ``inputs.refusal``: apply's report that the API server refused a pod for quota; when the pod
+    was one the job cannot run without, the job's pods were removed and it waits (phase Pending)."""
     old, now, job = inputs.old, inputs.now, inputs.job
     stop = inputs.stop_reason
     pods = inputs.pods
     quota = inputs.quota_message
+    refusal = inputs.refusal
     if refusal is not None:
         quota = refusal.message
         if refusal.required:

@@ -32,7 +32,8 @@ class Event:
 
 @dataclass(frozen=True)
 class QuotaRefusal:
-    """The apply outcome that feeds the status: the API server refused a pod for quota."""
+    """What apply reports when the API server refused a pod for quota: an input of the next plan,
+    whose status says so (status is written in one place, from the plan)."""
 
     message: str
     required: bool
@@ -47,6 +48,9 @@ class JobMemory:
     quota_failures: int = 0
     quota_retry_at: float | None = None
     quota_message: str | None = None
+    quota_refusal: QuotaRefusal | None = None
+    """The refusal the last apply reported, not yet in a status: the next plan reports it and
+    forgets it (each refusal feeds exactly one plan)."""
     checkpoint: tuple[str, str] | None = None
     """(request id, since) of the checkpoint asked for, until the coordinator pod shows it."""
     rejected: tuple[int | None, str] | None = None
@@ -130,6 +134,9 @@ class StatusInputs:
     admission: AdmissionState
     quota_message: str | None
     """The last quota refusal, until a pod is created again."""
+    refusal: QuotaRefusal | None = None
+    """The refusal apply reported since the last plan (when the required pods were refused, the
+    job's pods were removed and it waits: phase Pending)."""
 
 
 @dataclass(frozen=True)
@@ -149,9 +156,6 @@ class Plan:
     scaled: tuple[tuple[str, str, int, int], ...] = ()
     running: bool = False
     """Pods are wanted (admitted, not suspended, not finished)."""
-    status_inputs: StatusInputs | None = None
-    """The inputs of ``status`` (None where no pod is created): with a quota refusal reported by
-    apply, ``active_status(status_inputs, refusal)`` is the status to write instead."""
 
     @property
     def events(self) -> tuple[Event, ...]:

@@ -116,7 +116,8 @@ class Sim:
 
     def __init__(self, job: dict[str, Any], settings: Any = None) -> None:
         from polyrl_operator.kinds import KIND_NAMES
-        from polyrl_operator.reconcile import Reconciler
+        from polyrl_operator.reconciling import Reconciler
+        from polyrl_operator.reconciling.observe import Observer, ProgressReading
         from polyrl_operator.settings import Autoscale, OperatorSettings
         from polyrl_testenv.fake_api import FakeApi
 
@@ -133,10 +134,13 @@ class Sim:
             def kick(self, key: tuple[str, str], delay: float = 0.0) -> None:
                 sim.kicks.append(delay)
 
-            async def _progress_of(self, key: tuple[str, str]) -> tuple[Progress | None, str | None]:
-                return sim.progress, None if sim.progress else "no progress"
+        class _Observer(Observer):
+            async def progress_of(self, key: tuple[str, str]) -> ProgressReading:
+                return ProgressReading(sim.progress, None if sim.progress else "no progress", fresh=False)
 
-        self.reconciler = _Reconciler(self.api, self.settings, clock=lambda: self.now)
+        self.reconciler = _Reconciler(
+            self.api, self.settings, clock=lambda: self.now, observer=_Observer(self.api, self.settings)
+        )
         for kind in KIND_NAMES:
             self.reconciler.indexes[kind] = self.api.index(kind)
         meta = job["metadata"]

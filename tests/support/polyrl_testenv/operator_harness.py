@@ -20,7 +20,7 @@ from aiohttp import web
 from polyrl_operator.handlers import build_registry
 from polyrl_operator.kube import Credentials, KubeClient
 from polyrl_operator.metrics import Metrics
-from polyrl_operator.reconcile import Reconciler
+from polyrl_operator.reconciling import Reconciler
 from polyrl_operator.settings import OperatorSettings
 
 
