@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,9 +43,8 @@ def ray_session() -> Iterator[Any]:
 
 def alive_actors() -> dict[str, str]:
     """This process's Ray session's actors that are not dead: id -> class name (none without Ray)."""
-    import ray
-
-    if not ray.is_initialized():
+    ray = sys.modules.get("ray")  # not imported: no session (and a GPU machine may have no Ray)
+    if ray is None or not ray.is_initialized():
         return {}
     from ray._private import state  # the GCS's actor table; the state API needs the dashboard
 
