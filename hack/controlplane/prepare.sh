@@ -47,6 +47,15 @@ die() {
 }
 trap 'die "command failed (line $LINENO): $BASH_COMMAND"' ERR
 
+# The first line a command prints, for the version record. Not `cmd | head -n1`: head exits after
+# one line, the command gets SIGPIPE, and under pipefail and errtrace the ERR trap fires inside the
+# command substitution and prints the failure banner for a preparation that then succeeds.
+first_line() {
+    local out
+    out=$("$@" 2>/dev/null) || true
+    printf '%s\n' "${out%%$'\n'*}"
+}
+
 have_all() {
     [[ -x "$BIN/etcd" && -x "$BIN/apiextensions-apiserver" && -x "$BIN/kubectl" && -d "$BIN/proto" ]] \
         && [[ -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" ]]
@@ -136,8 +145,8 @@ log "built apiextensions-apiserver $kver ($(($(stat -c %s "$WORK/apiextensions-a
 {
     echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $DGO_MIRROR sid, recipe $RECIPE"
     "$GO" version
-    echo "etcd: $("$WORK/etcd" --version | head -n1)"
-    echo "kubectl: $("$WORK/kubectl" version --client 2>/dev/null | head -n1)"
+    echo "etcd: $(first_line "$WORK/etcd" --version)"
+    echo "kubectl: $(first_line "$WORK/kubectl" version --client)"
     echo "downloaded: $ndebs packages, $dlsize bytes"
     dgo_package_versions
 } >"$WORK/versions.txt"

@@ -1,1 +1,1 @@
-"""polyrl operator: RLJob API, CRD generation, validation and (later) the kopf controller."""
+"""polyrl operator: the RLJob API, CRD generation, validation and the kopf controller."""

@@ -1,5 +1,6 @@
-"""The generated CRD on the real Kubernetes API server: installs, serves defaults, printer columns and
-status, and rejects every bad input that `polyrl validate` rejects, naming the same field."""
+"""The generated CRD on the Kubernetes CRD server (etcd + apiextensions-apiserver + shim): installs,
+serves defaults, printer columns and status, and rejects every bad input that `polyrl validate`
+rejects, naming the same field."""
 
 from __future__ import annotations
 

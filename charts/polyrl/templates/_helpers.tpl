@@ -42,7 +42,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/*
 What the operator does in a namespace it watches (the same rules as manifests/base/clusterrole.yaml;
-tests/manifests/test_rbac.py checks both against the requests the operator really sends).
+tests/manifests/test_install_lifecycle.py checks both against the requests the operator really sends).
 */}}
 {{- define "polyrl.namespacedRules" -}}
 - apiGroups: [polyrl.dev]

@@ -3,8 +3,8 @@
 A cross-field rule is written once, next to the model it constrains, in two forms that must agree:
 a CEL expression that the Kubernetes API server evaluates (it lands in the generated CRD as
 ``x-kubernetes-validations``) and a Python predicate that ``polyrl validate`` and the runtime evaluate.
-Tests apply every bad example to the real API server and to ``polyrl validate`` and check both reject
-it, so the two forms cannot drift apart unnoticed.
+Tests apply every bad example to the Kubernetes CRD server (the genuine ``apiextensions-apiserver``,
+which evaluates the CEL rules) and to ``polyrl validate`` and check both reject it, so the two forms cannot drift apart unnoticed.
 """
 
 from __future__ import annotations

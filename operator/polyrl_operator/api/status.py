@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
 from polyrl_operator.api.base import ApiModel
 
 Phase = Literal["Pending", "Admitted", "Running", "Suspended", "Succeeded", "Failed"]
-PHASES: tuple[Phase, ...] = ("Pending", "Admitted", "Running", "Suspended", "Succeeded", "Failed")
+PHASES: tuple[Phase, ...] = get_args(Phase)
 ConditionType = Literal[
     "Admitted", "Ready", "Progressing", "Suspended", "Succeeded", "Failed", "QuotaExceeded"
 ]

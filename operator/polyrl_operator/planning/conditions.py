@@ -46,11 +46,6 @@ def get_condition(status: RLJobStatus, ctype: ConditionType) -> Condition | None
     return next((c for c in status.conditions or [] if c.type == ctype), None)
 
 
-def is_true(status: RLJobStatus, ctype: ConditionType) -> bool:
-    cond = get_condition(status, ctype)
-    return cond is not None and cond.status == "True"
-
-
 def set_conditions(
     conditions: list[Condition] | None,
     values: dict[ConditionType, Setting],

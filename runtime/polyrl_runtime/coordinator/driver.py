@@ -69,7 +69,7 @@ class Driver:
 
     def __init__(self, job: RLJob, opts: DriverOptions) -> None:
         self.job, self.opts, self.spec = job, opts, job.spec
-        self.E = self.spec.training.episodes_per_step
+        self.episodes_per_step = self.spec.training.episodes_per_step
         self.total = self.spec.training.total_steps
         grpo = [p.algorithm.group_size for p in self.spec.policies if p.algorithm.name == "grpo"]
         self.group_size = max(grpo or [1])
@@ -192,8 +192,10 @@ class Driver:
         )
         self.evaluator = Evaluator(spec, eval_rows, self.fleet) if eval_rows is not None else None
         s = spec.effective_max_staleness
-        configs = [PolicyConfig(p.name, self.E, s, final_version=self.total) for p in spec.policies]
-        capacity = (s + 2) * self.E * len(configs) + 4 * self.group_size
+        configs = [
+            PolicyConfig(p.name, self.episodes_per_step, s, final_version=self.total) for p in spec.policies
+        ]
+        capacity = (s + 2) * self.episodes_per_step * len(configs) + 4 * self.group_size
         node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         snapshot = ref.buffer() if ref is not None else None
         phase = self.control.phase
@@ -205,7 +207,9 @@ class Driver:
                 for _ in range(p.rollout.replicas.min):
                     self.fleet.new_engine(p)
                 self.runs[p.name] = PolicyRun(
-                    p.name, self.fleet.new_trainers(p, self.buffer), window=RewardWindow(self.E)
+                    p.name,
+                    self.fleet.new_trainers(p, self.buffer),
+                    window=RewardWindow(self.episodes_per_step),
                 )
             job_json = self.job.model_dump_json(by_alias=True)
             for _ in range(spec.workflow.replicas.min):
@@ -323,7 +327,7 @@ class Driver:
                 o.max_in_flight_per_worker, o.groups_per_call, o.max_consecutive_failures, o.unused_episodes
             ),
             events=ProducerEventSink(self.runs, self.total, self.control, self.fleet),
-            signals=8 * self.E,
+            signals=8 * self.episodes_per_step,
             feed=feed,
         )
 

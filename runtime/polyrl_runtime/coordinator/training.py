@@ -82,7 +82,7 @@ class PolicyTrainer:
         self.buffer, self.fleet, self.producer = buffer, fleet, producer
         self.checkpointer, self.registry, self.record = checkpointer, registry, record
         self.stall_timeout_s, self.group_size = stall_timeout_s, group_size
-        self.E = job.spec.training.episodes_per_step
+        self.episodes_per_step = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps
         self._totals = Totals()  # at the previous step record (or the loop's start)
 
@@ -168,7 +168,7 @@ class PolicyTrainer:
             # Read once: the first report sets it while we wait, and a step's size must not change
             # under us (unknown: wait for the first episode's report before counting samples).
             per_episode = run.samples_per_episode
-            need = self.E * (per_episode or 1)
+            need = self.episodes_per_step * (per_episode or 1)
             # A long poll: the buffer answers as soon as the step is complete. Polling every 10 ms
             # (two Ray calls per policy each time) cost the driver and the buffer about 0.1 CPU-s
             # per optimizer step of the async benchmark, on 2 cores a visible share.

@@ -70,6 +70,11 @@ log = structlog.get_logger(__name__)
 _PAD_ROW = TokenBatch.build([np.zeros(1, np.int32)], [np.zeros(1, np.int32)], [np.zeros(0, np.int32)])
 
 
+# The loss statistics a step reports as means over its scored tokens (`LossStats` fields, which are
+# also `StepResult` fields of the same name).
+TOKEN_WEIGHTED = ("clip_frac", "is_weight_mean", "is_truncated_frac", "kl", "entropy")
+
+
 def policy_seed(job_seed: int, policy: str) -> int:
     return (job_seed * 1_000_003 + zlib.crc32(policy.encode())) % (2**31)
 
@@ -270,22 +275,17 @@ class DeepSpeedTrainer(TrainerWeights):
         # for every optimizer step of it (ppo takes one per micro-batch) and after a resume.
         lr = learning_rate(step - 1, self.algo, self.total_steps)
         set_learning_rate(self.engine.optimizer, lr)
-        loss_total, acc = 0.0, {"clip": 0.0, "isw": 0.0, "trunc": 0.0, "kl": 0.0, "ent": 0.0, "tok": 0}
+        loss_total, acc = 0.0, dict.fromkeys(TOKEN_WEIGHTED, 0.0)
+        tokens_scored = 0
         self.begin_weight_update()
         for k, rows in enumerate(micro_rows):
             if rows:
                 assert batch is not None
                 tb, behav = self._token_batch(samples, rows)
                 loss_sum, ls = self._forward_loss(tb, behav, adv[rows], prox[k])
-                for key, v in (
-                    ("clip", ls.clip_frac),
-                    ("isw", ls.is_weight_mean),
-                    ("trunc", ls.is_truncated_frac),
-                    ("kl", ls.kl),
-                    ("ent", ls.entropy),
-                ):
-                    acc[key] += v * ls.tokens
-                acc["tok"] += ls.tokens
+                for key in TOKEN_WEIGHTED:
+                    acc[key] += getattr(ls, key) * ls.tokens
+                tokens_scored += ls.tokens
             else:
                 # Keep collectives aligned across ranks: a zero-weighted forward and backward. A real
                 # forward (not a sum of the parameters) because under ZeRO-3 a parameter is an empty
@@ -307,18 +307,18 @@ class DeepSpeedTrainer(TrainerWeights):
             if batch is None
             else np.array([max(0, (step - 1) - s.min_version) for s in samples], dtype=np.float64)
         )
-        tok = max(acc["tok"], 1)
+        per_token = {key: total / max(tokens_scored, 1) for key, total in acc.items()}
         return StepResult(
             rank=self.rank,
             lease_id=lease.lease_id if lease is not None else None,
             samples=n,
             tokens=tokens_local,
             loss=loss_total / max(tokens, 1.0),
-            clip_frac=acc["clip"] / tok,
-            is_weight_mean=acc["isw"] / tok,
-            is_truncated_frac=acc["trunc"] / tok,
-            kl=acc["kl"] / tok,
-            entropy=acc["ent"] / tok,
+            clip_frac=per_token["clip_frac"],
+            is_weight_mean=per_token["is_weight_mean"],
+            is_truncated_frac=per_token["is_truncated_frac"],
+            kl=per_token["kl"],
+            entropy=per_token["entropy"],
             staleness_mean=float(lag.mean()) if len(lag) else 0.0,
             staleness_max=int(lag.max()) if len(lag) else 0,
             signal_mean=float(signals.mean()) if n else 0.0,

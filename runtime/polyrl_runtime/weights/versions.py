@@ -23,11 +23,11 @@ class VersionRegistry:
     def __init__(self) -> None:
         self._policies: dict[str, _PolicyVersions] = {}
 
-    def _p(self, policy: str) -> _PolicyVersions:
+    def _versions_of(self, policy: str) -> _PolicyVersions:
         return self._policies.setdefault(policy, _PolicyVersions())
 
     def publish(self, manifest: WeightManifest) -> None:
-        p = self._p(manifest.policy)
+        p = self._versions_of(manifest.policy)
         if p.latest is not None and manifest.version < p.latest.version:
             raise VersionError(
                 f"{manifest.policy}: version {manifest.version} is older than published {p.latest.version}"
@@ -35,36 +35,36 @@ class VersionRegistry:
         p.latest = manifest
 
     def latest(self, policy: str) -> WeightManifest | None:
-        return self._p(policy).latest
+        return self._versions_of(policy).latest
 
     def latest_version(self, policy: str) -> int:
-        m = self._p(policy).latest
+        m = self._versions_of(policy).latest
         return -1 if m is None else m.version
 
     def record(self, policy: str, engine: str, version: int) -> None:
-        engines = self._p(policy).engines
+        engines = self._versions_of(policy).engines
         if version < engines.get(engine, -1):
             raise VersionError(f"{policy}/{engine}: version {version} < recorded {engines[engine]}")
         engines[engine] = version
 
     def join(self, policy: str, engine: str) -> None:
         """Register an engine (at version -1) so it counts as lagging until it has caught up."""
-        self._p(policy).engines.setdefault(engine, -1)
+        self._versions_of(policy).engines.setdefault(engine, -1)
 
     def forget(self, policy: str, engine: str) -> None:
-        self._p(policy).engines.pop(engine, None)
+        self._versions_of(policy).engines.pop(engine, None)
 
     def engine_version(self, policy: str, engine: str) -> int:
-        return self._p(policy).engines.get(engine, -1)
+        return self._versions_of(policy).engines.get(engine, -1)
 
     def engines(self, policy: str) -> dict[str, int]:
-        return dict(self._p(policy).engines)
+        return dict(self._versions_of(policy).engines)
 
     def ready(self, policy: str, engine: str) -> bool:
-        return engine in self._p(policy).engines and self.engine_version(
+        return engine in self._versions_of(policy).engines and self.engine_version(
             policy, engine
         ) == self.latest_version(policy)
 
     def lagging(self, policy: str) -> list[str]:
         latest = self.latest_version(policy)
-        return sorted(e for e, v in self._p(policy).engines.items() if v < latest)
+        return sorted(e for e, v in self._versions_of(policy).engines.items() if v < latest)
