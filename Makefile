@@ -11,15 +11,25 @@ export TORCH_EXTENSIONS_DIR ?= $(CACHE)/torch_extensions
 export RAY_AUTH_MODE ?= disabled
 export RAY_ENABLE_ZERO_COPY_TORCH_TENSORS ?= 1
 
-.PHONY: test run laptop install controlplane helm crds clean
+.PHONY: test check lint run laptop install controlplane helm crds clean
 
-test: install controlplane helm
+# The tiers the markers select (tests/conftest.py sets ray, training and controlplane by fixture).
+CHECK_TESTS := not slow and not ray and not training and not controlplane and not e2e and not gpu
+
+test: install controlplane helm lint
+	$(BIN)/pytest -p no:cacheprovider --durations=25 tests
+
+# The loop while you work: lint, types and the tests that need no Ray cluster, no control plane and
+# no training (a few minutes on 2 cores).
+check: install lint
+	$(BIN)/pytest -p no:cacheprovider -m "$(CHECK_TESTS)" --durations=10 tests
+
+lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy operator/polyrl_operator runtime/polyrl_runtime tests/support tests/e2e
 	$(BIN)/lint-imports
 	$(BIN)/polyrl crds check
-	$(BIN)/pytest -p no:cacheprovider --durations=25 tests
 
 # Trains the main example locally: two Hugging Face policies (the built-in tiny Qwen2) on CPU, with
 # live progress, then a summary, reward curves, metrics, checkpoints and exports in runs/guessing-hf.

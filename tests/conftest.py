@@ -16,14 +16,25 @@ import pytest
 from polyrl_testenv import ControlPlane, find_binaries
 
 CONTROLPLANE_FIXTURES = frozenset({"controlplane", "namespace"})
+RAY_FIXTURES = frozenset({"ray_session"})  # every Ray fixture of the suite builds on it
+TRAINING_FIXTURES = frozenset({"gloo"})  # DeepSpeed's process group: engines are built in-process
+# The helpers that start `polyrl run` (tests/support/polyrl_testenv/localrun.py): a module that
+# imports one runs jobs with their own Ray cluster.
+LOCAL_RUN_HELPERS = frozenset({"polyrl_run", "run_to_end", "Background"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Any test using the control plane carries the marker, so `-m "not controlplane"` works even
-    # where a test forgot to mark itself.
+    # Tests carry the markers of what they need, so the tiers select by them (`make check` runs
+    # none of controlplane, e2e, gpu, ray, training or slow) even where a test forgot to mark itself.
     for item in items:
-        if CONTROLPLANE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        module = vars(getattr(item, "module", None) or object())
+        if CONTROLPLANE_FIXTURES & fixtures:
             item.add_marker(pytest.mark.controlplane)
+        if RAY_FIXTURES & fixtures or LOCAL_RUN_HELPERS & set(module):
+            item.add_marker(pytest.mark.ray)
+        if TRAINING_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.training)
 
 
 @pytest.fixture(scope="session")

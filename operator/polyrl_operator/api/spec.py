@@ -296,10 +296,15 @@ class Policy(ApiModel):
     trainer: Trainer = Field(default_factory=Trainer, description="Training fleet.")
 
 
+# `auto` and the transports the runtime registers (polyrl_runtime/weights/registry.py takes its list
+# from here).
+TransportName = Literal["auto", "objectstore", "shm", "collective"]
+
+
 class WeightSync(ApiModel):
     """How each trainer ships new weights to its policy's rollout engines."""
 
-    transport: Literal["auto", "objectstore", "shm", "collective"] = Field(
+    transport: TransportName = Field(
         "auto",
         description="auto picks the best available; objectstore (Ray, works everywhere), shm (same host), "
         "collective (gloo on CPU, NCCL on GPU).",

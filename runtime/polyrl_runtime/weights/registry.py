@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
+from polyrl_operator.api.spec import TransportName
 from polyrl_runtime.weights.api import WeightReceiver, WeightSender
 
 SenderFactory = Callable[..., WeightSender]
 ReceiverFactory = Callable[..., WeightReceiver]
 
 # The values of the RLJob API's `spec.weightSync.transport`.
-TRANSPORTS = ("auto", "objectstore", "shm", "collective")
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 
 
 @dataclass(frozen=True)

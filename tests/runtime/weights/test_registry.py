@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from polyrl_runtime.weights import TRANSPORTS, VersionRegistry, choose_transport, get_transport, registered
 from polyrl_runtime.weights.api import VersionError, WeightManifest
@@ -10,9 +13,13 @@ from polyrl_runtime.weights.buckets import plan_buckets
 from polyrl_runtime.weights.registry import register_transport
 from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
 
+REPO = Path(__file__).parents[3]
 
-def test_builtin_names_are_the_api_enum() -> None:
-    assert TRANSPORTS == ("auto", "objectstore", "shm", "collective")
+
+def test_every_transport_the_api_offers_is_registered() -> None:
+    crd = yaml.safe_load((REPO / "manifests/base/crds/polyrl.dev_rljobs.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert tuple(spec["properties"]["weightSync"]["properties"]["transport"]["enum"]) == TRANSPORTS
     assert set(registered()) >= set(TRANSPORTS) - {"auto"}
 
 
