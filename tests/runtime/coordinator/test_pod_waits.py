@@ -179,6 +179,7 @@ def test_a_worker_resolves_the_head_again_on_every_try(tmp_path: Path) -> None:
     assert f"--address={head}" in start["cmd"]
 
 
+@pytest.mark.ray  # starts a Ray head with its dashboard
 def test_the_head_serves_the_ray_dashboard_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -67,6 +67,7 @@ def _check_tokenizer(directory: Path) -> None:
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.training  # a DeepSpeed engine trains a step in this process
 def test_export_has_the_trained_weights_and_the_tokenizer(tiny_qwen2_dir: Path, tmp_path: Path) -> None:
     initial = dict(_hf(tiny_qwen2_dir).named_parameters())
     trainer = _trainer(_policy(tiny_qwen2_dir))
