@@ -237,7 +237,8 @@ class Driver:
             episode_timeout_s=self.opts.episode_timeout_s,
         )
         self.control.emit("starting", transport=transport, resume=ref.location if ref else None)
-        # One after the other: at once, on 2 cores, the two sides only slowed each other down.
+        # One after the other: both are CPU-bound imports and model builds, so on a machine with few
+        # cores running them at once makes neither finish sooner.
         await self._load_models()
         await self._init_trainers(ref)
         with phase("first_weights", f"first weight sync to the engines ({transport})"):

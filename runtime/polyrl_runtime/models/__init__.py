@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     import torch
 
 # torch is imported by `load_model` and the model modules (`tiny`, `hf.load_hf_model`), never by this
-# package: the driver and workflow workers use its tokenizers and errors only (tests/runtime/models).
+# package: the driver and workflow workers use its tokenizers and errors only
+# (tests/runtime/test_startup_imports.py).
 __all__ = [
     "CharTokenizer",
     "HFTokenizer",

@@ -66,7 +66,9 @@ def test_checkpoint_then_resume_continues_counters_and_experience(ray_local: Any
     assert latest is not None and latest.step == 2
     leftover = sum(len(v) for v in latest.buffer().samples.values())
     produced = latest.buffer().policies["agent"]["produced"]
-    _, second = run(make_job(training={"totalSteps": 4}, checkpoint={"everySteps": 1, "keep": 3}), tmp_path)
+    driver, second = run(
+        make_job(training={"totalSteps": 4}, checkpoint={"everySteps": 1, "keep": 3}), tmp_path
+    )
     assert second.state == "done", second.message
     assert [r.step for r in second.records] == [3, 4]
     assert second.episodes > first.episodes  # counters continue from the checkpoint
@@ -77,6 +79,10 @@ def test_checkpoint_then_resume_continues_counters_and_experience(ray_local: Any
     # unconsumed experience of the first run was restored, not lost: trained or dropped with a reason
     buffered = sum(len(v) for v in final.buffer().samples.values())
     assert counts["consumed"] + sum(counts["dropped"].values()) + buffered >= leftover
+    # A request that arrives once the run has ended (its actors are stopped) is answered by the
+    # final checkpoint, which holds everything the job trained.
+    answer = asyncio.run(driver.checkpoint("manual", "late-1"))
+    assert answer is not None and answer.step == 4 and "late-1" in driver.handled_requests
 
 
 def test_a_policy_that_can_never_get_credit_fails_the_job_instead_of_hanging(
