@@ -37,7 +37,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -46,8 +46,13 @@ os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
 import numpy as np
 import ray
 import torch
+from ray.actor import ActorHandle
 from torch._C._distributed_c10d import BroadcastOptions, TCPStore
 
+from polyrl_runtime.engines.api import Engine
+from polyrl_runtime.engines.client import EngineClient
+from polyrl_runtime.trainers.api import TrainerRank
+from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.weights import TensorTarget, VersionRegistry
 from polyrl_runtime.weights.collective import GroupAddress, build_group
 from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
@@ -295,10 +300,11 @@ class Sync:
         )
         self.a, self.b, self.transport = a, b, transport
         self.counter = [0]
+        # The clients the driver calls the trainer and its engines with, over counting handles.
         self.wsync = PolicyWeightSync(
             "bench",
-            Counting(a, self.counter),
-            {"e0": Counting(b, self.counter)},
+            TrainerRankClient(cast("ActorHandle[TrainerRank]", Counting(a, self.counter))),
+            {"e0": EngineClient(cast("ActorHandle[Engine]", Counting(b, self.counter)))},
             VersionRegistry(),
             transport=transport,
         )

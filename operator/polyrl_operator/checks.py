@@ -14,6 +14,7 @@ from polyrl_operator import naming
 from polyrl_operator.api import RLJob, RoleOverrides
 from polyrl_operator.builders.pods import role_image
 from polyrl_operator.builders.workload import MAX_PODSETS
+from polyrl_operator.roles import role_slots
 from polyrl_operator.settings import OperatorSettings
 from polyrl_operator.validation import explain
 
@@ -73,29 +74,23 @@ def operator_checks(job: RLJob, settings: OperatorSettings) -> list[Problem]:
                 f"too long: child object {longest!r} would have {size} characters (at most {naming.MAX_NAME})",
             )
         )
-    roles: list[tuple[str, str, str | None, RoleOverrides]] = [
-        ("spec.coordinator", "coordinator", None, spec.coordinator),
-        ("spec.workflow", "workflow", None, spec.workflow),
-    ]
-    for i, p in enumerate(spec.policies):
-        roles.append((f"spec.policies[{i}].rollout", "rollout", p.name, p.rollout))
-        roles.append((f"spec.policies[{i}].trainer", "trainer", p.name, p.trainer))
-        for path, gpu_type in (
-            (f"spec.policies[{i}].rollout.gpuType", p.rollout.gpu_type),
-            (f"spec.policies[{i}].trainer.gpuType", p.trainer.gpu_type),
-        ):
-            if settings.strict_gpu_types and gpu_type and gpu_type not in settings.gpu_types:
-                known = ", ".join(sorted(settings.gpu_types)) or "none"
-                problems.append((path, f"unknown GPU type {gpu_type!r} (this cluster maps: {known})"))
-    for path, role, policy, overrides in roles:
-        if role_image(job, role, policy, settings) is None:  # type: ignore[arg-type]
+    slots = role_slots(job)
+    for slot in slots:
+        gpu_type = slot.gpu_type
+        if settings.strict_gpu_types and gpu_type and gpu_type not in settings.gpu_types:
+            known = ", ".join(sorted(settings.gpu_types)) or "none"
+            problems.append(
+                (f"{slot.path}.gpuType", f"unknown GPU type {gpu_type!r} (this cluster maps: {known})")
+            )
+    for slot in slots:
+        if role_image(job, slot.role, slot.policy, settings) is None:
             problems.append(
                 (
-                    f"{path}.image",
+                    f"{slot.path}.image",
                     "no image: set spec.image or the role's image (the operator has no default)",
                 )
             )
-        _role_checks(path, overrides, problems)
+        _role_checks(slot.path, slot.overrides, problems)
     if spec.scheduling and spec.scheduling.queue_name and not settings.kueue.enabled:
         problems.append(
             (
@@ -105,7 +100,7 @@ def operator_checks(job: RLJob, settings: OperatorSettings) -> list[Problem]:
             )
         )
     elif spec.scheduling and spec.scheduling.queue_name:
-        podsets = 2 + 2 * len(spec.policies)
+        podsets = len(slots)
         if podsets > MAX_PODSETS:
             problems.append(
                 (

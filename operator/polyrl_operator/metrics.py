@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from polyrl_operator.api import PHASES
+from polyrl_operator.roles import ROLES
 
 
 class Metrics:
@@ -52,7 +53,7 @@ class Metrics:
             self.jobs.labels(phase).set(n)
 
     def set_pods(self, roles: Iterable[str]) -> None:
-        counts = dict.fromkeys(("coordinator", "workflow", "rollout", "trainer"), 0)
+        counts: dict[str, int] = {role: 0 for role in ROLES}
         for role in roles:
             counts[role] = counts.get(role, 0) + 1
         for role, n in counts.items():

@@ -1,17 +1,17 @@
-"""Names, labels, annotations and ports of everything the operator creates for an RLJob.
+"""Names, labels and annotations of everything the operator creates for an RLJob.
 
-One module so that the builders, the plan, the kopf index filters and the runtime contract
-(docs/runtime-contract.md) agree on every string. Child names are stable and derived from the job
-(no generated suffixes): that is what makes apply idempotent and a restarted operator converge.
+One module so that the builders, the plan and the kopf index filters agree on every string (what
+the pods themselves are given, ports and paths included, is ``polyrl_operator.pod_contract``).
+Child names are stable and derived from the job (no generated suffixes): that is what makes apply
+idempotent and a restarted operator converge.
 """
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final
 
-Role = Literal["coordinator", "workflow", "rollout", "trainer"]
-ROLES: Final[tuple[Role, ...]] = ("coordinator", "workflow", "rollout", "trainer")
-POLICY_ROLES: Final[tuple[Role, ...]] = ("rollout", "trainer")
+from polyrl_operator.pod_contract import ANNOTATION_CHECKPOINT_REQUEST, ANNOTATION_DRAIN
+from polyrl_operator.roles import ROLE_TRAITS, Role
 
 DOMAIN: Final = "polyrl.dev"
 LABEL_JOB: Final = f"{DOMAIN}/job"
@@ -28,40 +28,21 @@ MANAGER: Final = "polyrl-operator"
 
 ANNOTATION_HASH: Final = f"{DOMAIN}/spec-hash"
 """Hash of the manifest the operator wants; a different hash on the live object means drift."""
-ANNOTATION_DRAIN: Final = f"{DOMAIN}/drain"
-"""Set to "true" on a pod to drain it: the pod sees it through its downward-API volume and tells the
-coordinator, which stops dispatching to it and reports it drained in /progress."""
 ANNOTATION_DRAIN_SINCE: Final = f"{DOMAIN}/drain-since"
 """RFC 3339 time the drain was requested, so the drain timeout survives an operator restart."""
-
-ANNOTATION_CHECKPOINT: Final = f"{DOMAIN}/checkpoint-request"
-"""Set on the coordinator pod to ask for a checkpoint before its pods are deleted (suspend or Kueue
-eviction); the value is a request id that /progress echoes in checkpoint.lastRequestId when done."""
 ANNOTATION_CHECKPOINT_SINCE: Final = f"{DOMAIN}/checkpoint-since"
+"""RFC 3339 time the checkpoint request (pod_contract.ANNOTATION_CHECKPOINT_REQUEST) was made."""
 MUTABLE_ANNOTATIONS: Final = (
     ANNOTATION_DRAIN,
     ANNOTATION_DRAIN_SINCE,
-    ANNOTATION_CHECKPOINT,
+    ANNOTATION_CHECKPOINT_REQUEST,
     ANNOTATION_CHECKPOINT_SINCE,
 )
-"""Annotations the operator patches on live pods; not part of the pod's identity (hash)."""
+"""Annotations the operator patches on live pods (the two requests of the pod contract and when
+each was made); not part of the pod's identity (hash)."""
 
 FINALIZER: Final = f"{DOMAIN}/cleanup"
 CONTAINER: Final = "main"
-
-# Ports (the runtime contract). The coordinator runs the Ray head (GCS 6379, client 10001,
-# dashboard 8265); every pod serves /healthz, and the coordinator /progress and /checkpoint, on HTTP.
-PORT_HTTP: Final = 8000
-PORT_RAY_GCS: Final = 6379
-PORT_RAY_CLIENT: Final = 10001
-PORT_RAY_DASHBOARD: Final = 8265
-PORT_RENDEZVOUS: Final = 29500
-
-CONFIG_KEY: Final = "rljob.json"
-CONFIG_DIR: Final = "/etc/polyrl/config"
-PVC_ROOT: Final = "/mnt/polyrl/pvc"
-"""Claims named by pvc:// URIs are mounted at ``PVC_ROOT/<claim>``."""
-PODINFO_DIR: Final = "/etc/polyrl/podinfo"
 TOKEN_KEY: Final = "ray-token"
 
 MAX_NAME: Final = 63
@@ -89,6 +70,20 @@ def policy_pod(job: str, policy: str, role: Role, index: int) -> str:
 
 def policy_service(job: str, policy: str, role: Role) -> str:
     return f"{job}-{policy}-{role}"
+
+
+def role_pod(job: str, role: Role, policy: str | None, index: int) -> str:
+    """The pod of any role: a singleton's has no index, a per-policy role's names its policy
+    (``policy`` is ignored for the roles that belong to the whole job)."""
+    traits = ROLE_TRAITS[role]
+    if traits.singleton:
+        return f"{job}-{role}"
+    return policy_pod(job, policy or "", role, index) if traits.per_policy else f"{job}-{role}-{index}"
+
+
+def role_service(job: str, role: Role, policy: str | None) -> str:
+    """The Service of any role (the singleton's ClusterIP one, the others' headless ones)."""
+    return policy_service(job, policy or "", role) if ROLE_TRAITS[role].per_policy else f"{job}-{role}"
 
 
 def config_map(job: str) -> str:
@@ -156,6 +151,6 @@ def longest_child_name(job: str, policies: list[str], workflow_max: int) -> tupl
         progress_network_policy(job),
         workflow_pod(job, max(workflow_max - 1, 0)),
     ]
-    names.extend(policy_service(job, p, "rollout") for p in policies)
+    names.extend(policy_service(job, p, r) for p in policies for r, t in ROLE_TRAITS.items() if t.per_policy)
     longest = max(names, key=len)
     return longest, len(longest)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from polyrl_operator.kinds import ChildKind, enabled
+from polyrl_operator.roles import ROLES
 
 GPU_TYPE_LABEL = "polyrl.dev/gpu-type"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -107,7 +108,7 @@ class PodSecurity(_Model):
     run_as_group: int = 10001
     fs_group: int = 10001
     read_only_root_filesystem: dict[str, bool] = Field(
-        default_factory=lambda: dict.fromkeys(("coordinator", "workflow", "rollout", "trainer"), True)
+        default_factory=lambda: {str(role): True for role in ROLES}
     )
     """Per role. Every pod gets a writable ``emptyDir`` at /tmp with the runtime's scratch and cache
     directories pointed there (TMPDIR, XDG_CACHE_HOME, TRITON_CACHE_DIR, TORCH_EXTENSIONS_DIR), so

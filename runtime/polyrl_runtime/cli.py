@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from polyrl_operator import pod_contract as contract
+
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from polyrl_runtime.cpusets import CpuSetError, parse_cpu_sets
@@ -99,22 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="polyrl-runtime", description="polyrl runtime entry points for pods."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    http_port = f"{contract.ENV_HTTP_PORT} or {contract.PORT_HTTP}"
     c = sub.add_parser("coordinator", help="start the Ray head and run the job's driver")
-    c.add_argument("--config", required=True, help="RLJob file (the pod's POLYRL_CONFIG)")
+    c.add_argument("--config", required=True, help=f"RLJob file (the pod's {contract.ENV_CONFIG})")
     c.add_argument("--out", default=None, help="local state folder (default: /tmp/polyrl/<job>)")
-    c.add_argument("--ray-port", type=int, default=None, help="Ray GCS port (default 6379)")
     c.add_argument(
-        "--http-port", type=int, default=None, help="/progress port (default: POLYRL_HTTP_PORT or 8000)"
+        "--ray-port", type=int, default=None, help=f"Ray GCS port (default {contract.PORT_RAY_GCS})"
     )
+    c.add_argument("--http-port", type=int, default=None, help=f"/progress port (default: {http_port})")
     c.set_defaults(func=_cmd_coordinator)
     w = sub.add_parser("worker", help="join the coordinator's Ray cluster as one role's node and wait")
-    w.add_argument("--config", required=True, help="RLJob file (the pod's POLYRL_CONFIG)")
+    w.add_argument("--config", required=True, help=f"RLJob file (the pod's {contract.ENV_CONFIG})")
     w.add_argument("--role", required=True, choices=["rollout", "trainer", "workflow"])
     w.add_argument("--policy", default=None, help="policy name (rollout and trainer roles)")
-    w.add_argument("--address", default=None, help="Ray head address (default: POLYRL_COORDINATOR_ADDRESS)")
     w.add_argument(
-        "--http-port", type=int, default=None, help="/healthz port (default: POLYRL_HTTP_PORT or 8000)"
+        "--address", default=None, help=f"Ray head address (default: {contract.ENV_COORDINATOR_ADDRESS})"
     )
+    w.add_argument("--http-port", type=int, default=None, help=f"/healthz port (default: {http_port})")
     w.set_defaults(func=_cmd_worker)
     return parser
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polyrl_operator import pod_contract as contract
 from polyrl_operator.api import RLJob
 from polyrl_operator.validation import load_rljobs
 from polyrl_runtime import netmap
@@ -75,17 +76,17 @@ class PodEnv:
     def from_env(cls, **overrides: Any) -> PodEnv:
         e = os.environ
         values: dict[str, Any] = {
-            "job": e.get("POLYRL_JOB", ""),
-            "namespace": e.get("POLYRL_NAMESPACE", ""),
-            "role": e.get("POLYRL_ROLE", ""),
-            "policy": e.get("POLYRL_POLICY", ""),
-            "index": int(e.get("POLYRL_INDEX", "0") or 0),
-            "attempt": int(e.get("POLYRL_ATTEMPT", "0") or 0),
-            "pod_name": e.get("POLYRL_POD_NAME", ""),
-            "coordinator_address": e.get("POLYRL_COORDINATOR_ADDRESS", ""),
-            "config": e.get("POLYRL_CONFIG", "/etc/polyrl/config/rljob.json"),
-            "podinfo_dir": e.get("POLYRL_PODINFO_DIR", "/etc/polyrl/podinfo"),
-            "http_port": netmap.listen_port(int(e.get("POLYRL_HTTP_PORT", "8000") or 8000)),
+            "job": e.get(contract.ENV_JOB, ""),
+            "namespace": e.get(contract.ENV_NAMESPACE, ""),
+            "role": e.get(contract.ENV_ROLE, ""),
+            "policy": e.get(contract.ENV_POLICY, ""),
+            "index": int(e.get(contract.ENV_INDEX, "0") or 0),
+            "attempt": int(e.get(contract.ENV_ATTEMPT, "0") or 0),
+            "pod_name": e.get(contract.ENV_POD_NAME, ""),
+            "coordinator_address": e.get(contract.ENV_COORDINATOR_ADDRESS, ""),
+            "config": e.get(contract.ENV_CONFIG, contract.CONFIG_PATH),
+            "podinfo_dir": e.get(contract.ENV_PODINFO_DIR, contract.PODINFO_DIR),
+            "http_port": netmap.listen_port(int(e.get(contract.ENV_HTTP_PORT) or contract.PORT_HTTP)),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -93,7 +94,7 @@ class PodEnv:
 
 def read_annotations(podinfo_dir: str) -> dict[str, str]:
     """The downward-API `annotations` file (`key="value"` lines); {} when absent."""
-    path = Path(podinfo_dir) / "annotations"
+    path = Path(podinfo_dir) / contract.PODINFO_ANNOTATIONS
     try:
         text = path.read_text()
     except OSError:

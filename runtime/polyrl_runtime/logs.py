@@ -26,6 +26,8 @@ from typing import Any, Literal, TextIO
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
+from polyrl_operator import pod_contract as contract
+
 Format = Literal["json", "console"]
 FORMAT_ENV = "POLYRL_LOG_FORMAT"
 LEVEL_ENV = "POLYRL_LOG_LEVEL"
@@ -33,11 +35,11 @@ FORMATS: tuple[Format, ...] = ("json", "console")
 
 # Pod environment variable -> log key; the keys match the operator's (job, namespace) and labels.
 POD_FIELDS: dict[str, str] = {
-    "POLYRL_JOB": "job",
-    "POLYRL_NAMESPACE": "namespace",
-    "POLYRL_POLICY": "policy",
-    "POLYRL_ROLE": "role",
-    "POLYRL_POD_NAME": "pod",
+    contract.ENV_JOB: "job",
+    contract.ENV_NAMESPACE: "namespace",
+    contract.ENV_POLICY: "policy",
+    contract.ENV_ROLE: "role",
+    contract.ENV_POD_NAME: "pod",
 }
 
 

@@ -31,9 +31,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from polyrl_operator import pod_contract as contract
 from polyrl_runtime.waiting import locked
 
-ENV = "POLYRL_NETMAP"
+ENV = contract.ENV_NETMAP
 
 
 def _load() -> dict[str, Any] | None:
@@ -56,7 +57,7 @@ def listen_port(port: int) -> int:
     netmap = _load()
     if netmap is None:
         return port
-    me = f"{os.environ.get('POLYRL_NAMESPACE', '')}/{os.environ.get('POLYRL_POD_NAME', '')}"
+    me = f"{os.environ.get(contract.ENV_NAMESPACE, '')}/{os.environ.get(contract.ENV_POD_NAME, '')}"
     return int(netmap.get("pods", {}).get(me, {}).get(str(port), port))
 
 

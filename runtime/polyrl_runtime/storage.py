@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from polyrl_operator import pod_contract as contract
 from polyrl_runtime.waiting import lock_deadline_s, locked
 
 log = structlog.get_logger(__name__)
@@ -60,8 +61,8 @@ def local_path(uri: str) -> Path:
         return Path(uri.removeprefix("file://"))
     if uri.startswith("pvc://"):
         claim, _, rest = uri.removeprefix("pvc://").partition("/")
-        mounts = json.loads(os.environ.get("POLYRL_PVC_MOUNTS") or "{}")
-        return Path(mounts.get(claim, f"/mnt/polyrl/pvc/{claim}")) / rest
+        mounts = json.loads(os.environ.get(contract.ENV_PVC_MOUNTS) or "{}")
+        return Path(mounts.get(claim, f"{contract.PVC_ROOT}/{claim}")) / rest
     raise ValueError(f"{uri}: not a local URI (file:// or pvc://)")
 
 
@@ -117,7 +118,7 @@ def _key(uri: str) -> str:
 
 def _explain(uri: str, what: str, e: BaseException) -> StorageError:
     """A StorageError naming the URI, the operation and the likely cause."""
-    secret = os.environ.get("POLYRL_CREDENTIALS_SECRET")
+    secret = os.environ.get(contract.ENV_CREDENTIALS_SECRET)
     where = f"the credentials Secret {secret}" if secret else "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
     if isinstance(e, PermissionError):
         cause = f"access denied ({e}); check {where}"

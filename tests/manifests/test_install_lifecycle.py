@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from polyrl_operator import naming
+from polyrl_operator.pod_contract import PORT_HTTP
 from polyrl_testenv import ControlPlane
 from polyrl_testenv.helm import find_helm
 from polyrl_testenv.install import (
@@ -215,7 +216,7 @@ def test_job_network_policies_admit_only_the_job_and_the_operator(lifecycle: Run
     ]  # fmt: skip
     assert selected == [coordinator["metadata"]["name"]]
     [rule] = progress["ingress"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": naming.PORT_HTTP}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": PORT_HTTP}]
     [peer] = rule["from"]
     # The peer is exactly the operator's pods, in the operator's namespace, as the install deploys them.
     for manifests in (lifecycle.manifests, lifecycle.chart or []):

@@ -187,6 +187,10 @@ class Sampling(ApiModel):
     max_new_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens generated per agent turn.")
 
 
+EngineName = Literal["vllm", "torch"]
+"""The rollout engines (the runtime's engine registry holds one class for each)."""
+
+
 class Rollout(RoleOverrides):
     """The inference fleet that generates this policy's actions."""
 
@@ -199,9 +203,7 @@ class Rollout(RoleOverrides):
         ),
     )
 
-    engine: Literal["vllm", "torch"] = Field(
-        "vllm", description="vllm (GPU) or torch (the small built-in CPU engine)."
-    )
+    engine: EngineName = Field("vllm", description="vllm (GPU) or torch (the small built-in CPU engine).")
     replicas: Replicas = Field(default_factory=Replicas, description="Rollout engine pods (elastic).")
     gpus: int = Field(1, ge=0, le=64, description="GPUs per rollout pod (nvidia.com/gpu).")
     gpu_type: str | None = Field(

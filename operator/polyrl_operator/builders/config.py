@@ -8,6 +8,7 @@ from typing import Any
 from polyrl_operator import naming
 from polyrl_operator.api import RLJob
 from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_hash
+from polyrl_operator.pod_contract import CONFIG_FILE
 
 
 def runtime_config(job: RLJob, ref: JobRef) -> dict[str, Any]:
@@ -27,7 +28,7 @@ def build_config_map(job: RLJob, ref: JobRef) -> Manifest:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(ref, naming.config_map(ref.name), naming.labels(ref.name)),
-        "data": {naming.CONFIG_KEY: body},
+        "data": {CONFIG_FILE: body},
     }
     return stamp_hash(manifest)
 

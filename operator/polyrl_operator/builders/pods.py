@@ -14,17 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyrl_operator import naming
+from polyrl_operator import pod_contract as contract
 from polyrl_operator.api import Policy, RLJob, RoleOverrides
 from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_hash
 from polyrl_operator.builders.merge import strategic_merge
 from polyrl_operator.builders.priority import Priority, pod_priority_class
-from polyrl_operator.builders.security import (
-    SCRATCH_DIR,
-    SCRATCH_ENV,
-    container_security_context,
-    pod_security_context,
-)
-from polyrl_operator.naming import Role
+from polyrl_operator.builders.security import container_security_context, pod_security_context
+from polyrl_operator.roles import ROLE_TRAITS, Role, role_slot
 from polyrl_operator.settings import GPU_RESOURCE, OperatorSettings, Placement
 
 
@@ -42,12 +38,8 @@ class PodRequest:
 
 
 def pod_name(job: str, req: PodRequest) -> str:
-    if req.role == "coordinator":
-        return naming.coordinator_pod(job)
-    if req.role == "workflow":
-        return naming.workflow_pod(job, req.index)
-    assert req.policy is not None, "rollout and trainer pods belong to a policy"
-    return naming.policy_pod(job, req.policy, req.role, req.index)
+    assert req.policy is not None or not ROLE_TRAITS[req.role].per_policy, "a per-policy pod names its policy"
+    return naming.role_pod(job, req.role, req.policy, req.index)
 
 
 def _policy(job: RLJob, name: str | None) -> Policy:
@@ -57,20 +49,8 @@ def _policy(job: RLJob, name: str | None) -> Policy:
     raise KeyError(f"no policy {name!r} in job {job.metadata.name}")
 
 
-def role_spec(job: RLJob, role: Role, policy: str | None) -> tuple[RoleOverrides, int, str | None]:
-    """The role's overrides, GPUs per pod and GPU type."""
-    if role == "coordinator":
-        return job.spec.coordinator, 0, None
-    if role == "workflow":
-        return job.spec.workflow, 0, None
-    p = _policy(job, policy)
-    if role == "rollout":
-        return p.rollout, p.rollout.gpus, p.rollout.gpu_type
-    return p.trainer, p.trainer.gpus, p.trainer.gpu_type
-
-
 def role_image(job: RLJob, role: Role, policy: str | None, settings: OperatorSettings) -> str | None:
-    overrides, _, _ = role_spec(job, role, policy)
+    overrides = role_slot(job, role, policy).overrides
     return overrides.image or job.spec.image or settings.default_image
 
 
@@ -89,35 +69,29 @@ def _resources(overrides: RoleOverrides, gpus: int) -> dict[str, Any]:
 
 
 def _env(ref: JobRef, req: PodRequest, name: str, overrides: RoleOverrides) -> list[dict[str, Any]]:
-    service = (
-        naming.coordinator_service(ref.name)
-        if req.role == "coordinator"
-        else naming.workflow_service(ref.name)
-        if req.role == "workflow"
-        else naming.policy_service(ref.name, req.policy or "", req.role)
-    )
+    service = naming.role_service(ref.name, req.role, req.policy)
     env: list[dict[str, Any]] = [
-        {"name": "POLYRL_JOB", "value": ref.name},
-        {"name": "POLYRL_NAMESPACE", "value": ref.namespace},
-        {"name": "POLYRL_ROLE", "value": req.role},
-        {"name": "POLYRL_POLICY", "value": req.policy or ""},
-        {"name": "POLYRL_INDEX", "value": str(req.index)},
-        {"name": "POLYRL_ATTEMPT", "value": str(req.attempt)},
-        {"name": "POLYRL_POD_NAME", "value": name},
-        {"name": "POLYRL_SERVICE", "value": f"{service}.{ref.namespace}.svc"},
+        {"name": contract.ENV_JOB, "value": ref.name},
+        {"name": contract.ENV_NAMESPACE, "value": ref.namespace},
+        {"name": contract.ENV_ROLE, "value": req.role},
+        {"name": contract.ENV_POLICY, "value": req.policy or ""},
+        {"name": contract.ENV_INDEX, "value": str(req.index)},
+        {"name": contract.ENV_ATTEMPT, "value": str(req.attempt)},
+        {"name": contract.ENV_POD_NAME, "value": name},
+        {"name": contract.ENV_SERVICE, "value": f"{service}.{ref.namespace}.svc"},
         {
-            "name": "POLYRL_COORDINATOR_ADDRESS",
-            "value": f"{naming.coordinator_host(ref.name, ref.namespace)}:{naming.PORT_RAY_GCS}",
+            "name": contract.ENV_COORDINATOR_ADDRESS,
+            "value": f"{naming.coordinator_host(ref.name, ref.namespace)}:{contract.PORT_RAY_GCS}",
         },
-        {"name": "POLYRL_CONFIG", "value": f"{naming.CONFIG_DIR}/{naming.CONFIG_KEY}"},
-        {"name": "POLYRL_PODINFO_DIR", "value": naming.PODINFO_DIR},
-        {"name": "POLYRL_HTTP_PORT", "value": str(naming.PORT_HTTP)},
-        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": contract.ENV_CONFIG, "value": contract.CONFIG_PATH},
+        {"name": contract.ENV_PODINFO_DIR, "value": contract.PODINFO_DIR},
+        {"name": contract.ENV_HTTP_PORT, "value": str(contract.PORT_HTTP)},
+        {"name": contract.ENV_RAY_AUTH_MODE, "value": contract.RAY_AUTH_MODE_TOKEN},
         {
-            "name": "RAY_AUTH_TOKEN",
+            "name": contract.ENV_RAY_AUTH_TOKEN,
             "valueFrom": {"secretKeyRef": {"name": naming.secret(ref.name), "key": naming.TOKEN_KEY}},
         },
-        *({"name": key, "value": value} for key, value in SCRATCH_ENV),
+        *({"name": key, "value": value} for key, value in contract.SCRATCH_ENV),
     ]
     for var in overrides.env or []:
         entry = var.to_k8s()
@@ -134,17 +108,18 @@ def claims(job: RLJob, role: Role, policy: str | None) -> dict[str, bool]:
     coordinator and every trainer (each rank writes its own shard), the policy's model claim on its
     rollout engines (read-only) and trainers, the prompt data's claims on the coordinator (read-only:
     it reads spec.data and hands rows to the workflow workers)."""
+    traits = ROLE_TRAITS[role]
     out: dict[str, bool] = {}
     model = _claim(_policy(job, policy).model.uri) if policy else None
-    if model and role in ("rollout", "trainer"):
-        out[model] = role == "rollout"
+    if model and traits.model_mount != "none":
+        out[model] = traits.model_mount == "read-only"
     data = job.spec.data
-    for uri in (data.train, data.eval) if data is not None and role == "coordinator" else ():
+    for uri in (data.train, data.eval) if data is not None and traits.mounts_data else ():
         claim = _claim(uri)
         if claim:
             out[claim] = True
     ckpt = _claim(job.spec.checkpoint.uri)
-    if ckpt and role in ("coordinator", "trainer"):
+    if ckpt and traits.mounts_checkpoint:
         out[ckpt] = False
     return out
 
@@ -154,15 +129,16 @@ def _mount_claims(
 ) -> None:
     mounts = {}
     for i, (claim, read_only) in enumerate(sorted(pod_claims.items())):
-        path = f"{naming.PVC_ROOT}/{claim}"
+        path = f"{contract.PVC_ROOT}/{claim}"
         volumes.append(
             {"name": f"pvc-{i}", "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}}
         )
         container["volumeMounts"].append({"name": f"pvc-{i}", "mountPath": path, "readOnly": read_only})
         mounts[claim] = path
-    if mounts and not any(e["name"] == "POLYRL_PVC_MOUNTS" for e in container["env"]):
-        # the runtime finds each claim's mount point here (polyrl_runtime.models.local_path)
-        container["env"].append({"name": "POLYRL_PVC_MOUNTS", "value": json.dumps(mounts, sort_keys=True)})
+    if mounts and not any(e["name"] == contract.ENV_PVC_MOUNTS for e in container["env"]):
+        # the runtime finds each claim's mount point here (polyrl_runtime.storage.local_path)
+        value = json.dumps(mounts, sort_keys=True)
+        container["env"].append({"name": contract.ENV_PVC_MOUNTS, "value": value})
 
 
 def _storage_credentials(job: RLJob, container: dict[str, Any]) -> None:
@@ -173,16 +149,16 @@ def _storage_credentials(job: RLJob, container: dict[str, Any]) -> None:
     if not secret:
         return
     container["envFrom"] = [{"secretRef": {"name": secret}}]
-    if not any(e["name"] == "POLYRL_CREDENTIALS_SECRET" for e in container["env"]):
-        container["env"].append({"name": "POLYRL_CREDENTIALS_SECRET", "value": secret})
+    if not any(e["name"] == contract.ENV_CREDENTIALS_SECRET for e in container["env"]):
+        container["env"].append({"name": contract.ENV_CREDENTIALS_SECRET, "value": secret})
 
 
-def _metrics_credentials(job: RLJob, role: str, container: dict[str, Any]) -> None:
-    """The coordinator (where the metrics sinks run) gets the metrics Secret's keys as environment
-    (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, ...: what the sinks' clients read); no other pod needs
-    them. The values never appear in the pod spec or the RLJob."""
+def _metrics_credentials(job: RLJob, role: Role, container: dict[str, Any]) -> None:
+    """The role that runs the metrics sinks (the coordinator) gets the metrics Secret's keys as
+    environment (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, ...: what the sinks' clients read); no other
+    pod needs them. The values never appear in the pod spec or the RLJob."""
     secret = job.spec.metrics.credentials_secret
-    if not secret or role != "coordinator":
+    if not secret or not ROLE_TRAITS[role].metrics_sinks:
         return
     refs = container.setdefault("envFrom", [])
     if {"secretRef": {"name": secret}} not in refs:
@@ -193,25 +169,20 @@ def build_pod(
     job: RLJob, ref: JobRef, req: PodRequest, settings: OperatorSettings, priority: Priority | None = None
 ) -> Manifest:
     """The pod ``req`` names; ``priority``: the job's class as resolved for Kueue (a job with a queue)."""
-    overrides, gpus, gpu_type = role_spec(job, req.role, req.policy)
+    slot = role_slot(job, req.role, req.policy)
+    traits = slot.traits
+    overrides, gpus, gpu_type = slot.overrides, slot.gpus, slot.gpu_type
     name = pod_name(ref.name, req)
     image = role_image(job, req.role, req.policy, settings)
     labels = naming.labels(ref.name, req.role, req.policy)
     labels[naming.LABEL_INDEX] = str(req.index)
-    if req.role in ("coordinator", "trainer"):
+    if traits.restarts_job:
         labels[naming.LABEL_ATTEMPT] = str(req.attempt)
-    subdomain = (
-        naming.workflow_service(ref.name)
-        if req.role == "workflow"
-        else naming.policy_service(ref.name, req.policy or "", req.role)
-        if req.policy
-        else None
-    )
-    config = f"{naming.CONFIG_DIR}/{naming.CONFIG_KEY}"
-    if req.role == "coordinator":
-        args = ["coordinator", "--config", config]
-    else:
-        args = ["worker", "--config", config, "--role", req.role]
+    # Pods of a role with a headless Service get stable DNS names under it (rank rendezvous).
+    subdomain = None if traits.singleton else naming.role_service(ref.name, req.role, req.policy)
+    args = [traits.entry_point, "--config", contract.CONFIG_PATH]
+    if traits.entry_point == "worker":
+        args += ["--role", req.role]
         if req.policy:
             args += ["--policy", req.policy]
     container: dict[str, Any] = {
@@ -220,31 +191,31 @@ def build_pod(
         "command": list(settings.runtime_command),
         "args": args,
         "env": _env(ref, req, name, overrides),
-        "ports": [{"name": "http", "containerPort": naming.PORT_HTTP, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": contract.PORT_HTTP, "protocol": "TCP"}],
         "readinessProbe": {
-            "httpGet": {"path": "/healthz", "port": naming.PORT_HTTP},
+            "httpGet": {"path": "/healthz", "port": contract.PORT_HTTP},
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
         "volumeMounts": [
-            {"name": "config", "mountPath": naming.CONFIG_DIR, "readOnly": True},
-            {"name": "podinfo", "mountPath": naming.PODINFO_DIR, "readOnly": True},
-            {"name": "scratch", "mountPath": SCRATCH_DIR},
+            {"name": "config", "mountPath": contract.CONFIG_DIR, "readOnly": True},
+            {"name": "podinfo", "mountPath": contract.PODINFO_DIR, "readOnly": True},
+            {"name": "scratch", "mountPath": contract.SCRATCH_DIR},
         ],
         "securityContext": container_security_context(req.role, settings),
     }
-    if req.role == "coordinator":
+    if traits.ray_head:
         container["ports"] += [
-            {"name": "gcs", "containerPort": naming.PORT_RAY_GCS, "protocol": "TCP"},
-            {"name": "client", "containerPort": naming.PORT_RAY_CLIENT, "protocol": "TCP"},
+            {"name": "gcs", "containerPort": contract.PORT_RAY_GCS, "protocol": "TCP"},
+            {"name": "client", "containerPort": contract.PORT_RAY_CLIENT, "protocol": "TCP"},
         ]
         if job.spec.coordinator.dashboard:  # the head serves it only then (spec.coordinator.dashboard)
             container["ports"].append(
-                {"name": "dashboard", "containerPort": naming.PORT_RAY_DASHBOARD, "protocol": "TCP"}
+                {"name": "dashboard", "containerPort": contract.PORT_RAY_DASHBOARD, "protocol": "TCP"}
             )
-    if req.role == "trainer":
+    if traits.rendezvous:
         container["ports"].append(
-            {"name": "rendezvous", "containerPort": naming.PORT_RENDEZVOUS, "protocol": "TCP"}
+            {"name": "rendezvous", "containerPort": contract.PORT_RENDEZVOUS, "protocol": "TCP"}
         )
     _storage_credentials(job, container)
     _metrics_credentials(job, req.role, container)
@@ -259,8 +230,11 @@ def build_pod(
             "name": "podinfo",
             "downwardAPI": {
                 "items": [
-                    {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
-                    {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+                    {"path": contract.PODINFO_LABELS, "fieldRef": {"fieldPath": "metadata.labels"}},
+                    {
+                        "path": contract.PODINFO_ANNOTATIONS,
+                        "fieldRef": {"fieldPath": "metadata.annotations"},
+                    },
                 ]
             },
         },

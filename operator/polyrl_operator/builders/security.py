@@ -19,20 +19,13 @@ from typing import Any
 
 from polyrl_operator import naming
 from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_hash
-from polyrl_operator.naming import Role
+from polyrl_operator.pod_contract import PORT_HTTP
+from polyrl_operator.roles import Role
 from polyrl_operator.settings import OperatorSettings
 
 NETWORKING_API_VERSION = "networking.k8s.io/v1"
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 """Set by the API server on every namespace (immutable): selects the operator's namespace."""
-SCRATCH_DIR = "/tmp"
-SCRATCH_ENV: tuple[tuple[str, str], ...] = (
-    ("TMPDIR", SCRATCH_DIR),
-    ("XDG_CACHE_HOME", f"{SCRATCH_DIR}/.cache"),  # Hugging Face, vLLM, pip
-    ("TRITON_CACHE_DIR", f"{SCRATCH_DIR}/.triton"),
-    ("TORCH_EXTENSIONS_DIR", f"{SCRATCH_DIR}/torch_extensions"),  # DeepSpeed's JIT-built ops
-)
-"""Where the runtime's libraries write scratch and caches: the writable /tmp volume."""
 
 
 def build_service_account(ref: JobRef) -> Manifest:
@@ -79,7 +72,7 @@ def build_network_policies(ref: JobRef, settings: OperatorSettings) -> list[Mani
                             "podSelector": {"matchLabels": dict(np.operator_pod_labels)},
                         }
                     ],
-                    "ports": [{"protocol": "TCP", "port": naming.PORT_HTTP}],
+                    "ports": [{"protocol": "TCP", "port": PORT_HTTP}],
                 }
             ],
         },

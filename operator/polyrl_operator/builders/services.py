@@ -8,20 +8,26 @@ not-ready addresses so pods can find each other before they pass readiness.
 from __future__ import annotations
 
 from polyrl_operator import naming
+from polyrl_operator import pod_contract as contract
 from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_hash
-from polyrl_operator.naming import Role
+from polyrl_operator.roles import Role
 
 
 def build_coordinator_service(ref: JobRef, *, dashboard: bool = False) -> Manifest:
     """The coordinator's ClusterIP Service; the Ray dashboard's port only when the head serves it
     (`spec.coordinator.dashboard`), so the Service never advertises a port nothing listens on."""
     ports = [
-        {"name": "http", "port": naming.PORT_HTTP, "targetPort": naming.PORT_HTTP, "protocol": "TCP"},
-        {"name": "gcs", "port": naming.PORT_RAY_GCS, "targetPort": naming.PORT_RAY_GCS, "protocol": "TCP"},
+        {"name": "http", "port": contract.PORT_HTTP, "targetPort": contract.PORT_HTTP, "protocol": "TCP"},
+        {
+            "name": "gcs",
+            "port": contract.PORT_RAY_GCS,
+            "targetPort": contract.PORT_RAY_GCS,
+            "protocol": "TCP",
+        },
         {
             "name": "client",
-            "port": naming.PORT_RAY_CLIENT,
-            "targetPort": naming.PORT_RAY_CLIENT,
+            "port": contract.PORT_RAY_CLIENT,
+            "targetPort": contract.PORT_RAY_CLIENT,
             "protocol": "TCP",
         },
     ]
@@ -29,8 +35,8 @@ def build_coordinator_service(ref: JobRef, *, dashboard: bool = False) -> Manife
         ports.append(
             {
                 "name": "dashboard",
-                "port": naming.PORT_RAY_DASHBOARD,
-                "targetPort": naming.PORT_RAY_DASHBOARD,
+                "port": contract.PORT_RAY_DASHBOARD,
+                "targetPort": contract.PORT_RAY_DASHBOARD,
                 "protocol": "TCP",
             }
         )
@@ -50,7 +56,7 @@ def build_coordinator_service(ref: JobRef, *, dashboard: bool = False) -> Manife
 
 
 def build_headless_service(ref: JobRef, role: Role, policy: str | None = None) -> Manifest:
-    name = naming.policy_service(ref.name, policy, role) if policy else naming.workflow_service(ref.name)
+    name = naming.role_service(ref.name, role, policy)
     manifest: Manifest = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -60,11 +66,16 @@ def build_headless_service(ref: JobRef, role: Role, policy: str | None = None) -
             "publishNotReadyAddresses": True,
             "selector": naming.selector(ref.name, role, policy),
             "ports": [
-                {"name": "http", "port": naming.PORT_HTTP, "targetPort": naming.PORT_HTTP, "protocol": "TCP"},
+                {
+                    "name": "http",
+                    "port": contract.PORT_HTTP,
+                    "targetPort": contract.PORT_HTTP,
+                    "protocol": "TCP",
+                },
                 {
                     "name": "rendezvous",
-                    "port": naming.PORT_RENDEZVOUS,
-                    "targetPort": naming.PORT_RENDEZVOUS,
+                    "port": contract.PORT_RENDEZVOUS,
+                    "targetPort": contract.PORT_RENDEZVOUS,
                     "protocol": "TCP",
                 },
             ],

@@ -17,7 +17,7 @@ from polyrl_operator.builders.common import JobRef, Manifest, metadata, stamp_ha
 from polyrl_operator.builders.pods import PodRequest, build_pod
 from polyrl_operator.builders.priority import Priority
 from polyrl_operator.kinds import KUEUE_API_VERSION
-from polyrl_operator.naming import Role
+from polyrl_operator.roles import Role, role_slots
 from polyrl_operator.settings import OperatorSettings, Placement
 
 MAX_PODSETS = 8 + 2 * 5
@@ -33,14 +33,10 @@ class PodSetSize:
 
 
 def podset_sizes(job: RLJob) -> list[PodSetSize]:
-    out = [
-        PodSetSize(naming.podset("coordinator", None), "coordinator", None, 1),
-        PodSetSize(naming.podset("workflow", None), "workflow", None, job.spec.workflow.replicas.max),
+    """One podSet per role slot, at its maximum count (an elastic role may scale out to it)."""
+    return [
+        PodSetSize(naming.podset(s.role, s.policy), s.role, s.policy, s.max_replicas) for s in role_slots(job)
     ]
-    for p in job.spec.policies:
-        out.append(PodSetSize(naming.podset("rollout", p.name), "rollout", p.name, p.rollout.replicas.max))
-        out.append(PodSetSize(naming.podset("trainer", p.name), "trainer", p.name, p.trainer.replicas))
-    return out
 
 
 def _template(

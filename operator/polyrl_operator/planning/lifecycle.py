@@ -14,6 +14,7 @@ from polyrl_operator.api.progress import Progress
 from polyrl_operator.observed import Child
 from polyrl_operator.planning.conditions import parse_time
 from polyrl_operator.planning.types import AdmissionState, Event
+from polyrl_operator.roles import restarts_job
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,7 @@ def terminal_verdict(
         (
             p
             for p in pods
-            if p.role in ("coordinator", "trainer")
-            and p.phase == "Failed"
-            and p.attempt == restarts
-            and not p.deleting
+            if restarts_job(p.role) and p.phase == "Failed" and p.attempt == restarts and not p.deleting
         ),
         key=lambda p: p.name,
     )

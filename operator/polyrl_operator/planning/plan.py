@@ -66,6 +66,7 @@ from polyrl_operator.planning.types import (
     StatusInputs,
     combine,
 )
+from polyrl_operator.roles import role_slots
 from polyrl_operator.settings import OperatorSettings
 
 _STATUS_KEYS = frozenset(f.alias or name for name, f in RLJobStatus.model_fields.items())
@@ -94,13 +95,8 @@ def infrastructure(job: RLJob, ref: JobRef, settings: OperatorSettings) -> dict[
         build_service_account(ref),
         *build_network_policies(ref, settings),
         build_coordinator_service(ref, dashboard=job.spec.coordinator.dashboard),
-        build_headless_service(ref, "workflow"),
+        *(build_headless_service(ref, s.role, s.policy) for s in role_slots(job) if not s.traits.singleton),
     ]
-    for p in job.spec.policies:
-        manifests += [
-            build_headless_service(ref, "rollout", p.name),
-            build_headless_service(ref, "trainer", p.name),
-        ]
     return _keyed(manifests)
 
 

@@ -18,10 +18,11 @@ from polyrl_operator.autoscale import ScaleState, Signals, decide
 from polyrl_operator.builders import JobRef, PodRequest, build_pod
 from polyrl_operator.builders.common import Manifest
 from polyrl_operator.builders.workload import Admission
-from polyrl_operator.naming import Role
 from polyrl_operator.observed import Child, Observed
 from polyrl_operator.planning.conditions import parse_time, rfc3339
 from polyrl_operator.planning.types import Actions, Event, JobMemory, Key, PodPlan, RoleKey, combine
+from polyrl_operator.pod_contract import ANNOTATION_CHECKPOINT_REQUEST, ANNOTATION_DRAIN
+from polyrl_operator.roles import ROLE_TRAITS, Role, role_slots
 from polyrl_operator.settings import OperatorSettings
 
 CHECKPOINT_FIRST = ("Suspended", "Evicted", "DeadlineExceeded")
@@ -29,10 +30,7 @@ CHECKPOINT_FIRST = ("Suspended", "Evicted", "DeadlineExceeded")
 
 
 def role_keys(job: RLJob) -> list[RoleKey]:
-    keys: list[RoleKey] = [("", "coordinator"), ("", "workflow")]
-    for p in job.spec.policies:
-        keys += [(p.name, "rollout"), (p.name, "trainer")]
-    return keys
+    return [(slot.policy or "", slot.role) for slot in role_slots(job)]
 
 
 def empty_pod_plan(job: RLJob) -> PodPlan:
@@ -101,7 +99,7 @@ def _ready_count(inputs: PodInputs, policy: str, role: Role, limit: int) -> int:
         and p.index < limit
         and p.ready
         and not p.deleting
-        and (role not in ("coordinator", "trainer") or p.attempt == inputs.restarts)
+        and (not ROLE_TRAITS[role].restarts_job or p.attempt == inputs.restarts)
     )
 
 
@@ -115,14 +113,10 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
     scaled: list[tuple[str, str, int, int]] = []
     parts: list[Actions] = []
 
-    # Fixed roles: one coordinator, trainer.replicas trainers. Elastic roles: the last decision
-    # recorded in status (never spec), moved by the autoscaler.
-    elastic: list[tuple[str, Role, int, int]] = [
-        ("", "workflow", job.spec.workflow.replicas.min, job.spec.workflow.replicas.max)
-    ]
-    elastic += [
-        (p.name, "rollout", p.rollout.replicas.min, p.rollout.replicas.max) for p in job.spec.policies
-    ]
+    # Fixed roles: their spec's count (one coordinator, trainer.replicas trainers). Elastic roles:
+    # the last decision recorded in status (never spec), moved by the autoscaler.
+    slots = role_slots(job)
+    elastic = [(s.policy or "", s.role, s.min_replicas, s.max_replicas) for s in slots if s.traits.elastic]
     for policy, role, lo, spec_hi in elastic:
         podset = naming.podset(role, policy or None)
         hi = spec_hi
@@ -141,20 +135,19 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
         )
         scale[key] = decision.state
         if decision.desired != current:
-            what = f"rollout of policy {policy}" if policy else "workflow"
+            what = f"{role} of policy {policy}" if policy else role
             scaled.append((policy, role, current, decision.desired))
             message = f"{what}: {current} -> {decision.desired} replicas ({decision.reason})"
             parts.append(Actions(events=(Event("Normal", "Scaled", message),)))
         desired[(policy, role)] = decision.desired
-    desired[("", "coordinator")] = 1
-    for p in job.spec.policies:
-        desired[(p.name, "trainer")] = p.trainer.replicas
+    for s in slots:
+        if not s.traits.elastic:
+            desired[(s.policy or "", s.role)] = s.min_replicas
 
-    wanted: list[tuple[str, Role, int, int]] = [("", "coordinator", 1, 1)]
-    wanted.append(("", "workflow", desired[("", "workflow")], job.spec.workflow.replicas.min))
-    for p in job.spec.policies:
-        wanted.append((p.name, "rollout", desired[(p.name, "rollout")], p.rollout.replicas.min))
-        wanted.append((p.name, "trainer", p.trainer.replicas, p.trainer.replicas))
+    # (policy, role, pods wanted now, pods the job cannot run without)
+    wanted: list[tuple[str, Role, int, int]] = [
+        (s.policy or "", s.role, desired[(s.policy or "", s.role)], s.min_replicas) for s in slots
+    ]
 
     pods: dict[Key, Manifest] = {}
     required: set[str] = set()
@@ -163,7 +156,8 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
     unschedulable: list[str] = []
     for policy, role, count, minimum in wanted:
         flavor = admission.placement.get(naming.podset(role, policy or None)) if admission else None
-        attempt = inputs.restarts if role in ("coordinator", "trainer") else 0
+        traits = ROLE_TRAITS[role]
+        attempt = inputs.restarts if traits.restarts_job else 0
         for i in range(count):
             manifest = build_pod(
                 job, inputs.ref, PodRequest(role, i, policy or None, attempt, flavor), settings, priority
@@ -180,22 +174,17 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
                 missing_required += 0 if current else 1
             if existing is not None and existing.unschedulable:
                 unschedulable.append(f"{name}: {existing.unschedulable}")
-            if (
-                existing is not None
-                and existing.terminated
-                and role in ("workflow", "rollout")
-                and not existing.deleting
-            ):
+            if existing is not None and existing.terminated and traits.elastic and not existing.deleting:
                 # A finished worker is replaced: deleted now, created again next round.
                 why = f"pod {name} {existing.phase.lower()}: {existing.failure or 'exited'}; replacing it"
                 parts.append(Actions(events=(Event("Warning", "Replacing", why),), requeue_after=1.0))
                 continue
             pods[("Pod", name)] = manifest
-            if existing is not None and existing.annotation(naming.ANNOTATION_DRAIN):
-                undrain = ((naming.ANNOTATION_DRAIN, None), (naming.ANNOTATION_DRAIN_SINCE, None))
+            if existing is not None and existing.annotation(ANNOTATION_DRAIN):
+                undrain = ((ANNOTATION_DRAIN, None), (naming.ANNOTATION_DRAIN_SINCE, None))
                 parts.append(Actions(annotate=((name, undrain),)))
         ready[(policy, role)] = _ready_count(inputs, policy, role, count)
-        if role in ("workflow", "rollout"):
+        if traits.elastic:
             parts.append(_scale_in(inputs, policy=policy, role=role, count=count))
 
     waiting = sum(max(minimum - ready[(p, r)], 0) for p, r, _, minimum in wanted)
@@ -244,8 +233,8 @@ def _scale_in(inputs: PodInputs, *, policy: str, role: Role, count: int) -> Acti
             continue
         events: tuple[Event, ...] = ()
         annotate: tuple[tuple[str, tuple[tuple[str, str | None], ...]], ...] = ()
-        if pod.annotation(naming.ANNOTATION_DRAIN) != "true":
-            values = ((naming.ANNOTATION_DRAIN, "true"), (naming.ANNOTATION_DRAIN_SINCE, rfc3339(now)))
+        if pod.annotation(ANNOTATION_DRAIN) != "true":
+            values = ((ANNOTATION_DRAIN, "true"), (naming.ANNOTATION_DRAIN_SINCE, rfc3339(now)))
             annotate = ((pod.name, values),)
             events = (Event("Normal", "Draining", f"draining pod {pod.name} before deleting it"),)
         parts.append(
@@ -268,7 +257,7 @@ def plan_stop(inputs: PodInputs, stop_reason: str) -> PodPlan:
     )
     if stop_reason not in CHECKPOINT_FIRST or coordinator is None:
         return replace(empty_pod_plan(inputs.job), any_live=bool(pods), stop_message="deleting pods")
-    on_pod = coordinator.annotation(naming.ANNOTATION_CHECKPOINT)
+    on_pod = coordinator.annotation(ANNOTATION_CHECKPOINT_REQUEST)
     on_pod_since = coordinator.annotation(naming.ANNOTATION_CHECKPOINT_SINCE)
     asked: list[Actions] = []
     if on_pod is not None and on_pod_since is not None and parse_time(on_pod_since) is not None:
@@ -283,7 +272,7 @@ def plan_stop(inputs: PodInputs, stop_reason: str) -> PodPlan:
             why = f"asked the coordinator to checkpoint ({remembered[0]}) before deleting pods"
             asked.append(Actions(events=(Event("Normal", "CheckpointRequested", why),)))
         values = (
-            (naming.ANNOTATION_CHECKPOINT, remembered[0]),
+            (ANNOTATION_CHECKPOINT_REQUEST, remembered[0]),
             (naming.ANNOTATION_CHECKPOINT_SINCE, remembered[1]),
         )
         asked.append(Actions(annotate=((coordinator.name, values),)))

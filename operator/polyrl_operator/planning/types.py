@@ -15,7 +15,7 @@ from polyrl_operator.api.progress import Progress
 from polyrl_operator.autoscale import ScaleState
 from polyrl_operator.builders import JobRef
 from polyrl_operator.builders.common import Manifest
-from polyrl_operator.naming import Role
+from polyrl_operator.roles import Role
 
 Key = tuple[str, str]
 """(kind, name) of a child."""

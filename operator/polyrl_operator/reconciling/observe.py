@@ -24,6 +24,7 @@ from polyrl_operator.builders.workload import admission_flavors
 from polyrl_operator.kinds import KUEUE_API_VERSION
 from polyrl_operator.kube import ApiError, KubeClient, path_for
 from polyrl_operator.observed import Child, Observed, summarize
+from polyrl_operator.pod_contract import PORT_HTTP
 from polyrl_operator.priority import observe_priority
 from polyrl_operator.reconciling.queue import Key
 from polyrl_operator.settings import OperatorSettings
@@ -149,7 +150,7 @@ class Observer:
         namespace, name = key
         url = (
             self.settings.progress_url.format(
-                job=name, namespace=namespace, service=naming.coordinator_service(name), port=naming.PORT_HTTP
+                job=name, namespace=namespace, service=naming.coordinator_service(name), port=PORT_HTTP
             ).rstrip("/")
             + "/progress"
         )

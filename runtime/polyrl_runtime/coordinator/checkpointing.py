@@ -10,11 +10,16 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import structlog
+
 from polyrl_operator.api import RLJob
 from polyrl_runtime import storage
 from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.driver_base import JobControl, PolicyRun
+from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.export import export_due, export_location
+
+log = structlog.get_logger(__name__)
 
 
 class Checkpointer:
@@ -35,12 +40,12 @@ class Checkpointer:
         self.handled_requests: list[str] = []
         self.in_progress = False
         self._lock = asyncio.Lock()
-        self._buffer: Any = None
+        self._buffer: BufferClient | None = None  # None until the job has started (`attach`)
         self._counters: Callable[[], dict[str, Any]] = dict
         self._flush_metrics: Callable[[], None] = lambda: None
 
     def attach(
-        self, buffer: Any, counters: Callable[[], dict[str, Any]], flush_metrics: Callable[[], None]
+        self, buffer: BufferClient, counters: Callable[[], dict[str, Any]], flush_metrics: Callable[[], None]
     ) -> None:
         """The experience buffer and the counters a checkpoint records, once the job has them, and
         the metrics flush that runs before each commit (every step a checkpoint holds has its row
@@ -64,7 +69,7 @@ class Checkpointer:
         if not export_due(run.step, self.total, self.job.spec.checkpoint.export_every):
             return
         location = export_location(self.store.root, run.step, run.name)
-        await asyncio.gather(*(r.export.remote(location) for r in run.ranks))
+        await asyncio.gather(*(r.export(location) for r in run.ranks))
         self.control.emit("export", policy=run.name, step=run.step, path=location)
 
     async def maybe_checkpoint(self) -> None:
@@ -75,6 +80,10 @@ class Checkpointer:
             await self.checkpoint("periodic")
 
     async def checkpoint(self, reason: str, request_id: str | None = None) -> CheckpointRef | None:
+        buffer = self._buffer
+        if buffer is None:  # starting: no trainer holds weights yet (a request is answered later)
+            log.info("checkpoint.before_start", reason=reason, request_id=request_id)
+            return self.last_ckpt
         async with self._lock:
             if request_id is not None and request_id in self.handled_requests:
                 return self.last_ckpt
@@ -90,21 +99,21 @@ class Checkpointer:
             for lock in locks:
                 await lock.acquire()
             try:
-                return await self._cut(reason, request_id)
+                return await self._cut(reason, request_id, buffer)
             finally:
                 for lock in locks:
                     lock.release()
                 self.in_progress = False
 
-    async def _cut(self, reason: str, request_id: str | None) -> CheckpointRef:
+    async def _cut(self, reason: str, request_id: str | None, buffer: BufferClient) -> CheckpointRef:
         steps = {n: r.step for n, r in self.runs.items()}
         tmp = self.store.begin(min(steps.values()))
         for n, run in self.runs.items():
             d = storage.join(tmp, "trainers", n)  # each rank uploads its part there
-            await asyncio.gather(*(r.save.remote(d, TRAINER_TAG) for r in run.ranks))
+            await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))
         # The counters before the snapshot: the data position must not run ahead of it (datafeed.py).
         counters = self._counters()
-        snap = await self._buffer.snapshot.remote()
+        snap = await buffer.snapshot()
         if request_id is not None:
             self.handled_requests.append(request_id)
         state = {

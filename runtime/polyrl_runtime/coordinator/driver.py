@@ -15,23 +15,24 @@ version, so generation waits for the weights of the previous step (strictly on-p
 generation runs up to maxStaleness versions ahead; older samples are dropped (and counted) by the
 buffer, newer-but-stale ones are corrected by truncated importance weights in the loss.
 
-`Driver` composes one component per responsibility (listed in coordinator/driver_base.py); it starts
-them in `_start`, runs their loops in `run` and reports a `JobSnapshot` (report.py).
+`Driver` composes one component per responsibility (listed in coordinator/driver_base.py). `_start`
+starts the actors and builds the components that use them, all at once (`JobParts`); `run` runs their
+loops and reports a `JobSnapshot` (report.py). Every hop of a step is a typed call through an actor's
+client (polyrl_runtime/actors.py); `PolicyTrainer.train_step` (training.py) makes them in order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import ray
 import structlog
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import Progress
+from polyrl_runtime.actors import Actor
 from polyrl_runtime.coordinator.checkpoint import CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.checkpointing import Checkpointer
 from polyrl_runtime.coordinator.datafeed import DataFeed, buffered_groups, open_train_feed
@@ -51,10 +52,10 @@ from polyrl_runtime.coordinator.report import (
     worker_views,
 )
 from polyrl_runtime.coordinator.tasks import root_cause
-from polyrl_runtime.coordinator.training import PolicyTrainer, ProducerEventSink
+from polyrl_runtime.coordinator.training import PolicyTrainer, ProducerEventSink, StepLimits, TrainingParts
 from polyrl_runtime.data import DataError
-from polyrl_runtime.experience.actor import create_experience_actor
 from polyrl_runtime.experience.buffer import PolicyConfig
+from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.models import ModelLoadError
 from polyrl_runtime.weights import VersionRegistry, choose_transport
 from polyrl_runtime.workflows.preflight import PreflightError, check_entry_points
@@ -62,6 +63,17 @@ from polyrl_runtime.workflows.preflight import PreflightError, check_entry_point
 __all__ = ["Driver", "DriverOptions", "JobFailedError"]
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class JobParts:
+    """What `Driver._start` builds, all at once: the buffer, the producer, the supervision and each
+    policy's trainer (the actors are the fleet's, which the driver holds from the start)."""
+
+    buffer: BufferClient
+    producer: EpisodeProducer
+    supervisor: FleetSupervisor
+    trainers: dict[str, PolicyTrainer]
 
 
 class Driver:
@@ -77,16 +89,19 @@ class Driver:
         self.control = JobControl(opts.on_event, opts.startup)
         self.state: State = "starting"
         self.message, self.retryable, self.interrupted = "", True, False
-        self.runs: dict[str, PolicyRun] = {}
-        self.trainers: dict[str, PolicyTrainer] = {}
+        self.runs: dict[str, PolicyRun] = {}  # filled as `_start` starts each policy's trainer
         self.checkpointer = Checkpointer(job, self.store, self.control, self.runs, opts.checkpoint_requests)
         self.metrics = MetricsLog(job, opts)
-        self.producer: EpisodeProducer | None = None
-        self.supervisor: FleetSupervisor | None = None
-        self.buffer: Any = None
-        self.fleet: Fleet | None = None
+        cuda = any(p.trainer.gpus > 0 for p in self.spec.policies)
+        self.transport = choose_transport(
+            self.spec.weight_sync.transport, cuda=cuda, same_host=opts.same_host
+        )
+        # Starts no actor before `run`; then it starts (and `close` stops) every one.
+        self.fleet = Fleet(
+            job, self.transport, place_by_resource=opts.place_by_resource, cpu_sets=opts.cpu_sets
+        )
         self.registry = VersionRegistry()
-        self.evaluator: Evaluator | None = None
+        self.parts: JobParts | None = None  # once `run` has started the job
         self.closed = False
 
     async def run(self) -> RunSummary:
@@ -99,14 +114,13 @@ class Driver:
 
     async def _run(self) -> RunSummary:
         try:
-            await self._start()
+            parts = self.parts = await self._start()
             self.state = "running"
-            assert self.producer is not None and self.supervisor is not None
             guarded = self.control.guarded
-            trainers = [guarded(t.loop(), f"policy {n}: training loop") for n, t in self.trainers.items()]
+            trainers = [guarded(t.loop(), f"policy {n}: training loop") for n, t in parts.trainers.items()]
             side = [
-                guarded(self.producer.run(self.control.stop), "episode producer"),
-                guarded(self.supervisor.loop(), "housekeeping"),
+                guarded(parts.producer.run(self.control.stop), "episode producer"),
+                guarded(parts.supervisor.loop(), "housekeeping"),
             ]
             await self._until_done_or_stopped(trainers)
             await self._wind_down(trainers, side)
@@ -116,9 +130,8 @@ class Driver:
             if request is not None:
                 self.handled_requests.append(request)  # the final checkpoint below answers it
             await self.checkpoint("final")
-            if self.fleet is not None:
-                await self.fleet.poll()  # the final /progress shows the engines' final versions
-            data_end = self.producer.data_end_message({n: r.step for n, r in self.runs.items()})
+            await self.fleet.poll()  # the final /progress shows the engines' final versions
+            data_end = parts.producer.data_end_message({n: r.step for n, r in self.runs.items()})
             done = data_end is not None or all(r.step >= self.total for r in self.runs.values())
             self.state = "done" if done else "running"
             self.message = (data_end or "all policies finished") if done else "interrupted; checkpointed"
@@ -127,7 +140,8 @@ class Driver:
             log.error("job.failed", error=str(e))
         await asyncio.to_thread(self.metrics.close)
         startup = self.control.startup.seconds
-        return await run_summary(self.snapshot(), self.records, self.buffer, self.metrics.ends, startup)
+        buffer = self.parts.buffer if self.parts is not None else None
+        return await run_summary(self.snapshot(), self.records, buffer, self.metrics.ends, startup)
 
     async def _until_done_or_stopped(self, trainers: list[asyncio.Task[None]]) -> None:
         waiters: list[asyncio.Future[Any]] = [
@@ -158,15 +172,7 @@ class Driver:
         library user, the benchmarks, the test suite) a finished job's processes stayed beside the
         next job's, with their memory and a share of the cores."""
         self.closed = True
-        handles: list[Any] = [r for run in self.runs.values() for r in run.ranks]
-        if self.fleet is not None:
-            handles += [s.handle for engines in self.fleet.engines.values() for s in engines.values()]
-            handles += [s.handle for s in self.fleet.workers.values()]
-        if self.buffer is not None:
-            handles.append(self.buffer)
-        for handle in handles:
-            with contextlib.suppress(Exception):  # already dead: nothing to stop
-                ray.kill(handle, no_restart=True)
+        self.fleet.close()
 
     def stop(self, reason: str = "interrupted") -> None:
         """Stop after the steps in progress; `run` then checkpoints and returns (Ctrl-C, SIGTERM)."""
@@ -174,7 +180,9 @@ class Driver:
         self.message = reason
         self.control.stop.set()
 
-    async def _start(self) -> None:
+    async def _start(self) -> JobParts:
+        """Start every actor, build the components that use them, restore the checkpoint when
+        resuming and publish the first weights; returns the parts `_run` runs."""
         spec = self.spec
         try:
             check_entry_points(spec)  # before any actor: the code the job names imports
@@ -185,101 +193,83 @@ class Driver:
         except DataError as e:
             raise JobFailedError(str(e), retryable=False) from e
         ref = self.store.latest() if self.opts.resume else None
-        cuda = any(p.trainer.gpus > 0 for p in spec.policies)
-        transport = choose_transport(spec.weight_sync.transport, cuda=cuda, same_host=self.opts.same_host)
-        self.fleet = Fleet(
-            self.job, transport, place_by_resource=self.opts.place_by_resource, cpu_sets=self.opts.cpu_sets
-        )
-        self.evaluator = Evaluator(spec, eval_rows, self.fleet) if eval_rows is not None else None
-        s = spec.effective_max_staleness
+        fleet, s = self.fleet, spec.effective_max_staleness
         configs = [
             PolicyConfig(p.name, self.episodes_per_step, s, final_version=self.total) for p in spec.policies
         ]
         capacity = (s + 2) * self.episodes_per_step * len(configs) + 4 * self.group_size
-        node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         snapshot = ref.buffer() if ref is not None else None
         phase = self.control.phase
         with phase("actors", "starting actors (" + self._actor_counts() + ")"):
-            self.buffer = create_experience_actor(
-                configs, capacity, snapshot=snapshot, scheduling_strategy=node
-            )
+            buffer = fleet.new_buffer(configs, capacity, snapshot)
             for p in spec.policies:
                 for _ in range(p.rollout.replicas.min):
-                    self.fleet.new_engine(p)
-                self.runs[p.name] = PolicyRun(
-                    p.name,
-                    self.fleet.new_trainers(p, self.buffer),
-                    window=RewardWindow(self.episodes_per_step),
-                )
+                    fleet.new_engine(p)
+                ranks = fleet.new_trainers(p, buffer)
+                self.runs[p.name] = PolicyRun(p.name, ranks, window=RewardWindow(self.episodes_per_step))
             job_json = self.job.model_dump_json(by_alias=True)
             for _ in range(spec.workflow.replicas.min):
-                self.fleet.new_worker(job_json, self.buffer, self.opts.episode_timeout_s)
+                fleet.new_worker(job_json, buffer, self.opts.episode_timeout_s)
             await asyncio.gather(
-                self.buffer.__ray_ready__.remote(),
-                *(self._reported(n, self._ready(run.ranks)) for n, run in self.runs.items()),
+                buffer.ready(), *(self._reported(n, self._ready(run.ranks)) for n, run in self.runs.items())
             )
         if ref is not None:  # a policy that had finished trains again when the job asks for more steps
             done = {p.name: int(ref.state["policies"].get(p.name, {}).get("step", 0)) for p in spec.policies}
-            await asyncio.gather(
-                *(self.buffer.reopen.remote(n) for n, step in done.items() if step < self.total)
-            )
-        self.producer = self._new_producer(feed)
-        self.checkpointer.attach(self.buffer, self._counters, self.metrics.flush)
-        self.trainers = {n: self._new_trainer(run) for n, run in self.runs.items()}
-        self.supervisor = FleetSupervisor(
+            await asyncio.gather(*(buffer.reopen(n) for n, step in done.items() if step < self.total))
+        producer = self._new_producer(feed, buffer)
+        # What a checkpoint records beside the trainers and the buffer (`_restore_counters` reads it).
+        self.checkpointer.attach(buffer, producer.state, self.metrics.flush)
+        evaluator = Evaluator(spec, eval_rows, fleet) if eval_rows is not None else None
+        shared = TrainingParts(
+            control=self.control,
+            buffer=buffer,
+            fleet=fleet,
+            producer=producer,
+            checkpointer=self.checkpointer,
+            registry=self.registry,
+            record=self.metrics.add,
+            evaluator=evaluator,
+        )
+        limits = StepLimits(self.group_size, self.opts.stall_timeout_s)
+        trainers = {n: PolicyTrainer(self.job, run, shared, limits) for n, run in self.runs.items()}
+        supervisor = FleetSupervisor(
             self.job,
-            fleet=self.fleet,
+            fleet=fleet,
             runs=self.runs,
-            buffer=self.buffer,
+            buffer=buffer,
             control=self.control,
             checkpointer=self.checkpointer,
             poll_s=self.opts.poll_s,
             episode_timeout_s=self.opts.episode_timeout_s,
         )
+        transport = self.transport
         self.control.emit("starting", transport=transport, resume=ref.location if ref else None)
         # One after the other: both are CPU-bound imports and model builds, so on a machine with few
         # cores running them at once makes neither finish sooner.
         await self._load_models()
-        await self._init_trainers(ref)
+        await self._init_trainers(trainers, ref)
         with phase("first_weights", f"first weight sync to the engines ({transport})"):
-            await asyncio.gather(*(self._reported(n, t.connect(transport)) for n, t in self.trainers.items()))
+            await asyncio.gather(*(self._reported(n, t.connect(transport)) for n, t in trainers.items()))
         if ref is not None:
-            self._restore_counters(ref, buffered_groups(snapshot))
+            self._restore_counters(ref, producer, buffered_groups(snapshot))
         await self.metrics.open({n: r.step for n, r in self.runs.items()} if ref is not None else {})
         self.control.emit("started", policies=list(self.runs))
+        return JobParts(buffer, producer, supervisor, trainers)
 
     async def _load_models(self) -> None:
         """Wait for the rollout engines (loading their models) and the workflow workers (loading
         each policy's tokenizer), which began as their actors started."""
-        assert self.fleet is not None
         engines, workers = self.fleet.engines, self.fleet.workers
         with self.control.phase("model_load", "loading the models into the rollout engines"):
             await asyncio.gather(
-                *(self._reported(n, self._ready([s.handle for s in engines[n].values()])) for n in self.runs)
+                *(self._reported(n, self._ready([s.actor for s in engines[n].values()])) for n in self.runs)
             )
-            await self._reported(None, self._ready([w.handle for w in workers.values()]))
+            await self._reported(None, self._ready([w.actor for w in workers.values()]))
 
-    async def _init_trainers(self, ref: CheckpointRef | None) -> None:
+    async def _init_trainers(self, trainers: dict[str, PolicyTrainer], ref: CheckpointRef | None) -> None:
         doing = "initialising the trainers (process groups, models, DeepSpeed"
         with self.control.phase("trainer_init", doing + (", checkpoint)" if ref is not None else ")")):
-            await asyncio.gather(*(self._reported(n, t.setup(ref)) for n, t in self.trainers.items()))
-
-    def _new_trainer(self, run: PolicyRun) -> PolicyTrainer:
-        assert self.fleet is not None and self.producer is not None
-        return PolicyTrainer(
-            self.job,
-            run,
-            control=self.control,
-            buffer=self.buffer,
-            fleet=self.fleet,
-            producer=self.producer,
-            checkpointer=self.checkpointer,
-            registry=self.registry,
-            record=self.metrics.add,
-            stall_timeout_s=self.opts.stall_timeout_s,
-            group_size=self.group_size,
-            evaluator=self.evaluator,
-        )
+            await asyncio.gather(*(self._reported(n, t.setup(ref)) for n, t in trainers.items()))
 
     def _actor_counts(self) -> str:
         spec = self.spec
@@ -293,9 +283,9 @@ class Driver:
         return f"{n(engines, 'engine')}, {n(ranks, 'trainer rank')}, {n(workers, 'workflow worker')}"
 
     @staticmethod
-    async def _ready(actors: list[Any]) -> None:
+    async def _ready(actors: Sequence[Actor]) -> None:
         """Until each of `actors` is constructed (its process started and its `__init__` returned)."""
-        await asyncio.gather(*(a.__ray_ready__.remote() for a in actors))
+        await asyncio.gather(*(a.ready() for a in actors))
 
     async def _reported(self, name: str | None, work: Awaitable[None]) -> None:
         """Policy `name`'s start-up `work`, with a model that cannot be loaded reported as the job's
@@ -314,11 +304,10 @@ class Driver:
                 raise JobFailedError(named, retryable=False) from e
             raise
 
-    def _new_producer(self, feed: DataFeed | None) -> EpisodeProducer:
-        assert self.fleet is not None
+    def _new_producer(self, feed: DataFeed | None, buffer: BufferClient) -> EpisodeProducer:
         o = self.opts
         return EpisodeProducer(
-            buffer=self.buffer,
+            buffer=buffer,
             fleet=self.fleet,
             policies=list(self.runs),
             group_size=self.group_size,
@@ -332,14 +321,11 @@ class Driver:
             feed=feed,
         )
 
-    def _counters(self) -> dict[str, Any]:
-        """What a checkpoint records beside the trainers and the buffer (restored by `_restore_counters`)."""
-        return self.producer.state() if self.producer is not None else {}
-
-    def _restore_counters(self, ref: CheckpointRef, buffered: frozenset[str]) -> None:
+    def _restore_counters(
+        self, ref: CheckpointRef, producer: EpisodeProducer, buffered: frozenset[str]
+    ) -> None:
         st = ref.state
-        assert self.producer is not None
-        self.producer.restore(st, buffered)
+        producer.restore(st, buffered)
         self.control.elapsed_before = float(st.get("elapsed_s", 0.0))
         self.checkpointer.resumed(ref)
         for name, run in self.runs.items():
@@ -355,8 +341,11 @@ class Driver:
         return await self.checkpointer.checkpoint(reason, request_id)
 
     async def set_draining(self, target: str, draining: bool = True) -> bool:
-        assert self.supervisor is not None
-        return await self.supervisor.set_draining(target, draining)
+        """Drain (or undrain) the engine or worker `target`; False when none is named so (none is
+        before the job has started)."""
+        if self.parts is None:
+            return False
+        return await self.parts.supervisor.set_draining(target, draining)
 
     @property
     def records(self) -> list[StepRecord]:
@@ -375,7 +364,8 @@ class Driver:
 
     def snapshot(self) -> JobSnapshot:
         """What the reports read: a copy of the job's state at this moment."""
-        ckpt, producer = self.checkpointer, self.producer
+        ckpt = self.checkpointer
+        producer = self.parts.producer if self.parts is not None else None
         last = ckpt.last_ckpt
         return JobSnapshot(
             state="checkpointing" if ckpt.in_progress and self.state == "running" else self.state,

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from polyrl_operator.api.progress import EvalProgress
+from polyrl_runtime.actors import Actor
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import RewardWindow, StartupPhases, StepRecord
 from polyrl_runtime.coordinator.tasks import fail_on_error
 from polyrl_runtime.experience.buffer import PolicyStats
+from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
 
 State = Literal["starting", "running", "checkpointing", "done", "failed"]
@@ -69,7 +71,7 @@ class PolicyRun:
     """What the driver tracks of one policy: its trainer ranks, weight sync, step and statistics."""
 
     name: str
-    ranks: list[Any]
+    ranks: list[TrainerRankClient]
     sync: PolicyWeightSync | None = None
     step: int = 0
     samples_per_episode: int | None = None
@@ -137,7 +139,7 @@ class JobControl:
         """A task whose unexpected exception fails the job (retryably), naming it."""
         return fail_on_error(asyncio.create_task(work), what, self.fail)
 
-    def report_lost(self, fleet: Fleet, slots: list[Slot]) -> None:
+    def report_lost(self, fleet: Fleet, slots: Sequence[Slot[Actor]]) -> None:
         """Report each engine or workflow worker once, when the fleet first marks it dead (whoever
         saw it die: the weight sync, a workflow worker, the producer or the supervision poll)."""
         for slot in slots:

@@ -111,9 +111,7 @@ class Evaluator:
         ref = RowRef(self.source, index, self.rows[index])
         seed = (self.seed * 1_000_003 + index) % 2**31  # the same draws at every pass: comparable
         try:
-            out: list[dict[str, float] | str] = await worker.handle.evaluate.remote(
-                f"eval{step}r{index}", seed, ref, self.cfg.k, self.cfg.greedy
-            )
+            out = await worker.actor.evaluate(f"eval{step}r{index}", seed, ref, self.cfg.k, self.cfg.greedy)
         except Exception as e:
             return [f"eval row {index}: {(str(e).splitlines() or [repr(e)])[0]}"] * self.cfg.k
         return out

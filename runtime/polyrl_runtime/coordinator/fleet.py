@@ -1,4 +1,5 @@
-"""The job's actors, placed by custom resources: engines, trainer ranks and workflow workers.
+"""The job's actors, placed by custom resources: engines, trainer ranks and workflow workers (and the
+experience buffer, on the driver's node). The fleet starts every one of them, so `close` stops them all.
 
 Every actor asks for one unit of `polyrl/<policy>/<role>` (or `polyrl/workflow`), which is what a pod
 of that role (or `ray.init(resources=...)` under `polyrl run`) provides, so the same code places actors
@@ -10,32 +11,47 @@ routing tables, finishes its work and is reported drained.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import ray
 import structlog
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from polyrl_operator.api import Policy, RLJob
+from polyrl_runtime.actors import Actor, start_actor
 from polyrl_runtime.config import resource_name
 from polyrl_runtime.cpusets import role_env
-from polyrl_runtime.engines.api import EngineStats
-from polyrl_runtime.engines.vllm_api import actor_options as vllm_actor_options
+from polyrl_runtime.engines.api import Engine
+from polyrl_runtime.engines.client import EngineClient
+from polyrl_runtime.engines.registry import engine_kind
+from polyrl_runtime.experience.actor import create_experience_actor
+from polyrl_runtime.experience.buffer import BufferSnapshot, PolicyConfig
+from polyrl_runtime.experience.client import BufferClient
+from polyrl_runtime.trainers.api import TrainerRank
+from polyrl_runtime.trainers.client import TrainerRankClient
+from polyrl_runtime.workflows.client import WorkflowWorkerClient
 
 log = structlog.get_logger(__name__)
 
+# The client of a slot's actor. Covariant: an engine's or a worker's slot is a `Slot[Actor]`, what the
+# code that handles both (health, drain, reports) takes.
+C_co = TypeVar("C_co", covariant=True)
+
 
 @dataclass
-class Slot:
-    """One engine or workflow worker as the coordinator tracks it."""
+class Slot(Generic[C_co]):
+    """One engine or workflow worker as the coordinator tracks it (`actor`: the client it is called by)."""
 
     name: str
-    handle: Any
+    actor: C_co
     policy: str = ""
     pod: str = ""
     draining: bool = False
@@ -66,14 +82,9 @@ class Slot:
         self._busy, self._at, self.in_flight = busy_s, now, in_flight
 
 
-def engine_class(policy: Policy) -> Any:
-    if policy.rollout.engine == "vllm":
-        from polyrl_runtime.engines.vllm_engine import VllmEngine
-
-        return VllmEngine
-    from polyrl_runtime.engines.torch_engine import TorchEngine
-
-    return TorchEngine
+EngineSlot = Slot[EngineClient]
+WorkerSlot = Slot[WorkflowWorkerClient]
+A = TypeVar("A", bound=Actor)
 
 
 class Fleet:
@@ -81,7 +92,7 @@ class Fleet:
         self,
         job: RLJob,
         transport: str,
-        transport_kwargs: dict[str, Any] | None = None,
+        transport_kwargs: Mapping[str, object] | None = None,
         *,
         place_by_resource: bool = True,
         cpu_sets: Mapping[str, frozenset[int]] | None = None,
@@ -91,9 +102,10 @@ class Fleet:
         self.cpu_sets = dict(cpu_sets or {})
         self.spec = job.spec
         self.transport = transport
-        self.transport_kwargs = transport_kwargs or {}
-        self.engines: dict[str, dict[str, Slot]] = {p.name: {} for p in self.spec.policies}
-        self.workers: dict[str, Slot] = {}
+        self.transport_kwargs = dict(transport_kwargs or {})
+        self.engines: dict[str, dict[str, EngineSlot]] = {p.name: {} for p in self.spec.policies}
+        self.workers: dict[str, WorkerSlot] = {}
+        self._started: list[Actor] = []  # every actor started, for `close`
         self._ids = itertools.count()
         self.routes_epoch = 0  # bumped by each push of routing tables to the workers
         # Without placement resources (tests on a plain Ray), what Ray's resource accounting does
@@ -105,21 +117,36 @@ class Fleet:
     def _res(self, policy: str | None, role: str) -> dict[str, float]:
         return {resource_name(policy, role): 1} if self.place_by_resource else {}
 
-    def _env(self, role: str) -> dict[str, Any]:
+    def _env(self, role: str) -> dict[str, dict[str, str]]:
         keep = ("OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PYTHONPATH")
         env = {k: os.environ[k] for k in keep if k in os.environ}
         return {"env_vars": {**env, **role_env(self.cpu_sets, role)}}
 
-    def new_engine(self, policy: Policy) -> Slot:
+    def _track(self, actor: A) -> A:
+        self._started.append(actor)
+        return actor
+
+    def new_buffer(
+        self, policies: Sequence[PolicyConfig], capacity: int, snapshot: BufferSnapshot | None
+    ) -> BufferClient:
+        """The job's experience buffer, restored from `snapshot` if given, on this (the driver's) node."""
+        node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        handle = create_experience_actor(policies, capacity, snapshot=snapshot, scheduling_strategy=node)
+        return self._track(BufferClient(handle))
+
+    def new_engine(self, policy: Policy) -> EngineSlot:
         name = f"{policy.name}-rollout-{next(self._ids)}"
-        cls = ray.remote(engine_class(policy))
-        handle = cls.options(
-            resources=self._res(policy.name, "rollout"),
-            num_cpus=0,
-            num_gpus=policy.rollout.gpus,
-            max_concurrency=4096,
-            runtime_env=self._env("rollout"),
-        ).remote(
+        kind = engine_kind(policy.rollout.engine)
+        options = {
+            "resources": self._res(policy.name, "rollout"),
+            "num_cpus": 0,
+            "num_gpus": policy.rollout.gpus,
+            "max_concurrency": 4096,
+            "runtime_env": self._env("rollout"),
+        }
+        handle: ActorHandle[Engine] = start_actor(
+            kind.load(),
+            options,
             name,
             policy.name,
             policy.model.uri,
@@ -128,48 +155,56 @@ class Fleet:
             seed=self.spec.training.seed + next(self._ids),
             dtype=policy.model.dtype,
             trust_remote_code=policy.model.trust_remote_code,
-            **(vllm_actor_options(self.spec, policy) if policy.rollout.engine == "vllm" else {}),
+            **kind.options(self.spec, policy),
         )
-        slot = Slot(name, handle, policy=policy.name)
+        slot = Slot(name, self._track(EngineClient(handle)), policy=policy.name)
         self._refill(policy.name, "rollout")
         self.engines[policy.name][name] = slot
         return slot
 
-    def new_worker(self, job_json: str, buffer: Any, episode_timeout_s: float) -> Slot:
+    def new_worker(self, job_json: str, buffer: BufferClient, episode_timeout_s: float) -> WorkerSlot:
         from polyrl_runtime.workflows.runner import WorkflowWorker
 
         name = f"workflow-{next(self._ids)}"
-        handle = (
-            ray.remote(WorkflowWorker)
-            .options(
-                resources=self._res(None, "workflow"),
-                num_cpus=0,
-                max_concurrency=4096,
-                runtime_env=self._env("workflow"),
-            )
-            .remote(name, job_json, buffer, self.routes(), episode_timeout_s, routes_epoch=self.routes_epoch)
+        options = {
+            "resources": self._res(None, "workflow"),
+            "num_cpus": 0,
+            "max_concurrency": 4096,
+            "runtime_env": self._env("workflow"),
+        }
+        handle = start_actor(
+            WorkflowWorker,
+            options,
+            name,
+            job_json,
+            buffer,
+            self.routes(),
+            episode_timeout_s,
+            routes_epoch=self.routes_epoch,
         )
-        slot = Slot(name, handle)
+        slot = Slot(name, self._track(WorkflowWorkerClient(handle)))
         self.workers[name] = slot
         self._refill(None, "workflow")
         return slot
 
-    def new_trainers(self, policy: Policy, buffer: Any) -> list[Any]:
+    def new_trainers(self, policy: Policy, buffer: BufferClient) -> list[TrainerRankClient]:
         """Every rank of the policy's trainer: `replicas` pods of `ranks` each (one per GPU), each
         rank one unit of the pod's trainer resource and, on GPU, one GPU of its own."""
         from polyrl_runtime.trainers.build import rank_layout
         from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
-        cls = ray.remote(DeepSpeedTrainer)
-        gpus = 1 if policy.trainer.gpus > 0 else 0
-        return [
-            cls.options(
-                resources=self._res(policy.name, "trainer"),
-                num_cpus=0,
-                num_gpus=gpus,
-                max_concurrency=2,
-                runtime_env=self._env("trainer"),
-            ).remote(
+        options = {
+            "resources": self._res(policy.name, "trainer"),
+            "num_cpus": 0,
+            "num_gpus": 1 if policy.trainer.gpus > 0 else 0,
+            "max_concurrency": 2,
+            "runtime_env": self._env("trainer"),
+        }
+        ranks: list[TrainerRankClient] = []
+        for slot in rank_layout(policy.trainer.replicas, policy.trainer.ranks):
+            handle: ActorHandle[TrainerRank] = start_actor(
+                DeepSpeedTrainer,
+                options,
                 f"{policy.name}-trainer-{slot.rank}",
                 policy.model_dump_json(by_alias=True),
                 self.spec.training.seed,
@@ -180,17 +215,24 @@ class Fleet:
                 temperature=policy.rollout.sampling.temperature,
                 total_steps=self.spec.training.total_steps,
             )
-            for slot in rank_layout(policy.trainer.replicas, policy.trainer.ranks)
-        ]
+            ranks.append(self._track(TrainerRankClient(handle)))
+        return ranks
+
+    def close(self) -> None:
+        """Stop every actor this fleet started (idempotent: one already gone is skipped)."""
+        for actor in self._started:
+            with contextlib.suppress(Exception):
+                actor.kill()
 
     # -- routing, health, drain ----------------------------------------------------------------
 
-    def live_engines(self, policy: str) -> dict[str, Slot]:
+    def live_engines(self, policy: str) -> dict[str, EngineSlot]:
         return {n: s for n, s in self.engines[policy].items() if not s.dead}
 
-    def routes(self) -> dict[str, dict[str, Any]]:
+    def routes(self) -> dict[str, dict[str, EngineClient]]:
+        """policy -> {engine name: engine}: where the workflow workers may send new requests."""
         return {
-            p: {n: s.handle for n, s in slots.items() if not s.dead and not s.draining}
+            p: {n: s.actor for n, s in slots.items() if not s.dead and not s.draining}
             for p, slots in self.engines.items()
         }
 
@@ -200,42 +242,40 @@ class Fleet:
             s.fence = self.routes_epoch
         routes, epoch = self.routes(), self.routes_epoch
         live = [w for w in self.workers.values() if not w.dead]
-        await asyncio.gather(
-            *(w.handle.set_routes.remote(routes, epoch) for w in live), return_exceptions=True
-        )
+        await asyncio.gather(*(w.actor.set_routes(routes, epoch) for w in live), return_exceptions=True)
 
-    async def poll(self) -> list[Slot]:
+    async def poll(self) -> list[Slot[Actor]]:
         """Refresh stats of every engine and worker; returns the slots found dead since the last poll."""
-        newly_dead: list[Slot] = []
+        newly_dead: list[Slot[Actor]] = []
         slots = [s for p in self.engines.values() for s in p.values() if not s.dead]
-        results = await asyncio.gather(*(s.handle.stats.remote() for s in slots), return_exceptions=True)
+        results = await asyncio.gather(*(s.actor.stats() for s in slots), return_exceptions=True)
         for s, r in zip(slots, results, strict=True):
             if isinstance(r, BaseException):
                 self._died(s)
                 newly_dead.append(s)
                 continue
-            assert isinstance(r, EngineStats)
             s.observe(r.busy_s, r.in_flight)
             s.queued, s.version = r.queued, r.version
             s.pod = s.pod or str(r.extra.get("pod", "")) or s.name
         workers = [w for w in self.workers.values() if not w.dead]
         outstanding: Counter[str] = Counter()  # engine -> requests the workers are waiting on
         oldest = self.routes_epoch  # the oldest routes a live worker holds
-        wres = await asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True)
-        for w, r in zip(workers, wres, strict=True):
-            if isinstance(r, BaseException):
+        wres = await asyncio.gather(*(w.actor.stats() for w in workers), return_exceptions=True)
+        for w, ws in zip(workers, wres, strict=True):
+            if isinstance(ws, BaseException):
                 self._died(w)
                 newly_dead.append(w)
                 continue
-            w.observe(float(r["busy_s"]) / max(1.0, float(r.get("capacity", 1.0))), int(r["in_flight"]))
-            w.pod = w.pod or str(r.get("pod", "")) or w.name
-            outstanding.update(r.get("engine_requests", {}))
-            oldest = min(oldest, int(r.get("routes_epoch", 0)))
+            w.observe(ws.busy_s, ws.in_flight)
+            w.pod = w.pod or ws.pod or w.name
+            outstanding.update(ws.engine_requests)
+            oldest = min(oldest, ws.routes_epoch)
         for s in slots:
             s.quiet = s.fence is not None and oldest >= s.fence and not outstanding[s.name]
         return newly_dead
 
-    def mark_dead(self, names: set[str]) -> list[Slot]:
+    def mark_dead(self, names: set[str]) -> list[EngineSlot]:
+        """Engines found dead elsewhere (a sync, a worker); returns those not marked before."""
         out = []
         for p in self.engines.values():
             for n in names & set(p):
@@ -244,14 +284,14 @@ class Fleet:
                     out.append(p[n])
         return out
 
-    def mark_worker_dead(self, worker: Slot) -> bool:
+    def mark_worker_dead(self, worker: WorkerSlot) -> bool:
         """A workflow worker's call failed because its actor died; True the first time."""
         if worker.dead:
             return False
         self._died(worker)
         return True
 
-    def _died(self, slot: Slot) -> None:
+    def _died(self, slot: Slot[Actor]) -> None:
         slot.dead = True
         if not self.place_by_resource:
             self._vacated[(slot.policy or None, "rollout" if slot.policy else "workflow")] += 1

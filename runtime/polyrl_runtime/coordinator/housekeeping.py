@@ -4,7 +4,6 @@ add engines and workers where the fleet has room, push the workers' routes, drai
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import structlog
 
@@ -12,6 +11,7 @@ from polyrl_operator.api import RLJob
 from polyrl_runtime.coordinator.checkpointing import Checkpointer
 from polyrl_runtime.coordinator.driver_base import JobControl, PolicyRun
 from polyrl_runtime.coordinator.fleet import Fleet
+from polyrl_runtime.experience.client import BufferClient
 
 log = structlog.get_logger(__name__)
 
@@ -25,7 +25,7 @@ class FleetSupervisor:
         *,
         fleet: Fleet,
         runs: dict[str, PolicyRun],
-        buffer: Any,
+        buffer: BufferClient,
         control: JobControl,
         checkpointer: Checkpointer,
         poll_s: float,
@@ -66,17 +66,17 @@ class FleetSupervisor:
                 slot = self.fleet.new_engine(p)
                 run = self.runs[p.name]
                 assert run.sync is not None
-                await asyncio.to_thread(run.sync.add_engine, slot.name, slot.handle)
+                await asyncio.to_thread(run.sync.add_engine, slot.name, slot.actor)
                 changed = True
                 self.control.emit("engine_added", engine=slot.name, policy=p.name)
         live_workers = [w for w in self.fleet.workers.values() if not w.dead]
         free_w = self.fleet.free_units(None, "workflow")
         if free_w and len(live_workers) < self.spec.workflow.replicas.max:
-            slot = self.fleet.new_worker(
+            worker = self.fleet.new_worker(
                 self.job.model_dump_json(by_alias=True), self.buffer, self.episode_timeout_s
             )
             changed = True
-            self.control.emit("worker_added", worker=slot.name)
+            self.control.emit("worker_added", worker=worker.name)
         if changed:
             await self.fleet.push_routes()
 

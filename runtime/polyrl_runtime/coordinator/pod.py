@@ -37,6 +37,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from polyrl_operator import pod_contract as contract
 from polyrl_operator.api import RLJob
 from polyrl_runtime import netmap
 from polyrl_runtime.config import (
@@ -52,12 +53,6 @@ from polyrl_runtime.waiting import Attempt, Wait, WaitTimeout, wait_until
 from polyrl_runtime.workflows.preflight import entry_point_problems
 
 log = structlog.get_logger(__name__)
-
-DRAIN_ANNOTATION = "polyrl.dev/drain"
-CHECKPOINT_ANNOTATION = "polyrl.dev/checkpoint-request"
-RAY_GCS_PORT = 6379
-RAY_CLIENT_PORT = 10001
-RAY_DASHBOARD_PORT = 8265
 
 
 def _temp_dir(ray_port: int | None = None) -> str:
@@ -164,10 +159,10 @@ def run_coordinator(
         # its first step and serves them on /progress as a failure restarting cannot fix.
         log.error("job.preflight_failed", problems=[str(p) for p in problems])
         return asyncio.run(_coordinate(job, env, out_dir, None, http))
-    ray_port = netmap.listen_port(RAY_GCS_PORT) if ray_port is None else ray_port
-    dashboard = netmap.listen_port(RAY_DASHBOARD_PORT) if job.spec.coordinator.dashboard else None
+    ray_port = netmap.listen_port(contract.PORT_RAY_GCS) if ray_port is None else ray_port
+    dashboard = netmap.listen_port(contract.PORT_RAY_DASHBOARD) if job.spec.coordinator.dashboard else None
     head = start_ray(
-        head_args(ray_port, netmap.listen_port(RAY_CLIENT_PORT), dashboard_port=dashboard),
+        head_args(ray_port, netmap.listen_port(contract.PORT_RAY_CLIENT), dashboard_port=dashboard),
         out_dir / "ray-head.log",
     )
     try:
@@ -209,7 +204,9 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int | No
         checkpoint_root=checkpoint_root(job.spec.checkpoint.uri, out_dir),
         resume=True,
         same_host=False,
-        checkpoint_requests=lambda: read_annotations(env.podinfo_dir).get(CHECKPOINT_ANNOTATION),
+        checkpoint_requests=lambda: read_annotations(env.podinfo_dir).get(
+            contract.ANNOTATION_CHECKPOINT_REQUEST
+        ),
         attempt=env.attempt,
     )
     driver = Driver(job, opts)
@@ -284,7 +281,7 @@ def run_worker(
         sys.stderr.write("error: no coordinator address (--address or POLYRL_COORDINATOR_ADDRESS)\n")
         return 2
     if split_address(target) is None:
-        source = "--address" if address else "POLYRL_COORDINATOR_ADDRESS"
+        source = "--address" if address else contract.ENV_COORDINATOR_ADDRESS
         sys.stderr.write(f"error: {source}={target!r}: expected HOST:PORT\n")
         return 2
     return asyncio.run(
@@ -410,11 +407,11 @@ async def _serve_health(ready: asyncio.Event, port: int) -> web.AppRunner:
 async def _relay_drain(env: PodEnv, period_s: float = 2.0) -> None:
     """Forward this pod's `polyrl.dev/drain` annotation to the coordinator's POST /drain."""
     host = env.coordinator_address.rsplit(":", 1)[0]
-    port = os.environ.get("POLYRL_COORDINATOR_HTTP_PORT", "8000")
+    port = os.environ.get("POLYRL_COORDINATOR_HTTP_PORT", str(contract.PORT_HTTP))
     sent = False
     while True:
         url = f"http://{netmap.resolve(f'{host}:{port}')}/drain"
-        draining = read_annotations(env.podinfo_dir).get(DRAIN_ANNOTATION, "").lower() == "true"
+        draining = read_annotations(env.podinfo_dir).get(contract.ANNOTATION_DRAIN, "").lower() == "true"
         if draining != sent and env.pod_name:  # only changes are sent
             body = json.dumps({"target": env.pod_name, "draining": draining}).encode()
             req = urllib.request.Request(url, body, {"Content-Type": "application/json"}, method="POST")

@@ -18,13 +18,14 @@ from typing import Any, Protocol
 import ray
 import structlog
 
-from polyrl_runtime.actors import actor_gone
+from polyrl_runtime.actors import Actor, actor_gone
 from polyrl_runtime.coordinator.datafeed import DataFeed
-from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.fleet import Fleet, Slot, WorkerSlot
 from polyrl_runtime.coordinator.tasks import fail_on_error
 from polyrl_runtime.experience.buffer import UnknownTicketError
+from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.wire import TicketBatch
-from polyrl_runtime.workflows.runner import GroupReport
+from polyrl_runtime.workflows.runner import EpisodeGroup, GroupReport
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +42,7 @@ class ProducerEvents(Protocol):
 
     def emit(self, kind: str, **data: Any) -> None: ...
 
-    def lost(self, slots: list[Slot]) -> None:
+    def lost(self, slots: Sequence[Slot[Actor]]) -> None:
         """Engines and workers this producer saw die first (reported once each)."""
 
 
@@ -57,7 +58,7 @@ class EpisodeProducer:
     def __init__(
         self,
         *,
-        buffer: Any,
+        buffer: BufferClient,
         fleet: Fleet,
         policies: list[str],
         group_size: int,
@@ -123,7 +124,7 @@ class EpisodeProducer:
 
     # -- dispatch --------------------------------------------------------------------------------
 
-    def _pick_worker(self) -> Slot | None:
+    def _pick_worker(self) -> WorkerSlot | None:
         ok = [w for w in self.fleet.workers.values() if not w.dead and not w.draining]
         ok = [w for w in ok if w.in_flight + self.group_size <= self.limits.max_in_flight_per_worker]
         return min(ok, key=lambda w: w.in_flight) if ok else None
@@ -137,15 +138,15 @@ class EpisodeProducer:
                 continue
             room = self.limits.max_in_flight_per_worker - worker.in_flight
             want = min(self.limits.groups_per_call, room // self.group_size) * self.group_size
-            tickets = await self.buffer.acquire.remote(self.policies, want, 0.2, self.group_size)
+            tickets = await self.buffer.acquire(self.policies, want, 0.2, self.group_size)
             if not tickets:
                 continue
-            groups = []
+            groups: list[EpisodeGroup] = []
             for i in range(0, len(tickets), self.group_size):
                 gid = f"g{self.group_seq}"
                 row = self.feed.take(gid) if self.feed is not None else None
                 if self.feed is not None and row is None:  # the data ran out: no group without a row
-                    await self.buffer.release.remote(tickets[i:])
+                    await self.buffer.release(tickets[i:])
                     break
                 groups.append(
                     (gid, self._rng.randrange(2**31), TicketBatch(tickets[i : i + self.group_size]), row)
@@ -167,7 +168,7 @@ class EpisodeProducer:
         for t in pending:
             t.cancel()
 
-    async def _run_groups(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any], Any]]) -> None:
+    async def _run_groups(self, worker: WorkerSlot, groups: Sequence[EpisodeGroup]) -> None:
         n = sum(len(t) for _, _, t, _ in groups)
         try:
             await self._account(worker, groups)
@@ -176,10 +177,10 @@ class EpisodeProducer:
             # so far is in the reward windows (a sync step's metrics cover exactly its episodes).
             self.in_flight -= n
 
-    async def _account(self, worker: Slot, groups: Sequence[tuple[str, int, Sequence[Any], Any]]) -> None:
+    async def _account(self, worker: WorkerSlot, groups: Sequence[EpisodeGroup]) -> None:
         n = sum(len(t) for _, _, t, _ in groups)
         try:
-            results: list[GroupReport | str] = await worker.handle.run_groups.remote(groups)
+            results = await worker.actor.run_groups(groups)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -198,7 +199,7 @@ class EpisodeProducer:
                 self.feed.give_back(gid)
             for t in tickets:  # those the worker had not put yet
                 with contextlib.suppress(UnknownTicketError, ray.exceptions.RayTaskError):
-                    await self.buffer.release.remote([t])
+                    await self.buffer.release([t])
             self.failures["worker_error"] += len(tickets)
             log.warning("group.failed", group=gid, worker=worker.name, error=result)
 

@@ -11,13 +11,14 @@ import structlog
 from aiohttp import web
 
 from polyrl_operator.api.progress import CheckpointRequest
+from polyrl_operator.pod_contract import PORT_HTTP
 from polyrl_runtime.coordinator.driver import Driver
 
 log = structlog.get_logger(__name__)
 
 
 class ProgressServer:
-    def __init__(self, driver: Driver, host: str = "0.0.0.0", port: int = 8000) -> None:
+    def __init__(self, driver: Driver, host: str = "0.0.0.0", port: int = PORT_HTTP) -> None:
         self.driver = driver
         self.host, self.port = host, port
         self._runner: web.AppRunner | None = None

@@ -6,7 +6,7 @@ Both are built from a `JobSnapshot`, a typed copy of the job's state the driver 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -19,9 +19,10 @@ from polyrl_operator.api.progress import (
     Worker,
     WorkflowProgress,
 )
+from polyrl_runtime.actors import Actor
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import SeriesEnds, StepRecord
-from polyrl_runtime.experience.buffer import PolicyStats
+from polyrl_runtime.experience.client import BufferClient
 
 if TYPE_CHECKING:  # the driver's modules import torch; `polyrl run` loads them while Ray starts
     from polyrl_runtime.coordinator.driver_base import PolicyRun, State
@@ -58,7 +59,7 @@ class JobSnapshot:
     elapsed_s: float
 
 
-def _worker(s: Slot, version: int | None = None) -> Worker:
+def _worker(s: Slot[Actor], version: int | None = None) -> Worker:
     return Worker(
         pod=s.pod or s.name,
         utilisation=s.utilisation,
@@ -69,8 +70,8 @@ def _worker(s: Slot, version: int | None = None) -> Worker:
     )
 
 
-def policy_snapshot(run: PolicyRun, fleet: Fleet | None) -> PolicySnapshot:
-    live = [s for s in fleet.engines[run.name].values() if not s.dead] if fleet is not None else []
+def policy_snapshot(run: PolicyRun, fleet: Fleet) -> PolicySnapshot:
+    live = [s for s in fleet.engines[run.name].values() if not s.dead]
     return PolicySnapshot(
         name=run.name,
         step=run.step,
@@ -83,8 +84,8 @@ def policy_snapshot(run: PolicyRun, fleet: Fleet | None) -> PolicySnapshot:
     )
 
 
-def worker_views(fleet: Fleet | None) -> list[Worker]:
-    return [_worker(w) for w in fleet.workers.values() if not w.dead] if fleet is not None else []
+def worker_views(fleet: Fleet) -> list[Worker]:
+    return [_worker(w) for w in fleet.workers.values() if not w.dead]
 
 
 def progress_report(s: JobSnapshot) -> Progress:
@@ -140,7 +141,11 @@ class RunSummary:
 
 
 async def run_summary(
-    s: JobSnapshot, records: list[StepRecord], buffer: Any, ends: SeriesEnds, startup: dict[str, float]
+    s: JobSnapshot,
+    records: list[StepRecord],
+    buffer: BufferClient | None,
+    ends: SeriesEnds,
+    startup: dict[str, float],
 ) -> RunSummary:
     """What a finished run reports: counters, rewards (`ends`: the series' first and last), every
     step record of this run, the buffers' accounting and the start-up phases' durations."""
@@ -148,7 +153,7 @@ async def run_summary(
     buffers: dict[str, dict[str, int]] = {}
     if buffer is not None:
         try:
-            stats: dict[str, PolicyStats] = await buffer.stats.remote()
+            stats = await buffer.stats()
             dropped = {n: dict(st.dropped) for n, st in stats.items()}
             buffers = {
                 n: {k: getattr(st, k) for k in ("produced", "consumed", "redelivered", "buffered", "leased")}

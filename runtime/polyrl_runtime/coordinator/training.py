@@ -1,8 +1,9 @@
 """One policy's training: wait for one step of samples, train every rank on its share, sync the new
 weights to the engines, then grant the buffer more credit (see driver.py for the whole loop).
 
-`PolicyTrainer` holds one policy's `PolicyRun` and the inputs its step needs; each finished step
-becomes a `StepRecord` handed to `record`. `ProducerEventSink` is what the episode producer reports back
+`PolicyTrainer` holds one policy's `PolicyRun` and the job's parts its step uses (`TrainingParts`);
+`train_step` is one step, every cross-process hop in order, and each finished step becomes a
+`StepRecord` handed to `record`. `ProducerEventSink` is what the episode producer reports back
 to the policies (their reward windows) and to the job (failures, events, lost workers)."""
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import EvalProgress
-from polyrl_runtime.actors import actor_gone
+from polyrl_runtime.actors import Actor, actor_gone
 from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef
 from polyrl_runtime.coordinator.checkpointing import Checkpointer
 from polyrl_runtime.coordinator.driver_base import JobControl, PolicyRun
@@ -27,7 +28,9 @@ from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics import StepRecord, Totals
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.experience.buffer import PolicyStats
-from polyrl_runtime.weights import VersionRegistry
+from polyrl_runtime.experience.client import BufferClient
+from polyrl_runtime.trainers.api import StepResult
+from polyrl_runtime.weights import VersionRegistry, sender_options
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
 
 log = structlog.get_logger(__name__)
@@ -53,35 +56,42 @@ class ProducerEventSink:
     def emit(self, kind: str, **data: Any) -> None:
         self.control.emit(kind, **data)
 
-    def lost(self, slots: list[Slot]) -> None:
+    def lost(self, slots: Sequence[Slot[Actor]]) -> None:
         self.control.report_lost(self.fleet, slots)
+
+
+@dataclass(frozen=True)
+class TrainingParts:
+    """The job's parts every policy's trainer works with (one object, shared by all of them)."""
+
+    control: JobControl
+    buffer: BufferClient
+    fleet: Fleet
+    producer: EpisodeProducer
+    checkpointer: Checkpointer
+    registry: VersionRegistry
+    record: Callable[[StepRecord], Awaitable[None]]  # where each step's record goes (metrics_log.py)
+    evaluator: Evaluator | None
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """The driver's settings a step's wait obeys."""
+
+    group_size: int  # episodes of one group: credit for less is never granted
+    stall_timeout_s: float  # no credit, nothing buffered or in flight this long: the job fails
 
 
 class PolicyTrainer:
     """The training loop of one policy and the weight sync after each of its steps."""
 
-    def __init__(
-        self,
-        job: RLJob,
-        run: PolicyRun,
-        *,
-        control: JobControl,
-        buffer: Any,
-        fleet: Fleet,
-        producer: EpisodeProducer,
-        checkpointer: Checkpointer,
-        registry: VersionRegistry,
-        record: Callable[[StepRecord], Awaitable[None]],
-        stall_timeout_s: float,
-        group_size: int,
-        evaluator: Evaluator | None = None,
-    ) -> None:
-        self.spec, self.run, self.control = job.spec, run, control
-        self.evaluator = evaluator
+    def __init__(self, job: RLJob, run: PolicyRun, parts: TrainingParts, limits: StepLimits) -> None:
+        self.spec, self.run, self.control = job.spec, run, parts.control
+        self.evaluator = parts.evaluator
         self.policy = next(p for p in job.spec.policies if p.name == run.name)
-        self.buffer, self.fleet, self.producer = buffer, fleet, producer
-        self.checkpointer, self.registry, self.record = checkpointer, registry, record
-        self.stall_timeout_s, self.group_size = stall_timeout_s, group_size
+        self.buffer, self.fleet, self.producer = parts.buffer, parts.fleet, parts.producer
+        self.checkpointer, self.registry, self.record = parts.checkpointer, parts.registry, parts.record
+        self.stall_timeout_s, self.group_size = limits.stall_timeout_s, limits.group_size
         self.episodes_per_step = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps
         self._totals = Totals()  # at the previous step record (or the loop's start)
@@ -89,11 +99,11 @@ class PolicyTrainer:
     async def setup(self, ref: CheckpointRef | None) -> None:
         """Rendezvous the ranks and build their models; load the checkpoint if it has this policy."""
         run = self.run
-        addr, port = await run.ranks[0].address.remote()
-        await asyncio.gather(*(r.setup.remote(addr, port) for r in run.ranks))
+        addr, port = await run.ranks[0].address()
+        await asyncio.gather(*(r.setup(addr, port) for r in run.ranks))
         if ref is not None and run.name in ref.state["policies"]:
             d = ref.trainer_dir(run.name)  # each rank downloads it first when it is in an object store
-            await asyncio.gather(*(r.load.remote(d, TRAINER_TAG) for r in run.ranks))
+            await asyncio.gather(*(r.load(d, TRAINER_TAG) for r in run.ranks))
             run.step = int(ref.state["policies"][run.name]["step"])
         elif ref is not None:  # a policy added to the job since the checkpoint starts from its model
             log.info("policy.not_in_checkpoint", policy=run.name, checkpoint=ref.location)
@@ -101,10 +111,10 @@ class PolicyTrainer:
     async def connect(self, transport: str) -> None:
         """Connect the weight sync to the policy's engines and publish the starting weights."""
         run = self.run
-        engines = {n: s.handle for n, s in self.fleet.engines[run.name].items()}
-        kwargs = {"num_receivers": len(engines)} if transport == "collective" else {}
+        engines = {n: s.actor for n, s in self.fleet.engines[run.name].items()}
+        kwargs = sender_options(transport, receivers=len(engines))
         bucket = self.spec.weight_sync.bucket_mb << 20
-        await run.ranks[0].init_sender.remote(transport, bucket, kwargs)
+        await run.ranks[0].init_sender(transport, bucket, kwargs)
         run.sync = await asyncio.to_thread(
             PolicyWeightSync, run.name, run.ranks[0], engines, self.registry, transport=transport
         )
@@ -116,7 +126,7 @@ class PolicyTrainer:
     async def loop(self) -> None:
         run, stop = self.run, self.control.stop
         # Per-step counters count from here: a resumed job's restored totals are not its first step's.
-        start: dict[str, PolicyStats] = await self.buffer.stats.remote()
+        start = await self.buffer.stats()
         self._totals = self._read_totals(start[run.name])
         while run.step < self.total and not stop.is_set():
             n = await self._wait_for_step()
@@ -124,7 +134,7 @@ class PolicyTrainer:
                 break
             async with run.lock:
                 try:
-                    await self.record(await self._evaluated(await self._train_once(n)))
+                    await self.record(await self._evaluated(await self.train_step(n)))
                 except Exception as e:
                     self.control.fail(f"policy {run.name}: trainer failed at step {run.step + 1}: {e}")
                     return
@@ -136,7 +146,7 @@ class PolicyTrainer:
                     )
                     return
             if run.step >= self.total:
-                await self.buffer.finish.remote(run.name)
+                await self.buffer.finish(run.name)
             await self.checkpointer.maybe_checkpoint()
 
     async def _evaluated(self, rec: StepRecord) -> StepRecord:
@@ -172,9 +182,7 @@ class PolicyTrainer:
             # A long poll: the buffer answers as soon as the step is complete. Polling every 10 ms
             # (two Ray calls per policy each time) cost the driver and the buffer about 0.1 CPU-s
             # per optimizer step of the async benchmark, on 2 cores a visible share.
-            stats: dict[str, PolicyStats] = await self.buffer.stats.remote(
-                (run.name, need), 0.05, whole_version=sync
-            )
+            stats = await self.buffer.stats((run.name, need), 0.05, whole_version=sync)
             st = run.stats = stats[run.name]
             in_flight = self.producer.in_flight
             # The train data ran out: whatever is buffered is the last step; nothing buffered, none.
@@ -216,43 +224,62 @@ class PolicyTrainer:
         m = sum(signals) / len(signals)
         return math.sqrt(sum((x - m) ** 2 for x in signals) / (len(signals) - 1))
 
-    async def _train_once(self, n: int) -> StepRecord:
-        run = self.run
-        world = len(run.ranks)
-        shares = [n // world + (1 if i < n % world else 0) for i in range(world)]
-        n_micro = max(1, math.ceil(max(shares) / self.policy.trainer.micro_batch_size))
-        gstd = self._global_std()
+    async def train_step(self, n: int) -> StepRecord:
+        """One training step on `n` buffered samples, every cross-process hop in order."""
+        run, version = self.run, self.run.step + 1
         t0 = time.perf_counter()
-        version = run.step + 1
-        try:
-            results = await asyncio.gather(
-                *(
-                    r.train_step.remote(version, s, n_micro, gstd)
-                    for r, s in zip(run.ranks, shares, strict=True)
-                )
-            )
-        except Exception:
-            for i in range(world):  # whatever the ranks leased goes back to the buffer
-                await self.buffer.consumer_failed.remote(f"{run.name}-trainer-{i}")
-            raise
-        await self.buffer.ack.remote([r.lease_id for r in results if r.lease_id is not None])
+        # Each rank pulls its share from the buffer under a lease and takes the optimizer step.
+        results = await self._train_ranks(version, n)
+        await self.buffer.ack([r.lease_id for r in results if r.lease_id is not None])
         t1 = time.perf_counter()
-        await self.sync_weights(version)
+        await self.sync_weights(version)  # rank 0 publishes, every engine of the policy loads it
         if self.spec.effective_max_staleness == 0:
             # Sync: no episode can start before `advance`, so once the producer has accounted for
             # those in flight, the window holds exactly this step's episodes, whatever the timing.
             while self.producer.in_flight and not self.control.stop.is_set():
                 await asyncio.sleep(0.005)
-        await self.buffer.advance.remote(run.name, version)
+        await self.buffer.advance(run.name, version)  # engines first, then credit for new episodes
         run.step = version
         sync_s = time.perf_counter() - t1
-        reward, success, episodes = run.window.take()
+        rewards = run.window.take()  # before any await: no episode the new credit starts is in it
+        stats = run.stats = (await self.buffer.stats())[run.name]
+        run.staleness = (stats.staleness_mean, stats.staleness_max)
+        return self._record(version, results, rewards, stats, train_s=t1 - t0, sync_s=sync_s, started=t0)
+
+    async def _train_ranks(self, version: int, n: int) -> list[StepResult]:
+        """Every rank's part of the step: the samples split evenly, the same micro-batch count."""
+        run = self.run
+        world = len(run.ranks)
+        shares = [n // world + (1 if i < n % world else 0) for i in range(world)]
+        n_micro = max(1, math.ceil(max(shares) / self.policy.trainer.micro_batch_size))
+        gstd = self._global_std()
+        try:
+            steps = (r.train_step(version, s, n_micro, gstd) for r, s in zip(run.ranks, shares, strict=True))
+            return list(await asyncio.gather(*steps))
+        except Exception:
+            for i in range(world):  # whatever the ranks leased goes back to the buffer
+                await self.buffer.consumer_failed(f"{run.name}-trainer-{i}")
+            raise
+
+    def _record(
+        self,
+        version: int,
+        results: list[StepResult],
+        rewards: tuple[float | None, float | None, int],
+        stats: PolicyStats,
+        *,
+        train_s: float,
+        sync_s: float,
+        started: float,
+    ) -> StepRecord:
+        """The step's record: the ranks' results, the reward window's episodes since the last step
+        (`rewards`: mean reward, mean success, episodes) and the buffer's counters after the step."""
+        run = self.run
+        reward, success, episodes = rewards
         run.last_reward = reward
-        stats: dict[str, PolicyStats] = await self.buffer.stats.remote()
-        run.stats = stats[run.name]
+        world = len(results)
         samples = sum(r.samples for r in results)
-        run.staleness = (run.stats.staleness_mean, run.stats.staleness_max)
-        totals = self._read_totals(run.stats)
+        totals = self._read_totals(stats)
         step, self._totals = totals.since(self._totals), totals
         return StepRecord(
             policy=run.name,
@@ -272,10 +299,10 @@ class PolicyTrainer:
             kl=sum(r.kl for r in results) / world,
             entropy=sum(r.entropy for r in results) / world,
             grad_norm=results[0].grad_norm,
-            train_s=t1 - t0,
+            train_s=train_s,
             sync_s=sync_s,
             elapsed_s=self.control.elapsed(),
-            samples_per_s=samples / max(time.perf_counter() - t0, 1e-9),
+            samples_per_s=samples / max(time.perf_counter() - started, 1e-9),
             dropped=step.dropped,
             dropped_total=totals.dropped,
             failed_episodes=step.failed_episodes,
@@ -287,7 +314,7 @@ class PolicyTrainer:
         assert run.sync is not None
         peers = []
         if self.policy.trainer.zero_stage == 3 and len(run.ranks) > 1:
-            peers = [r.gather_for_peers.remote() for r in run.ranks[1:]]
+            peers = [r.gather_for_peers() for r in run.ranks[1:]]
         result = await asyncio.to_thread(run.sync.sync, version)
         if peers:
             await asyncio.gather(*peers)

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:  # weights.api imports torch, which a workflow worker (it imports this) never loads
+    from polyrl_runtime.weights.api import SyncReport, WeightManifest
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,8 @@ class EngineUnavailableError(RuntimeError):
 
 
 class Engine(Protocol):
-    """What the pool and the driver call on an engine actor (each method through `.remote`)."""
+    """What the pool and the driver call on an engine actor, through `engines.client.EngineClient`
+    (an engine class is started as an `ActorHandle[Engine]`, which checks that it implements this)."""
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
 
@@ -101,6 +105,10 @@ class Engine(Protocol):
     async def pause(self) -> None: ...
 
     async def resume(self) -> None: ...
+
+    async def receive_weights(self, manifest: WeightManifest) -> SyncReport:
+        """Load one published version (weights/endpoints.py drives it)."""
+        ...
 
     def weight_version(self) -> int: ...
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Mapping
-from typing import Any
 
 import ray
 import structlog
 
 from polyrl_runtime.actors import ACTOR_GONE
 from polyrl_runtime.engines.api import EngineUnavailableError, Generation, SamplingParams
-from polyrl_runtime.engines.batching import Answer, Request
+from polyrl_runtime.engines.batching import Request
+from polyrl_runtime.engines.client import EngineClient
 
 log = structlog.get_logger(__name__)
 
@@ -37,22 +37,24 @@ _ENGINE_GONE: tuple[type[Exception], ...] = (*ACTOR_GONE, ray.exceptions.ActorUn
 
 
 class EnginePool:
-    def __init__(self, routes: Mapping[str, Mapping[str, Any]] | None = None, retries: int = 3) -> None:
-        self._routes: dict[str, dict[str, Any]] = {}
+    def __init__(
+        self, routes: Mapping[str, Mapping[str, EngineClient]] | None = None, retries: int = 3
+    ) -> None:
+        self._routes: dict[str, dict[str, EngineClient]] = {}
         self._in_flight: dict[str, int] = {}
         self._dead: set[str] = set()
         self.newly_dead: set[str] = set()
         self.retries = retries
         self._tiebreak = itertools.count()
-        # engine name -> (handle, requests waiting for this tick's flush, their futures)
-        self._batches: dict[str, tuple[Any, list[Request], list[asyncio.Future[Generation]]]] = {}
+        # engine name -> (engine, requests waiting for this tick's flush, their futures)
+        self._batches: dict[str, tuple[EngineClient, list[Request], list[asyncio.Future[Generation]]]] = {}
         self._flush_due = False
         self._streams: set[asyncio.Task[None]] = set()  # referenced so that they are not collected
         if routes:
             self.set_routes(routes)
 
-    def set_routes(self, routes: Mapping[str, Mapping[str, Any]]) -> None:
-        """policy -> {engine name: actor handle}: the engines that may get new requests."""
+    def set_routes(self, routes: Mapping[str, Mapping[str, EngineClient]]) -> None:
+        """policy -> {engine name: engine}: the engines that may get new requests."""
         self._routes = {p: dict(engines) for p, engines in routes.items()}
         live = {e for engines in self._routes.values() for e in engines}
         self._dead &= live | self._dead
@@ -66,7 +68,7 @@ class EnginePool:
     def policies(self) -> list[str]:
         return sorted(self._routes)
 
-    def _choose(self, policy: str) -> tuple[str, Any]:
+    def _choose(self, policy: str) -> tuple[str, EngineClient]:
         if policy not in self._routes:
             raise EngineUnavailableError(f"unknown policy {policy!r}; known: {self.policies()}")
         candidates = [(n, h) for n, h in self._routes[policy].items() if n not in self._dead]
@@ -77,10 +79,10 @@ class EnginePool:
     async def generate(self, policy: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         last: BaseException | None = None
         for _ in range(self.retries + 1):
-            name, handle = self._choose(policy)
+            name, engine = self._choose(policy)
             self._in_flight[name] = self._in_flight.get(name, 0) + 1
             try:
-                return await self._call(name, handle, prompt_ids, params)
+                return await self._call(name, engine, prompt_ids, params)
             except _ENGINE_GONE as e:
                 log.warning("engine.dead", policy=policy, engine=name, error=str(e).splitlines()[0])
                 self._dead.add(name)
@@ -91,14 +93,13 @@ class EnginePool:
         raise EngineUnavailableError(f"policy {policy!r}: engines failed {self.retries + 1} times") from last
 
     async def _call(
-        self, name: str, handle: Any, prompt_ids: list[int], params: SamplingParams
+        self, name: str, engine: EngineClient, prompt_ids: list[int], params: SamplingParams
     ) -> Generation:
-        if getattr(handle, "generate_many", None) is None:
-            result: Generation = await handle.generate.remote(prompt_ids, params)
-            return result
+        if not engine.streams:
+            return await engine.generate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Generation] = loop.create_future()
-        _, requests, futures = self._batches.setdefault(name, (handle, [], []))
+        _, requests, futures = self._batches.setdefault(name, (engine, [], []))
         requests.append((prompt_ids, params))
         futures.append(fut)
         if not self._flush_due:  # after the callbacks already queued: the rest of this tick's requests
@@ -109,26 +110,29 @@ class EnginePool:
     def _flush(self) -> None:
         self._flush_due = False
         batches, self._batches = self._batches, {}
-        for name, (handle, requests, futures) in batches.items():
+        for name, (engine, requests, futures) in batches.items():
             live = [i for i, f in enumerate(futures) if not f.done()]  # a cancelled caller sends nothing
             if live:
                 task = asyncio.get_running_loop().create_task(
-                    self._stream(name, handle, [requests[i] for i in live], [futures[i] for i in live])
+                    self._stream(name, engine, [requests[i] for i in live], [futures[i] for i in live])
                 )
                 self._streams.add(task)
                 task.add_done_callback(self._streams.discard)
 
     async def _stream(
-        self, name: str, handle: Any, requests: list[Request], futures: list[asyncio.Future[Generation]]
+        self,
+        name: str,
+        engine: EngineClient,
+        requests: list[Request],
+        futures: list[asyncio.Future[Generation]],
     ) -> None:
         """One `generate_many` call; each answer goes to its request's future as it arrives. If the
         call fails (the engine died), its unanswered requests get the error, and `generate` retries
         each of them (on another engine when this one is dead)."""
         error: BaseException
         try:
-            stream = handle.generate_many.options(num_returns="streaming").remote(requests)
-            async for ref in stream:
-                answers: list[Answer] = await ref
+            async for ref in engine.generate_many(requests):
+                answers = await ref
                 for i, answer in answers:
                     if futures[i].done():  # its caller was cancelled
                         continue

@@ -35,6 +35,7 @@ import numpy as np
 import structlog
 import torch
 
+from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.engines.api import EngineStats, Generation, PromptTooLongError, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
@@ -43,6 +44,7 @@ from polyrl_runtime.engines.stops import find_stop
 from polyrl_runtime.models import Tokenizer, context_limit, load_model, load_tokenizer
 from polyrl_runtime.models.tiny import KVCache, TinyCausalLM
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
+from polyrl_runtime.weights.registry import DEFAULT_TRANSPORT
 from polyrl_runtime.weights.sides import EngineWeights
 
 log = structlog.get_logger(__name__)
@@ -98,7 +100,7 @@ class TorchEngine(EngineWeights):
         policy: str,
         model_uri: str,
         *,
-        transport: str = "objectstore",
+        transport: str = DEFAULT_TRANSPORT,
         transport_kwargs: dict[str, Any] | None = None,
         seed: int = 0,
         max_batch: int = 256,
@@ -462,7 +464,7 @@ class TorchEngine(EngineWeights):
             requests=self._requests,
             tokens=self._tokens,
             paused=self._paused,
-            extra={"pod": os.environ.get("POLYRL_POD_NAME", ""), "forward_passes": self._forwards},
+            extra={"pod": os.environ.get(ENV_POD_NAME, ""), "forward_passes": self._forwards},
         )
 
     def ping(self) -> str:

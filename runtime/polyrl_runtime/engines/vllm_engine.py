@@ -33,12 +33,14 @@ from typing import Any
 import numpy as np
 import structlog
 
+from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.engines import vllm_api
 from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.engines.vllm_worker import address_args, layout_args
 from polyrl_runtime.models import model_dir
 from polyrl_runtime.weights.api import SyncReport, VersionError, WeightManifest, WeightSyncError, make_report
+from polyrl_runtime.weights.collective import TRANSPORT as COLLECTIVE
 from polyrl_runtime.weights.collective import GroupAddress
 
 log = structlog.get_logger(__name__)
@@ -51,7 +53,7 @@ class VllmEngine:
         policy: str,
         model_uri: str,
         *,
-        transport: str = "collective",
+        transport: str = COLLECTIVE,
         transport_kwargs: Mapping[str, Any] | None = None,
         seed: int = 0,
         dtype: str = "auto",
@@ -62,10 +64,11 @@ class VllmEngine:
         policy_path: str = "rollout",
     ) -> None:
         self.name, self.policy = name, policy
-        if transport != "collective":
+        # The worker extension (vllm_worker.py) is a receiver of the collective transport's protocol.
+        if transport != COLLECTIVE:
             raise ValueError(
-                f"{name}: engine vllm receives weights through the collective transport (NCCL); "
-                f"spec.weightSync.transport is {transport!r}: set it to collective or auto"
+                f"{name}: engine vllm receives weights through the {COLLECTIVE} transport (NCCL); "
+                f"spec.weightSync.transport is {transport!r}: set it to {COLLECTIVE} or auto"
             )
         if inflight not in vllm_api.INFLIGHT_MODES:
             raise ValueError(
@@ -163,7 +166,7 @@ class VllmEngine:
             raise WeightSyncError(f"{self.name}: retired ({self._retired})")
         if not isinstance(manifest.handle, GroupAddress):
             raise WeightSyncError(
-                f"{self.name}: manifest of transport {manifest.transport!r}, not collective"
+                f"{self.name}: manifest of transport {manifest.transport!r}, not {COLLECTIVE}"
             )
         async with self._sync_lock:
             return await self._receive(manifest)
@@ -266,7 +269,7 @@ class VllmEngine:
             requests=self._requests,
             tokens=self._tokens,
             paused=not self._open.is_set(),
-            extra={"pod": os.environ.get("POLYRL_POD_NAME", ""), "retired": self._retired},
+            extra={"pod": os.environ.get(ENV_POD_NAME, ""), "retired": self._retired},
         )
 
     def ping(self) -> str:

@@ -8,10 +8,10 @@ one call and per-call overhead does not bound throughput.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import ray
+from ray.actor import ActorHandle
 
+from polyrl_runtime.actors import start_actor
 from polyrl_runtime.experience.buffer import (
     BufferSnapshot,
     ExperienceBuffer,
@@ -139,11 +139,11 @@ def create_experience_actor(
     snapshot: BufferSnapshot | None = None,
     name: str | None = None,
     max_concurrency: int = 16,
-    **options: Any,
-) -> Any:
-    """Start the buffer actor (restored from `snapshot` if given); returns its handle."""
-    cls = ray.remote(ExperienceService)
-    opts: dict[str, Any] = {"max_concurrency": max_concurrency, "num_cpus": 0, **options}
+    **options: object,
+) -> ActorHandle[ExperienceService]:
+    """Start the buffer actor (restored from `snapshot` if given); returns its handle (the job
+    calls it through `experience.client.BufferClient`)."""
+    opts: dict[str, object] = {"max_concurrency": max_concurrency, "num_cpus": 0, **options}
     if name is not None:
         opts["name"] = name
-    return cls.options(**opts).remote(policies, capacity_episodes, snapshot)
+    return start_actor(ExperienceService, opts, policies, capacity_episodes, snapshot)

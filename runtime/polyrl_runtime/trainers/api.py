@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from polyrl_runtime.weights.api import WeightManifest
 
 
 @dataclass
@@ -30,12 +34,44 @@ class StepResult:
 
 
 class TrainerRank(Protocol):
-    def address(self) -> tuple[str, int]: ...
+    """One rank of a policy's trainer, as the driver calls it through `trainers.client.TrainerRankClient`
+    (a trainer class is started as an `ActorHandle[TrainerRank]`, which checks that it implements this)."""
 
-    def setup(self, master_addr: str, master_port: int) -> None: ...
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 takes the process group's rendezvous (its host and a free port)."""
+        ...
 
-    def train_step(self, step: int, share: int, n_micro: int, global_std: float | None) -> StepResult: ...
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the process group, then build the model and its optimizer (every rank at once)."""
+        ...
+
+    def train_step(self, step: int, share: int, n_micro: int, global_std: float | None) -> StepResult:
+        """Pull `share` samples from the buffer under a lease and take training step `step`."""
+        ...
+
+    def gather_for_peers(self) -> None:
+        """ZeRO-3, ranks > 0: take part in the gathers rank 0 makes to publish its weights."""
+        ...
 
     def save(self, directory: str, tag: str) -> None: ...
 
     def load(self, directory: str, tag: str) -> None: ...
+
+    def export(self, directory: str) -> None:
+        """Write the policy as a Hugging Face model directory (every rank at once; rank 0 writes)."""
+        ...
+
+    # Rank 0's end of the weight sync (weights/sides.py `TrainerWeights`).
+    def init_sender(
+        self, transport: str, bucket_bytes: int, transport_kwargs: Mapping[str, object]
+    ) -> None: ...
+
+    def publish_weights(self, version: int) -> WeightManifest: ...
+
+    def resend_weights(self) -> WeightManifest | None: ...
+
+    def set_weight_receivers(self, n: int) -> None: ...
+
+    def wait_weights(self) -> None: ...
+
+    def abort_weights(self) -> None: ...

@@ -44,6 +44,7 @@ from polyrl_runtime.algorithms.losses import (
 )
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.experience.batches import SampleBatch
+from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.models import is_hf, model_dir
 from polyrl_runtime.netmap import free_port
@@ -88,7 +89,7 @@ class DeepSpeedTrainer(TrainerWeights):
         *,
         rank: int,
         world: int,
-        buffer: Any,
+        buffer: BufferClient,
         temperature: float = 1.0,
         local_rank: int = 0,
         total_steps: int = 1,
@@ -233,7 +234,7 @@ class DeepSpeedTrainer(TrainerWeights):
 
     def train_step(self, step: int, share: int, n_micro: int, global_std: float | None = None) -> StepResult:
         start = time.perf_counter()
-        lease = ray.get(self.buffer.pull.remote(self.spec.name, self.name, share, 60.0)) if share else None
+        lease = ray.get(self.buffer.pull(self.spec.name, self.name, share, 60.0)) if share else None
         batch: SampleBatch | None = lease.batch if lease is not None else None
         n = 0 if batch is None else len(batch)
         signals = torch.from_numpy(batch.rewards.astype(np.float32)) if batch is not None else torch.zeros(0)
@@ -329,8 +330,8 @@ class DeepSpeedTrainer(TrainerWeights):
 
     # -- weights and checkpoints ------------------------------------------------------------------
 
-    def init_sender(self, transport: str, bucket_bytes: int, transport_kwargs: dict[str, Any] | None) -> None:
-        self.init_weight_sender(transport, self.spec.name, bucket_bytes, **(transport_kwargs or {}))
+    def init_sender(self, transport: str, bucket_bytes: int, transport_kwargs: Mapping[str, object]) -> None:
+        self.init_weight_sender(transport, self.spec.name, bucket_bytes, **transport_kwargs)
 
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
         """What the engines load: parameters only, tied once, Hugging Face names (adapters merged under

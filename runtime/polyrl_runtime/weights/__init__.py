@@ -19,6 +19,7 @@ from polyrl_runtime.weights.api import (
 )
 from polyrl_runtime.weights.buckets import BucketLayout, TensorSpec, plan_buckets
 from polyrl_runtime.weights.registry import (
+    DEFAULT_TRANSPORT,
     TRANSPORTS,
     choose_transport,
     get_transport,
@@ -26,10 +27,12 @@ from polyrl_runtime.weights.registry import (
     make_sender,
     register_transport,
     registered,
+    sender_options,
 )
 from polyrl_runtime.weights.versions import VersionRegistry
 
 __all__ = [
+    "DEFAULT_TRANSPORT",
     "TRANSPORTS",
     "BucketLayout",
     "SyncReport",
@@ -50,4 +53,5 @@ __all__ = [
     "plan_buckets",
     "register_transport",
     "registered",
+    "sender_options",
 ]

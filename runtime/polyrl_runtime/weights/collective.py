@@ -63,6 +63,8 @@ from polyrl_runtime.weights.staging import ALIGN, Staging
 
 log = structlog.get_logger(__name__)
 
+TRANSPORT = "collective"
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # The layout's bucket size, so that no broadcast and no packing buffer exceeds it.
 CHUNK = 16 << 20
@@ -224,7 +226,7 @@ _Plan = list[tuple[torch.Tensor, CopyPlan | None, int]]
 
 
 class CollectiveSender(WeightSender):
-    transport: ClassVar[str] = "collective"
+    transport: ClassVar[str] = TRANSPORT
 
     def __init__(
         self,
@@ -429,7 +431,7 @@ class CollectiveSender(WeightSender):
 
 
 class CollectiveReceiver(WeightReceiver):
-    transport: ClassVar[str] = "collective"
+    transport: ClassVar[str] = TRANSPORT
 
     def __init__(self, device: torch.device | str | None = None, timeout_s: float = 600.0) -> None:
         self._device = torch.device(device) if device is not None else None

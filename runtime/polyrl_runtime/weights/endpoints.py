@@ -3,7 +3,9 @@
 The driver never touches tensors: it relays one manifest per engine per sync (O(1) control messages,
 whatever the parameter count) and records versions. Trainer and engine actors subclass
 `TrainerWeights` / `EngineWeights` (`weights/sides.py`, Ray-free), which hold the transport's sender /
-receiver.
+receiver. The sync reaches them through a `WeightSource` and `WeightSinks`, the calls it makes, each
+returning the call's `ObjectRef`: the trainer's and the engines' clients (trainers/client.py,
+engines/client.py) are both.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import ray
 import structlog
@@ -23,9 +25,34 @@ from polyrl_runtime.weights.api import SyncReport, WeightManifest, WeightSyncErr
 from polyrl_runtime.weights.sides import EngineWeights, TrainerWeights
 from polyrl_runtime.weights.versions import VersionRegistry
 
-__all__ = ["EngineWeights", "PolicyWeightSync", "SyncResult", "TrainerWeights"]
+__all__ = ["EngineWeights", "PolicyWeightSync", "SyncResult", "TrainerWeights", "WeightSink", "WeightSource"]
 
 log = structlog.get_logger(__name__)
+
+
+class WeightSource(Protocol):
+    """The trainer's end of a sync (its rank 0): `TrainerWeights`' methods, called through Ray."""
+
+    def publish_weights(self, version: int) -> ray.ObjectRef[WeightManifest]: ...
+
+    def resend_weights(self) -> ray.ObjectRef[WeightManifest | None]: ...
+
+    def set_weight_receivers(self, n: int) -> ray.ObjectRef[None]: ...
+
+    def wait_weights(self) -> ray.ObjectRef[None]: ...
+
+    def abort_weights(self) -> ray.ObjectRef[None]: ...
+
+
+class WeightSink(Protocol):
+    """An engine's end of a sync: `EngineWeights`' methods, called through Ray. `receive_weights`
+    takes a manifest or the reference of a publish still running."""
+
+    def receive_weights(
+        self, manifest: WeightManifest | ray.ObjectRef[WeightManifest]
+    ) -> ray.ObjectRef[SyncReport]: ...
+
+    def weight_version(self) -> ray.ObjectRef[int]: ...
 
 
 @dataclass
@@ -48,8 +75,8 @@ class PolicyWeightSync:
     def __init__(
         self,
         policy: str,
-        trainer: Any,
-        engines: Mapping[str, Any],
+        trainer: WeightSource,
+        engines: Mapping[str, WeightSink],
         registry: VersionRegistry,
         *,
         transport: str,
@@ -71,10 +98,10 @@ class PolicyWeightSync:
         for name in self.engines:
             registry.join(policy, name)
         if self._collective:
-            ray.get(trainer.set_weight_receivers.remote(len(self.engines)))
+            ray.get(trainer.set_weight_receivers(len(self.engines)))
 
     def _deliver(
-        self, version: WeightManifest | ray.ObjectRef[WeightManifest], engines: Mapping[str, Any]
+        self, version: WeightManifest | ray.ObjectRef[WeightManifest], engines: Mapping[str, WeightSink]
     ) -> SyncResult:
         """Bring `engines` to `version`: a manifest already published, or a publish still running
         (its ref), whose manifest is then recorded in the registry here.
@@ -83,7 +110,7 @@ class PolicyWeightSync:
         manifest exists, instead of after it made a round trip through this thread. At 64 MiB that
         hop was a twentieth of a collective sync.
         """
-        names = {h.receive_weights.remote(version): name for name, h in engines.items()}
+        names = {engine.receive_weights(version): name for name, engine in engines.items()}
         if isinstance(version, WeightManifest):
             manifest = version
         else:
@@ -109,7 +136,7 @@ class PolicyWeightSync:
                 log.warning("weights.sync.engine_failed", policy=self.policy, engine=name, error=str(e))
                 if self._collective and pending and not aborted and actor_gone(e):
                     # The others may wait for bytes the dead one was to forward (see collective._wait).
-                    ray.get(self.trainer.abort_weights.remote())
+                    ray.get(self.trainer.abort_weights())
                     aborted = True
                 continue
             result.reports[name] = report
@@ -121,7 +148,7 @@ class PolicyWeightSync:
             # so the extra round trip is needed only when some engine did not (its next publish
             # joins the finished sender thread anyway).
             try:
-                ray.get(self.trainer.wait_weights.remote())
+                ray.get(self.trainer.wait_weights())
             except Exception as e:
                 result.sender_error = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
                 log.warning("weights.sync.sender_failed", policy=self.policy, error=str(e))
@@ -143,10 +170,10 @@ class PolicyWeightSync:
         for name in dead:
             self.engines.pop(name, None)
             self.registry.forget(self.policy, name)
-        ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))
+        ray.get(self.trainer.set_weight_receivers(len(self.engines)))
         if set(result.failures) == dead:
             return result  # every survivor has the version
-        resent: WeightManifest | None = ray.get(self.trainer.resend_weights.remote())
+        resent: WeightManifest | None = ray.get(self.trainer.resend_weights())
         if resent is None:
             return result
         log.info("weights.sync.resent", policy=self.policy, dead=sorted(dead), version=resent.version)
@@ -161,7 +188,7 @@ class PolicyWeightSync:
         raises WeightSyncError only when the trainer's side failed and no engine got the version.
         """
         with self._lock:
-            result = self._deliver(self.trainer.publish_weights.remote(version), self.engines)
+            result = self._deliver(self.trainer.publish_weights(version), self.engines)
             if self._collective and result.failures:
                 result = self._without_dead_engines(result)
             if result.sender_error is not None and not result.reports and self.engines:
@@ -173,7 +200,7 @@ class PolicyWeightSync:
             self._synced.notify_all()
             return result
 
-    def add_engine(self, name: str, handle: Any) -> SyncResult | None:
+    def add_engine(self, name: str, engine: WeightSink) -> SyncResult | None:
         """Admit a new engine and bring it to the latest version before it gets any work.
 
         Returns the sync that brought it (its failures name the engine if it failed), or None when
@@ -182,29 +209,29 @@ class PolicyWeightSync:
         # A new actor may take seconds to start: wait for it outside the lock, not in a sync's way.
         # One that died starting fails in _deliver below, which reports it like any failed engine.
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(handle.weight_version.remote())
+            ray.get(engine.weight_version())
         with self._lock:
-            return self._admit(name, handle)
+            return self._admit(name, engine)
 
-    def _admit(self, name: str, handle: Any) -> SyncResult | None:
-        self.engines[name] = handle
+    def _admit(self, name: str, engine: WeightSink) -> SyncResult | None:
+        self.engines[name] = engine
         self.registry.join(self.policy, name)
         if self.registry.latest(self.policy) is None:
             if self._collective:
-                ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))
+                ray.get(self.trainer.set_weight_receivers(len(self.engines)))
             return None
         if self._collective:
             # Everyone must join the new group generation; engines already current drain the resend
             # without applying it.
-            ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))
-            resent: WeightManifest | None = ray.get(self.trainer.resend_weights.remote())
+            ray.get(self.trainer.set_weight_receivers(len(self.engines)))
+            resent: WeightManifest | None = ray.get(self.trainer.resend_weights())
             if resent is None:
                 return self._await_next_sync(name)
             self.registry.publish(resent)
             return self._deliver(resent, self.engines)
         latest = self.registry.latest(self.policy)
         assert latest is not None
-        return self._deliver(latest, {name: handle})
+        return self._deliver(latest, {name: engine})
 
     def _await_next_sync(self, name: str) -> SyncResult | None:
         """The trainer's weights are already changing, so the latest version is gone from it; the
@@ -236,4 +263,4 @@ class PolicyWeightSync:
             self.registry.forget(self.policy, name)
             self._synced.notify_all()  # an add_engine waiting for this engine gives up
             if self._collective and known:  # a sync that saw it die has already dropped it
-                ray.get(self.trainer.set_weight_receivers.remote(len(self.engines)))
+                ray.get(self.trainer.set_weight_receivers(len(self.engines)))

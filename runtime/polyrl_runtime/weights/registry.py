@@ -19,21 +19,30 @@ ReceiverFactory = Callable[..., WeightReceiver]
 # The values of the RLJob API's `spec.weightSync.transport`.
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 
+# Works wherever Ray runs (any host, CPU or GPU): what an engine built without naming a transport
+# receives through.
+DEFAULT_TRANSPORT = "objectstore"
+
 
 @dataclass(frozen=True)
 class Transport:
     name: str
     sender: SenderFactory
     receiver: ReceiverFactory
+    # The sender opens a process group of fixed size for each sync, so it is told how many receivers
+    # join (`num_receivers`); a store-based sender serves any number of receivers.
+    sized_group: bool = False
 
 
 _REGISTRY: dict[str, Transport] = {}
 
 
-def register_transport(name: str, sender: SenderFactory, receiver: ReceiverFactory) -> None:
+def register_transport(
+    name: str, sender: SenderFactory, receiver: ReceiverFactory, *, sized_group: bool = False
+) -> None:
     if name == "auto":
         raise ValueError("'auto' is a choice among transports, not a transport")
-    _REGISTRY[name] = Transport(name, sender, receiver)
+    _REGISTRY[name] = Transport(name, sender, receiver, sized_group)
 
 
 def get_transport(name: str) -> Transport:
@@ -64,6 +73,11 @@ def choose_transport(requested: str, *, cuda: bool, same_host: bool, ray_availab
     return "objectstore" if ray_available else "collective"
 
 
+def sender_options(name: str, *, receivers: int) -> dict[str, Any]:
+    """The `make_sender` keyword arguments that depend on the engines it serves (`receivers` of them)."""
+    return {"num_receivers": receivers} if get_transport(name).sized_group else {}
+
+
 def make_sender(name: str, policy: str, bucket_bytes: int, **kwargs: Any) -> WeightSender:
     return get_transport(name).sender(policy, bucket_bytes, **kwargs)
 
@@ -86,12 +100,13 @@ def _objectstore_receiver(*args: Any, **kwargs: Any) -> WeightReceiver:
 
 
 def _register_builtins() -> None:
+    from polyrl_runtime.weights.collective import TRANSPORT as COLLECTIVE
     from polyrl_runtime.weights.collective import CollectiveReceiver, CollectiveSender
     from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
 
-    register_transport("objectstore", _objectstore_sender, _objectstore_receiver)
+    register_transport(DEFAULT_TRANSPORT, _objectstore_sender, _objectstore_receiver)
     register_transport("shm", ShmSender, ShmReceiver)
-    register_transport("collective", CollectiveSender, CollectiveReceiver)
+    register_transport(COLLECTIVE, CollectiveSender, CollectiveReceiver, sized_group=True)
 
 
 _register_builtins()

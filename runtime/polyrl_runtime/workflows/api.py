@@ -33,12 +33,12 @@ from polyrl_runtime.engines.api import Generation, PromptTooLongError, SamplingP
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.types import Turn
 from polyrl_runtime.models import Tokenizer
+from polyrl_runtime.rewards.load import ImportPathError, RewardError, import_object, score
 from polyrl_runtime.workflows.chat import ChatReply, Conversation, context_ids, extended, normalise
 from polyrl_runtime.workflows.tools import parse_tool_calls
 
 if TYPE_CHECKING:
     from polyrl_runtime.workflows.openai_client import OpenAIClient
-from polyrl_runtime.rewards.load import ImportPathError, RewardError, import_object, score
 
 
 class WorkflowImportError(ImportError):
@@ -338,6 +338,7 @@ class EpisodeContext:
 
     def openai(self, agent: str) -> OpenAIClient:
         """An OpenAI-compatible client whose chat completions are `agent`'s chat calls (trained)."""
+        # Imported here: the openai SDK loads only in the workflows that use this client.
         from polyrl_runtime.workflows.openai_client import OpenAIClient
 
         return OpenAIClient(self.agent(agent))

@@ -26,17 +26,45 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageToolCall
 from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_function_tool_call import Function
 from openai.types.completion_usage import CompletionUsage
 
-from polyrl_runtime.workflows.chat import ChatReply
+from polyrl_runtime.workflows.chat import ChatReply, Conversation
 
-if TYPE_CHECKING:
-    from polyrl_runtime.workflows.api import Agent
+
+class ConversationLog(Protocol):
+    """Each agent's latest conversation, by agent name (an `EpisodeContext`)."""
+
+    @property
+    def conversations(self) -> Mapping[str, Conversation]: ...
+
+
+class ChatAgent(Protocol):
+    """What the client serves completions from (a workflow's `Agent`): the agent's chat call and the
+    log holding the conversation that call continued."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def ctx(self) -> ConversationLog: ...
+
+    async def chat(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] | None = None,
+        temperature: float | None = None,
+    ) -> ChatReply: ...
 
 
 class UnsupportedArgumentError(ValueError):
@@ -84,7 +112,7 @@ def completion_of(reply: ChatReply, *, model: str, prompt_tokens: int, created: 
 
 
 class _Completions:
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: ChatAgent) -> None:
         self._agent = agent
 
     async def create(
@@ -128,13 +156,13 @@ class _Completions:
 
 
 class _Chat:
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: ChatAgent) -> None:
         self.completions = _Completions(agent)
 
 
 class OpenAIClient:
     """`client.chat.completions.create(...)` as in `openai.AsyncOpenAI`, served by one agent."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: ChatAgent) -> None:
         self.agent = agent
         self.chat = _Chat(agent)

@@ -21,10 +21,13 @@ from typing import Any
 import structlog
 
 from polyrl_operator.api import RLJob
+from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.data.row import Row, RowRef
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
+from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.types import Episode, Ticket
 from polyrl_runtime.experience.wire import EpisodeBatch
 from polyrl_runtime.models import Tokenizer, load_tokenizer
@@ -55,6 +58,21 @@ class GroupReport:
     wall_s: float
 
 
+# One group to play: (group id, seed, its episodes' tickets, its data row or None).
+EpisodeGroup = tuple[str, int, Sequence[Ticket], RowRef | None]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """What the driver polls of a workflow worker (coordinator/fleet.py)."""
+
+    in_flight: int  # episodes running
+    busy_s: float  # seconds with at least one episode running (utilisation)
+    pod: str
+    engine_requests: dict[str, int]  # engine name -> requests sent to it and not answered yet
+    routes_epoch: int  # the routing table it holds
+
+
 def group_relative(rewards: Sequence[Mapping[str, float]], grpo_agents: set[str]) -> list[dict[str, float]]:
     """Per agent: reward minus the group's mean reward of that agent (GRPO), for agents in `grpo_agents`."""
     out = [dict(r) for r in rewards]
@@ -74,8 +92,8 @@ class WorkflowWorker:
         self,
         name: str,
         job_json: str,
-        buffer: Any,
-        routes: Mapping[str, Mapping[str, Any]],
+        buffer: BufferClient,
+        routes: Mapping[str, Mapping[str, EngineClient]],
         episode_timeout_s: float = 300.0,
         *,
         routes_epoch: int = 0,
@@ -106,7 +124,7 @@ class WorkflowWorker:
         self._busy_s = 0.0
         self._busy_since: float | None = None
 
-    def set_routes(self, routes: Mapping[str, Mapping[str, Any]], epoch: int = 0) -> None:
+    def set_routes(self, routes: Mapping[str, Mapping[str, EngineClient]], epoch: int = 0) -> None:
         """Install the driver's routing table `epoch`; an older one arriving late is ignored (calls
         to a concurrent actor may run out of order)."""
         if epoch and epoch < self.routes_epoch:
@@ -114,16 +132,15 @@ class WorkflowWorker:
         self.routes_epoch = max(epoch, self.routes_epoch)
         self.pool.set_routes(routes)
 
-    def stats(self) -> dict[str, Any]:
-        """Episodes in flight and seconds with at least one episode running (utilisation)."""
+    def stats(self) -> WorkerStats:
         busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
-        return {
-            "in_flight": self.in_flight,
-            "busy_s": busy,
-            "pod": os.environ.get("POLYRL_POD_NAME", ""),
-            "engine_requests": self.pool.outstanding(),
-            "routes_epoch": self.routes_epoch,
-        }
+        return WorkerStats(
+            in_flight=self.in_flight,
+            busy_s=busy,
+            pod=os.environ.get(ENV_POD_NAME, ""),
+            engine_requests=self.pool.outstanding(),
+            routes_epoch=self.routes_epoch,
+        )
 
     def _track(self, delta: int) -> None:
         now = time.monotonic()
@@ -190,9 +207,9 @@ class WorkflowWorker:
             for (t, _, e), s in zip(done, signals, strict=True)
         ]
         if items:
-            await self.buffer.put.remote(EpisodeBatch(items))
+            await self.buffer.put(EpisodeBatch(items))
         if failed:
-            await self.buffer.release.remote(failed)
+            await self.buffer.release(failed)
         return GroupReport(group_id, [r for r, _ in results], self.pool.take_dead(), time.monotonic() - start)
 
     async def evaluate(
@@ -229,12 +246,11 @@ class WorkflowWorker:
             for i in range(n)
         ]
 
-    async def run_groups(self, groups: Sequence[tuple[Any, ...]]) -> list[GroupReport | str]:
-        """Several groups (group id, seed, tickets) in one call, played concurrently, each put in the
-        buffer as soon as it is done. A Ray call costs about a millisecond of CPU here, as much as
-        a group's own work, so the driver dispatches up to a few groups per call. A group is
-        (group id, seed, tickets) or (group id, seed, tickets, data row or None). Per group: its
-        report, or the error that kept its episodes out of the buffer (the driver releases those)."""
+    async def run_groups(self, groups: Sequence[EpisodeGroup]) -> list[GroupReport | str]:
+        """Several groups in one call, played concurrently, each put in the buffer as soon as it is
+        done. A Ray call costs about a millisecond of CPU here, as much as a group's own work, so the
+        driver dispatches up to a few groups per call. Per group: its report, or the error that kept
+        its episodes out of the buffer (the driver releases those)."""
         results = await asyncio.gather(*(self.run_group(*g) for g in groups), return_exceptions=True)
         out: list[GroupReport | str] = []
         for r in results:

@@ -48,14 +48,15 @@ def test_ranks_agree_on_each_agents_statistics(ray_here: Any, tiny_qwen2_dir: Pa
         algorithm={"name": "grpo", "groupSize": 4, "advantageNorm": "per-agent"},
     )
     job = make_job(policies=[p])
-    ranks = Fleet(job, "objectstore", place_by_resource=False).new_trainers(job.spec.policies[0], buffer=None)
+    fleet = Fleet(job, "objectstore", place_by_resource=False)
+    clients = fleet.new_trainers(job.spec.policies[0], buffer=None)  # these ranks pull nothing
+    ranks: list[Any] = [c.handle for c in clients]  # `__ray_call__` runs `_stats` in them
     try:
-        addr, port = ray.get(ranks[0].address.remote())
-        ray.get([r.setup.remote(addr, port) for r in ranks])
+        addr, port = ray.get(clients[0].address())
+        ray.get([c.setup(addr, port) for c in clients])
         got = ray.get([r.__ray_call__.remote(_stats) for r in ranks])
     finally:
-        for r in ranks:
-            ray.kill(r)
+        fleet.close()
     values = torch.tensor([v for share, _ in SHARES for v in share])
     whole = agent_stats(values, [a for _, agents in SHARES for a in agents])
     for per_rank in got:

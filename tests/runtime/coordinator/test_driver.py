@@ -19,6 +19,7 @@ from driver_harness import make_job, new_driver, policy, run, still_running, unt
 
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import Progress
+from polyrl_runtime.actors import Actor
 from polyrl_runtime.coordinator.checkpoint import BUFFER, CheckpointStore
 from polyrl_runtime.coordinator.driver import Driver
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
@@ -176,16 +177,16 @@ def test_drain_progress_and_checkpoint_request_over_http(ray_local: Any, tmp_pat
         while not _engine(await asyncio.to_thread(_get, base + "/progress"), target)["drained"]:
             still_running(task, "the drain")
             await asyncio.sleep(0.1)
-        handle = driver.fleet.engines["agent"][target].handle  # type: ignore[union-attr]
-        seen["requests_at_drain"] = (await handle.stats.remote()).requests
+        engine = driver.fleet.engines["agent"][target].actor
+        seen["requests_at_drain"] = (await engine.stats()).requests
         await asyncio.to_thread(_post, base + "/checkpoint", {"requestId": "suspend-1"})
         await until(task, lambda: "suspend-1" in driver.handled_requests, "the checkpoint request")
         seen["after_request"] = await asyncio.to_thread(_get, base + "/progress")
         later = driver.runs["agent"].step + 2
         await until(task, lambda: driver.runs["agent"].step >= later, "two more steps")
-        seen["requests_later"] = (await handle.stats.remote()).requests  # still running: it answers
+        seen["requests_later"] = (await engine.stats()).requests  # still running: it answers
         summary = await task
-        seen["gone_at_end"] = await asyncio.to_thread(gone, handle)
+        seen["gone_at_end"] = await asyncio.to_thread(gone, engine.handle)
         seen["final"] = await asyncio.to_thread(_get, base + "/progress")
         await server.stop()
         return summary
@@ -253,8 +254,7 @@ def test_an_engine_that_dies_mid_run_does_not_stop_the_job(
     assert lost == [{"engine": victim, "policy": "agent"}]
     assert victim not in driver.runs["agent"].sync.engines  # type: ignore[union-attr]
     # and every workflow worker came to hold the newest routing table, which leaves it out
-    fleet = driver.fleet
-    assert fleet is not None and victim not in fleet.routes()["agent"]
+    assert victim not in driver.fleet.routes()["agent"]
     assert rerouted == [True]
 
 
@@ -266,7 +266,7 @@ def test_a_workflow_worker_that_dies_is_replaced_and_its_episodes_are_released(
     # and no worker to run an episode on.
     job = make_job(training={"totalSteps": 6})
 
-    def only_worker(fleet: Fleet) -> Slot:
+    def only_worker(fleet: Fleet) -> Slot[Actor]:
         assert len(fleet.workers) == 1
         return next(iter(fleet.workers.values()))
 
@@ -297,17 +297,22 @@ def test_zero3_two_ranks_ppo_with_kl_and_entropy(ray_local: Any, tmp_path: Path)
     assert all(r.entropy > 0 for r in summary.records)  # sampled turns: the entropy is reported
     # the engines serve the version the (gathered) ZeRO-3 weights were published as
     assert [e.version for e in driver.progress().policies[0].engines] == [2]
-    engine = next(iter(driver.fleet.engines["agent"].values()))  # type: ignore[union-attr]
+    engine = next(iter(driver.fleet.engines["agent"].values()))
+    assert driver.parts is not None
     # every actor it started is stopped as `run` returns, not left to the garbage collector
-    for handle in (engine.handle, driver.buffer, *driver.runs["agent"].ranks):
-        assert gone(handle), f"{handle} still answers 30 s after the run returned"
+    for actor in (engine.actor, driver.parts.buffer, *driver.runs["agent"].ranks):
+        assert gone(actor.handle), f"{actor} still answers 30 s after the run returned"
 
 
 Events = list[tuple[str, dict[str, Any]]]
 
 
 def _kill_at_step_two(
-    job: RLJob, tmp_path: Path, pick: Callable[[Fleet], Slot], *, rerouted: list[bool] | None = None
+    job: RLJob,
+    tmp_path: Path,
+    pick: Callable[[Fleet], Slot[Actor]],
+    *,
+    rerouted: list[bool] | None = None,
 ) -> tuple[Driver, RunSummary, Events, str]:
     """Run `job`, kill the actor `pick` chooses once step 2 is trained, and run on to the end.
     With `rerouted`, also wait (while the job runs: its actors stop with it) for the routing table
@@ -320,10 +325,9 @@ def _kill_at_step_two(
         task = asyncio.create_task(driver.run())
         await until(task, lambda: "agent" in driver.runs and driver.runs["agent"].step >= 2, "step 2")
         fleet = driver.fleet
-        assert fleet is not None
         slot = pick(fleet)
         victim.append(slot.name)
-        ray.kill(slot.handle)
+        slot.actor.kill()
         if rerouted is not None:
             await until(task, lambda: slot.name not in fleet.routes()["agent"], "routes without the victim")
             rerouted.append(await asyncio.to_thread(_workers_reach, fleet, fleet.routes_epoch))
@@ -337,8 +341,8 @@ def _workers_reach(fleet: Any, epoch: int) -> bool:
     """Every live workflow worker reports routing table `epoch` (a push the run's last housekeeping
     round sent may still be on its way: calls to a concurrent actor can run out of order)."""
     for _ in range(100):
-        live = [w.handle.stats.remote() for w in fleet.workers.values() if not w.dead]
-        if live and all(s["routes_epoch"] == epoch for s in ray.get(live)):
+        live = [w.actor.stats() for w in fleet.workers.values() if not w.dead]
+        if live and all(s.routes_epoch == epoch for s in ray.get(live)):
             return True
         time.sleep(0.1)
     return False

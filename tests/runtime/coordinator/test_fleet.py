@@ -11,9 +11,11 @@ from typing import Any
 import ray
 from driver_harness import make_job, policy
 
-from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.fleet import EngineSlot, Fleet, Slot
 from polyrl_runtime.engines.api import EngineStats
-from polyrl_runtime.workflows.runner import WorkflowWorker
+from polyrl_runtime.engines.client import EngineClient
+from polyrl_runtime.workflows.client import WorkflowWorkerClient
+from polyrl_runtime.workflows.runner import WorkerStats, WorkflowWorker
 
 
 class _Method:
@@ -43,9 +45,8 @@ class _Worker:
         self.set_routes = _Method(self._set_routes)
         self.stats = _Method(self._stats)
 
-    def _stats(self) -> dict[str, Any]:
-        pending = dict(self.pending)
-        return {"in_flight": 0, "busy_s": 0.0, "engine_requests": pending, "routes_epoch": self.routes_epoch}
+    def _stats(self) -> WorkerStats:
+        return WorkerStats(0, 0.0, "", dict(self.pending), self.routes_epoch)
 
     def _set_routes(self, routes: Any, epoch: int) -> None:
         if not self.hold:
@@ -56,15 +57,18 @@ def _fleet() -> tuple[Fleet, _Engine, _Worker]:
     job = make_job(policies=[policy(rollout={"replicas": {"min": 2, "max": 2}})])
     fleet = Fleet(job, "objectstore", place_by_resource=False)
     engine, worker = _Engine("agent-rollout-0"), _Worker()
-    fleet.engines["agent"]["agent-rollout-0"] = Slot("agent-rollout-0", engine, policy="agent")
+    # Stand-ins for the actor handles: the clients call `handle.<method>.remote(...)`.
+    fleet.engines["agent"]["agent-rollout-0"] = Slot("agent-rollout-0", EngineClient(engine), policy="agent")
     fleet.engines["agent"]["agent-rollout-1"] = Slot(
-        "agent-rollout-1", _Engine("agent-rollout-1"), policy="agent"
+        "agent-rollout-1",
+        EngineClient(_Engine("agent-rollout-1")),
+        policy="agent",
     )
-    fleet.workers["workflow-0"] = Slot("workflow-0", worker)
+    fleet.workers["workflow-0"] = Slot("workflow-0", WorkflowWorkerClient(worker))
     return fleet, engine, worker
 
 
-def _drained(slot: Slot) -> bool:  # a call, so that the checker does not narrow the property
+def _drained(slot: EngineSlot) -> bool:  # a call, so that the checker does not narrow the property
     return slot.drained
 
 
@@ -117,18 +121,18 @@ def test_each_role_runs_on_its_cpu_set(ray_local: Any) -> None:
     sets = {"rollout": frozenset({first}), "workflow": frozenset({last}), "trainer": frozenset({last})}
     fleet = Fleet(job, "objectstore", place_by_resource=False, cpu_sets=sets)
     plain = Fleet(job, "objectstore", place_by_resource=False)
-    engine = fleet.new_engine(job.spec.policies[0]).handle
-    worker = fleet.new_worker(job.model_dump_json(by_alias=True), None, 30.0).handle
+    engine = fleet.new_engine(job.spec.policies[0]).actor.handle
+    worker = fleet.new_worker(job.model_dump_json(by_alias=True), None, 30.0).actor.handle
     (trainer,) = fleet.new_trainers(job.spec.policies[0], None)
-    unpinned = plain.new_engine(job.spec.policies[0]).handle
+    unpinned = plain.new_engine(job.spec.policies[0]).actor.handle
     try:
         assert _thread_masks(engine) == {sets["rollout"]}
         assert _thread_masks(worker) == {sets["workflow"]}
-        assert _thread_masks(trainer) == {sets["trainer"]}
+        assert _thread_masks(trainer.handle) == {sets["trainer"]}
         assert _thread_masks(unpinned) == {frozenset(os.sched_getaffinity(0))}
     finally:
-        for h in (engine, worker, trainer, unpinned):
-            ray.kill(h)
+        fleet.close()
+        plain.close()
 
 
 def test_without_placement_resources_a_dead_actors_unit_is_free_once() -> None:

@@ -15,6 +15,7 @@ import ray
 from polyrl_runtime.engines.api import EngineUnavailableError, Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.engines.pool import EnginePool
+from polyrl_testenv.inprocess import engine_routes
 
 
 def _gen(token: int, engine: str = "") -> Generation:
@@ -106,7 +107,7 @@ P = SamplingParams()
 
 def test_requests_of_one_tick_become_one_call_per_engine() -> None:
     a, b = StreamEngine("a"), StreamEngine("b")
-    pool = EnginePool({"p": {"a": a, "b": b}})
+    pool = EnginePool(engine_routes({"p": {"a": a, "b": b}}))
 
     async def go() -> list[Generation]:
         return await asyncio.gather(*(pool.generate("p", [t], P) for t in range(10)))
@@ -120,7 +121,7 @@ def test_requests_of_one_tick_become_one_call_per_engine() -> None:
 
 def test_answers_stream_back_as_each_finishes() -> None:
     eng = StreamEngine("e", auto=False)
-    pool = EnginePool({"p": {"e": eng}})
+    pool = EnginePool(engine_routes({"p": {"e": eng}}))
 
     async def go() -> None:
         slow = asyncio.ensure_future(pool.generate("p", [1], P))
@@ -142,7 +143,7 @@ def test_answers_stream_back_as_each_finishes() -> None:
 
 
 def test_a_bad_request_fails_alone() -> None:
-    pool = EnginePool({"p": {"e": StreamEngine("e")}})
+    pool = EnginePool(engine_routes({"p": {"e": StreamEngine("e")}}))
 
     async def go() -> list[Any]:
         return await asyncio.gather(*(pool.generate("p", [t], P) for t in (1, -1, 2)), return_exceptions=True)
@@ -154,13 +155,13 @@ def test_a_bad_request_fails_alone() -> None:
 def test_dead_engine_mid_call_retries_only_the_unanswered_requests() -> None:
     dead = StreamEngine("dead", auto=False, die_after=1)
     good = StreamEngine("good")
-    pool = EnginePool({"p": {"dead": dead}})
+    pool = EnginePool(engine_routes({"p": {"dead": dead}}))
 
     async def go() -> None:
         outs = [asyncio.ensure_future(pool.generate("p", [t], P)) for t in range(4)]
         await asyncio.sleep(0.01)
         assert pool.outstanding() == {"dead": 4} and len(dead.calls) == 1
-        pool.set_routes({"p": {"dead": dead, "good": good}})
+        pool.set_routes(engine_routes({"p": {"dead": dead, "good": good}}))
         dead.release(0)  # answered before the engine dies
         assert (await asyncio.wait_for(outs[0], 5)).engine == "dead"
         for t in range(1, 4):  # the next item is the engine's death
@@ -175,7 +176,7 @@ def test_dead_engine_mid_call_retries_only_the_unanswered_requests() -> None:
 
 
 def test_no_engine_left_after_a_death_fails_the_requests() -> None:
-    pool = EnginePool({"p": {"dead": StreamEngine("dead", die_after=0)}}, retries=3)
+    pool = EnginePool(engine_routes({"p": {"dead": StreamEngine("dead", die_after=0)}}), retries=3)
 
     async def go() -> list[Any]:
         return await asyncio.gather(*(pool.generate("p", [t], P) for t in range(3)), return_exceptions=True)
@@ -186,7 +187,7 @@ def test_no_engine_left_after_a_death_fails_the_requests() -> None:
 
 def test_cancelled_caller_is_not_answered_and_not_counted() -> None:
     eng = StreamEngine("e", auto=False)
-    pool = EnginePool({"p": {"e": eng}})
+    pool = EnginePool(engine_routes({"p": {"e": eng}}))
 
     async def go() -> None:
         gone = asyncio.ensure_future(pool.generate("p", [1], P))
@@ -209,7 +210,7 @@ def test_engines_without_generate_many_get_one_call_per_request() -> None:
             self.generate = _Single(StreamEngine("plain"))
 
     plain = Plain()
-    pool = EnginePool({"p": {"plain": plain}})
+    pool = EnginePool(engine_routes({"p": {"plain": plain}}))
 
     async def go() -> list[Generation]:
         return await asyncio.gather(*(pool.generate("p", [t], P) for t in range(3)))

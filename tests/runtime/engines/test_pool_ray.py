@@ -12,8 +12,15 @@ import numpy as np
 
 from polyrl_runtime.engines.api import Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
+from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.engines.torch_engine import TorchEngine
+
+
+def _routes(engines: dict[str, Any]) -> dict[str, dict[str, EngineClient]]:
+    """Policy "p" on these engine actors, through the client the workflow workers call them with.
+    (Not `polyrl_testenv`: Ray's workers import this module by name, without tests/support.)"""
+    return {"p": {n: EngineClient(h) for n, h in engines.items()}}
 
 
 class SlowEngine:
@@ -52,7 +59,7 @@ def test_torch_engines_answer_batched_calls_through_ray(ray_session: Any) -> Non
     engines = {
         f"e{i}": actor.remote(f"e{i}", "p", "builtin://tiny", transport="shm", seed=3) for i in range(2)
     }
-    pool = EnginePool({"p": engines})
+    pool = EnginePool(_routes(engines))
     lengths = [1 + (7 * i) % 23 for i in range(12)]
 
     async def go() -> list[Generation]:
@@ -77,14 +84,14 @@ def test_engine_killed_mid_call_retries_its_unanswered_requests(ray_session: Any
     actor = ray.remote(num_cpus=0)(SlowEngine)
     doomed, spare = actor.remote("doomed"), actor.remote("spare")
     ray.get([doomed.requests.remote(), spare.requests.remote()])  # both started
-    pool = EnginePool({"p": {"doomed": doomed}})
+    pool = EnginePool(_routes({"doomed": doomed}))
     params = SamplingParams()
 
     async def go() -> list[Generation]:
         outs = [asyncio.ensure_future(pool.generate("p", [t], params)) for t in (1, 30, 40)]
         first = await asyncio.wait_for(outs[0], 30)  # answered by the doomed engine before it dies
         assert first.engine == "doomed" and pool.outstanding() == {"doomed": 2}
-        pool.set_routes({"p": {"doomed": doomed, "spare": spare}})
+        pool.set_routes(_routes({"doomed": doomed, "spare": spare}))
         ray.kill(doomed)
         start = time.monotonic()
         rest = await asyncio.wait_for(asyncio.gather(*outs[1:]), 60)
@@ -106,12 +113,12 @@ def test_an_engine_that_never_started_is_marked_dead_and_its_requests_go_elsewhe
     unborn = actor.options(runtime_env={"conda": "polyrl-no-such-env"}).remote("unborn")
     spare = actor.remote("spare")
     ray.get(spare.requests.remote())
-    pool = EnginePool({"p": {"unborn": unborn}})
+    pool = EnginePool(_routes({"unborn": unborn}))
 
     async def go() -> list[Generation]:
         outs = [asyncio.ensure_future(pool.generate("p", [t], SamplingParams())) for t in (1, 2, 3)]
         await asyncio.sleep(0)  # the three requests are on their way to the unborn engine
-        pool.set_routes({"p": {"unborn": unborn, "spare": spare}})
+        pool.set_routes(_routes({"unborn": unborn, "spare": spare}))
         return await asyncio.wait_for(asyncio.gather(*outs), 60)
 
     gens = asyncio.run(go())

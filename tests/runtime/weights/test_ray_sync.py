@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from polyrl_runtime.engines.client import EngineClient
+from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.weights import VersionError, VersionRegistry, WeightMismatchError, WeightSyncError
 from polyrl_runtime.weights.api import SyncReport, WeightManifest
 from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
@@ -49,6 +51,14 @@ class Engine(EngineWeights):
         return {k: v.reshape(-1).view(torch.uint8).tolist() for k, v in t.items()}
 
 
+def _sync(
+    trainer: Any, engines: Mapping[str, Any], registry: VersionRegistry, **kwargs: Any
+) -> PolicyWeightSync:
+    """Policy "alice"'s sync over these actors, through the clients the driver calls them with."""
+    engine_clients = {n: EngineClient(h) for n, h in engines.items()}
+    return PolicyWeightSync("alice", TrainerRankClient(trainer), engine_clients, registry, **kwargs)
+
+
 def _expected(seed: int) -> dict[str, list[int]]:
     return {k: v.reshape(-1).view(torch.uint8).tolist() for k, v in _model(seed).items()}
 
@@ -66,7 +76,7 @@ def test_sync_and_scale_out_across_actors(ray_session: Any, transport: str) -> N
     actors = [trainer, *engines.values()]
     try:
         registry = VersionRegistry()
-        wsync = PolicyWeightSync("alice", trainer, engines, registry, transport=transport)
+        wsync = _sync(trainer, engines, registry, transport=transport)
         for version in range(2):
             ray.get(trainer.train_step.remote())
             result = wsync.sync(version)
@@ -76,7 +86,7 @@ def test_sync_and_scale_out_across_actors(ray_session: Any, transport: str) -> N
 
         late = remote_engine.remote(transport)
         actors.append(late)
-        catch_up = wsync.add_engine("e1", late)
+        catch_up = wsync.add_engine("e1", EngineClient(late))
         assert catch_up is not None and not catch_up.failures
         assert ray.get(late.weight_version.remote()) == 1
         assert ray.get(late.fingerprint.remote()) == _expected(2)
@@ -85,7 +95,7 @@ def test_sync_and_scale_out_across_actors(ray_session: Any, transport: str) -> N
         # An engine whose model differs: it rejects, the others still move on to the new version.
         odd = remote_engine.remote(transport, 9)
         actors.append(odd)
-        wsync.add_engine("odd", odd)
+        wsync.add_engine("odd", EngineClient(odd))
         ray.get(trainer.train_step.remote())
         result = wsync.sync(2)
         assert isinstance(result.failures["odd"], WeightMismatchError)
@@ -110,7 +120,7 @@ def test_a_failed_publish_raises_and_engines_keep_their_version(ray_session: Any
     engine = ray.remote(num_cpus=0)(Engine).remote(transport)
     try:
         registry = VersionRegistry()
-        wsync = PolicyWeightSync("alice", trainer, {"e0": engine}, registry, transport=transport)
+        wsync = _sync(trainer, {"e0": engine}, registry, transport=transport)
         ray.get(trainer.train_step.remote())
         wsync.sync(1)
         ray.get(trainer.train_step.remote())
@@ -149,13 +159,13 @@ def test_a_catch_up_never_lands_after_a_newer_sync(ray_session: Any) -> None:
     late = ray.remote(num_cpus=0)(SlowJoiner).remote("objectstore")
     try:
         registry = VersionRegistry()
-        wsync = PolicyWeightSync("alice", trainer, {"e0": e0}, registry, transport="objectstore")
+        wsync = _sync(trainer, {"e0": e0}, registry, transport="objectstore")
         for version in range(3):
             ray.get(trainer.train_step.remote())
             wsync.sync(version)
         ray.get(late.weight_version.remote())  # started
         with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(wsync.add_engine, "late", late)  # catches up to 2, slowly
+            joining = pool.submit(wsync.add_engine, "late", EngineClient(late))  # catches up to 2, slowly
             time.sleep(0.3)
             ray.get(trainer.train_step.remote())
             result = wsync.sync(3)  # meanwhile, in the training thread
@@ -199,13 +209,13 @@ def test_an_engine_joining_mid_step_gets_a_whole_version(ray_session: Any, trans
     late = ray.remote(num_cpus=0)(Engine).remote(transport)
     try:
         registry = VersionRegistry()
-        wsync = PolicyWeightSync("alice", trainer, {"e0": e0}, registry, transport=transport)
+        wsync = _sync(trainer, {"e0": e0}, registry, transport=transport)
         ray.get(trainer.optimizer_step.remote(1))
         assert not wsync.sync(0).failures
         ray.get(trainer.optimizer_step.remote(2))  # step 2 under way: version 0 is gone from the trainer
         ray.get(late.weight_version.remote())  # started
         with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(wsync.add_engine, "late", late)
+            joining = pool.submit(wsync.add_engine, "late", EngineClient(late))
             if transport == "collective":
                 time.sleep(0.5)
                 assert not joining.done() and ray.get(late.weight_version.remote()) == -1
@@ -238,23 +248,21 @@ def test_close_releases_an_engine_waiting_for_a_publish(ray_session: Any) -> Non
     late = ray.remote(num_cpus=0)(Engine).remote("collective")
     try:
         registry = VersionRegistry()
-        wsync = PolicyWeightSync("alice", trainer, {"e0": e0}, registry, transport="collective")
+        wsync = _sync(trainer, {"e0": e0}, registry, transport="collective")
         assert not wsync.sync(0).failures
         ray.get(trainer.optimizer_step.remote(1))
         with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(wsync.add_engine, "late", late)
+            joining = pool.submit(wsync.add_engine, "late", EngineClient(late))
             time.sleep(0.3)
             wsync.close()
             assert joining.result(30) is None
         assert ray.get(late.weight_version.remote()) == -1
         # With a timeout instead of a close, the caller is told which engine and why.
-        wsync2 = PolicyWeightSync(
-            "alice", trainer, {"e0": e0}, registry, transport="collective", admit_timeout_s=0.5
-        )
+        wsync2 = _sync(trainer, {"e0": e0}, registry, transport="collective", admit_timeout_s=0.5)
         with pytest.raises(
             WeightSyncError, match="engine late joined while the trainer's weights were changing"
         ):
-            wsync2.add_engine("late", late)
+            wsync2.add_engine("late", EngineClient(late))
     finally:
         ray.get(trainer.close_weights.remote())
         for a in (trainer, e0, late):
@@ -280,7 +288,7 @@ def test_an_engine_dying_between_syncs_does_not_hold_back_the_others(ray_session
     trainer, engines = _collective_actors(ray, 3)
     try:
         registry = VersionRegistry()
-        wsync = PolicyWeightSync("alice", trainer, engines, registry, transport="collective")
+        wsync = _sync(trainer, engines, registry, transport="collective")
         assert not wsync.sync(0).failures
         for victim in ("e0", "e2"):  # whichever rank gloo reaches first, one sync has it dead
             kill(engines[victim])
@@ -311,7 +319,7 @@ def test_an_engine_dead_before_the_groups_rendezvous_does_not_hold_back_the_othe
     trainer, engines = _collective_actors(ray, 2)
     try:
         registry = VersionRegistry()
-        wsync = PolicyWeightSync("alice", trainer, engines, registry, transport="collective")
+        wsync = _sync(trainer, engines, registry, transport="collective")
         ray.get(engines["e1"].weight_version.remote())  # started
         kill(engines["e0"])  # dies before the first sync builds the group
         result = wsync.sync(0)

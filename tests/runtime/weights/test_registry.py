@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from polyrl_runtime.weights import TRANSPORTS, VersionRegistry, choose_transport, get_transport, registered
+from polyrl_runtime.weights import (
+    TRANSPORTS,
+    VersionRegistry,
+    choose_transport,
+    get_transport,
+    registered,
+    sender_options,
+)
 from polyrl_runtime.weights.api import VersionError, WeightManifest
 from polyrl_runtime.weights.buckets import plan_buckets
 from polyrl_runtime.weights.registry import register_transport
@@ -43,6 +50,14 @@ def test_explicit_choice_is_kept_and_unknown_rejected() -> None:
         choose_transport("nccl2", cuda=True, same_host=True)
     with pytest.raises(ValueError):
         register_transport("auto", ShmSender, ShmReceiver)
+
+
+def test_sender_options_tell_only_a_sized_group_the_receiver_count() -> None:
+    sized = [name for name in registered() if get_transport(name).sized_group]
+    assert "collective" in sized
+    for name in registered():
+        expected = {"num_receivers": 3} if name in sized else {}
+        assert sender_options(name, receivers=3) == expected
 
 
 def test_register_extension() -> None:

@@ -1,4 +1,5 @@
-"""In-process stand-ins for engine and buffer actor handles (`handle.method.remote(...)` awaitables)."""
+"""In-process stand-ins for engine and buffer actor handles (`handle.method.remote(...)` awaitables):
+tests wrap them in the clients (`EngineClient`, `BufferClient`), which call that shape."""
 
 from __future__ import annotations
 

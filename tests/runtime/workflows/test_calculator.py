@@ -17,6 +17,7 @@ from polyrl_runtime.models import load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.calculator import Calculator
 from polyrl_runtime.workflows.tools import ToolCall, run_calculator
+from polyrl_testenv.inprocess import engine_routes
 from polyrl_testenv.localrun import metrics_rows, run_to_end, write_job
 
 
@@ -39,7 +40,7 @@ def test_an_episode_is_one_sample_with_the_tool_result_as_context(tiny_qwen2_dir
             "g-1",
             0,
             7,
-            EnginePool({"solver": {"e0": handle}}),
+            EnginePool(engine_routes({"solver": {"e0": handle}})),
             {"solver": load_tokenizer(uri)},
             {"solver": SamplingParams(temperature=1.0, max_new_tokens=4)},
         )

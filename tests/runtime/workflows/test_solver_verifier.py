@@ -17,6 +17,7 @@ from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.models import load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.solver_verifier import SolverVerifier, judge_reward, make_problem
+from polyrl_testenv.inprocess import engine_routes
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,7 @@ def test_an_episode_rewards_both_agents_consistently(tiny_qwen2_dir: Path) -> No
                 "g-1",
                 0,
                 seed,
-                EnginePool(handles),
+                EnginePool(engine_routes(handles)),
                 {"solver": tok, "verifier": tok},
                 {p: SamplingParams(temperature=1.0, max_new_tokens=4) for p in ("solver", "verifier")},
             )

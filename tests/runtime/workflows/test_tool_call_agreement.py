@@ -23,6 +23,7 @@ from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.chat import ChatReply
 from polyrl_runtime.workflows.openai_client import tool_error
 from polyrl_runtime.workflows.tools import CALCULATOR
+from polyrl_testenv.inprocess import engine_routes
 
 QUESTION = [{"role": "user", "content": "what is 3+4?"}]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>'
@@ -83,7 +84,7 @@ class ScriptedEngine:
 
 
 def _context(tok: Tokenizer, case: Case) -> EpisodeContext:
-    pool = EnginePool({"solver": {"e0": ScriptedEngine(tok, case)}})
+    pool = EnginePool(engine_routes({"solver": {"e0": ScriptedEngine(tok, case)}}))
     sampling = {"solver": SamplingParams(temperature=1.0, max_new_tokens=256)}
     return EpisodeContext("ep-1", "g-1", 0, 0, pool, {"solver": tok}, sampling)
 

@@ -13,12 +13,14 @@ from fakes import FakeBuffer, FakeEngine
 from polyrl_operator.api import RLJob
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.types import Ticket
 from polyrl_runtime.models import CharTokenizer
 from polyrl_runtime.workflows.api import EpisodeContext, WorkflowImportError, load_workflow
 from polyrl_runtime.workflows.proposer_solver import ProposerSolver
 from polyrl_runtime.workflows.runner import WorkflowWorker
 from polyrl_runtime.workflows.signal import SignalGame
+from polyrl_testenv.inprocess import engine_routes
 
 TOK = CharTokenizer()
 
@@ -44,7 +46,7 @@ def _ctx(
         "g-1",
         0,
         seed,
-        EnginePool(routes),
+        EnginePool(engine_routes(routes)),
         {p: TOK for p in names},
         {p: SamplingParams(max_new_tokens=4) for p in names},
         policies or {},
@@ -138,7 +140,7 @@ def test_pool_retries_on_another_engine_when_one_dies() -> None:
 
     dead.generate.fn = boom
     good = FakeEngine(lambda p, s: [5])
-    pool = EnginePool({"p": {"dead": dead, "good": good}})
+    pool = EnginePool(engine_routes({"p": {"dead": dead, "good": good}}))
 
     async def go() -> None:
         for _ in range(3):
@@ -146,7 +148,7 @@ def test_pool_retries_on_another_engine_when_one_dies() -> None:
 
     asyncio.run(go())
     assert pool.take_dead() == {"dead"} and good.calls == 3
-    lonely = EnginePool({"p": {"dead": dead}}, retries=3)
+    lonely = EnginePool(engine_routes({"p": {"dead": dead}}), retries=3)
     with pytest.raises(EngineUnavailableError, match="no live engine for policy 'p'"):
         asyncio.run(lonely.generate("p", [1], SamplingParams()))
 
@@ -183,7 +185,7 @@ def _job(entrypoint: str) -> str:
 def test_worker_puts_group_relative_episodes_and_counts_failures() -> None:
     routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
     buffer = FakeBuffer()
-    worker = WorkflowWorker("w", _job(f"{__name__}:FlakyGame"), buffer, routes)
+    worker = WorkflowWorker("w", _job(f"{__name__}:FlakyGame"), BufferClient(buffer), engine_routes(routes))
     tickets = [Ticket(i, frozenset({"speaker", "listener"})) for i in range(4)]
     report = asyncio.run(worker.run_group("g7", 11, tickets))
     failed = [e for e in report.episodes if not e.ok]
@@ -196,7 +198,7 @@ def test_worker_puts_group_relative_episodes_and_counts_failures() -> None:
     )
     # same seed, same task: all members of the group share the target
     assert len({e.metadata["target"] for e in buffer.episodes}) == 1
-    assert worker.stats()["in_flight"] == 0
+    assert worker.stats().in_flight == 0
 
 
 def test_worker_runs_several_groups_in_one_call_and_reports_each() -> None:
@@ -210,9 +212,11 @@ def test_worker_runs_several_groups_in_one_call_and_reports_each() -> None:
         put.fn(items)
 
     buffer.put = type(put)(put_unless_g2)
-    worker = WorkflowWorker("w", _job("polyrl_runtime.workflows.signal:SignalGame"), buffer, routes)
+    worker = WorkflowWorker(
+        "w", _job("polyrl_runtime.workflows.signal:SignalGame"), BufferClient(buffer), engine_routes(routes)
+    )
     both = frozenset({"speaker", "listener"})
-    groups = [(f"g{g}", 100 + g, [Ticket(4 * g + i, both) for i in range(4)]) for g in range(3)]
+    groups = [(f"g{g}", 100 + g, [Ticket(4 * g + i, both) for i in range(4)], None) for g in range(3)]
     results = asyncio.run(worker.run_groups(groups))
     assert [r.group_id for r in results[:2] if not isinstance(r, str)] == ["g0", "g1"]
     assert results[2] == "RuntimeError: buffer refused g2"  # the driver releases g2's tickets
@@ -222,7 +226,7 @@ def test_worker_runs_several_groups_in_one_call_and_reports_each() -> None:
         len({e.metadata["target"] for e in buffer.episodes if e.metadata["group"] == g}) == 1
         for g in ("g0", "g1")
     )
-    assert worker.stats()["in_flight"] == 0
+    assert worker.stats().in_flight == 0
 
 
 def test_debate_runs_three_agents_over_several_rounds(tmp_path: Any) -> None:

@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from polyrl_operator.pod_contract import ENV_NETMAP
 from polyrl_runtime.netmap import free_port
 from polyrl_testenv.kubeproxy import ServiceProxy
 from polyrl_testenv.operator_proc import SyncApi
@@ -233,7 +234,7 @@ class TestKubelet:
                 "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
                 "HOME": str(directory / "home"),
                 "HOSTNAME": hostname,
-                "POLYRL_NETMAP": str(self.netmap_path),
+                ENV_NETMAP: str(self.netmap_path),
             }
             for var in c.get("env") or []:
                 env[var["name"]] = (

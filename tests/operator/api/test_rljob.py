@@ -1,4 +1,5 @@
-"""The API models: examples parse, defaults are what DESIGN.md promises, the wire form round-trips."""
+"""The RLJob model (``polyrl_operator.api``): examples parse, defaults are what DESIGN.md promises, the
+wire form round-trips, fields keep their types."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pydantic import ValidationError
 
 from polyrl_operator.api import RLJob, longest_pod_name_len
 from polyrl_testenv.bad_rljobs import EXAMPLES, base_job
+from polyrl_testenv.operator_fixtures import stored_job
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 
@@ -91,3 +93,11 @@ def test_longest_pod_name_counts_the_index_digits() -> None:
     # "j-p-rollout-9" for max 10 replicas, "j-p-rollout-10" for 11.
     assert longest_pod_name_len("j", "p", 10, 1) == len("j-p-rollout-9")
     assert longest_pod_name_len("j", "p", 1, 11) == len("j-p-trainer-10")
+
+
+def test_the_dashboard_field_is_a_boolean() -> None:
+    body = stored_job()
+    body["metadata"] = {"name": "signal-game", "namespace": "ns"}
+    body["spec"]["coordinator"] = {"dashboard": "sometimes"}
+    with pytest.raises(ValueError, match=r"coordinator\.dashboard"):
+        RLJob.model_validate(body)

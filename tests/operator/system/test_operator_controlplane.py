@@ -14,18 +14,18 @@ from typing import Any
 import pytest
 import yaml
 
-from polyrl_operator import naming
+from polyrl_operator import naming, pod_contract
 from polyrl_operator.kube import CHILD_API_VERSIONS, ApiError, Credentials, KubeClient, path_for
 from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES, REPO
 from polyrl_testenv.kueue import admission_status
-from polyrl_testenv.operator_fixtures import SIGNAL_GAME_PODS, pod_status
+from polyrl_testenv.operator_fixtures import PROGRESS_SAMPLES, SIGNAL_GAME_PODS, pod_status
 from polyrl_testenv.operator_harness import FakeCoordinator, eventually, operator_in_process
 from polyrl_testenv.quota_proxy import QuotaProxy
 
 pytestmark = pytest.mark.controlplane
 
-KUEUE_DIR = Path(__file__).resolve().parents[1] / "data" / "kueue"  # Kueue's own CRDs, vendored
+KUEUE_DIR = REPO / "tests" / "data" / "kueue"  # Kueue's own CRDs, vendored
 RLJOBS = "polyrl.dev/v1alpha1"
 WORKLOADS = "kueue.x-k8s.io/v1beta2"
 
@@ -144,7 +144,7 @@ def cpu_job() -> dict[str, Any]:
 
 
 def progress_doc(name: str, **replace: str) -> dict[str, Any]:
-    text = (Path(__file__).parent / "data" / "progress" / f"{name}.json").read_text()
+    text = (PROGRESS_SAMPLES / f"{name}.json").read_text()
     for old, new in replace.items():
         text = text.replace(old, new)
     doc: dict[str, Any] = json.loads(text)
@@ -186,7 +186,9 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
 
         async def draining() -> bool:
             pod = (await k8s.pods("signal-game")).get("signal-game-speaker-rollout-1") or {}
-            return (pod.get("metadata", {}).get("annotations") or {}).get(naming.ANNOTATION_DRAIN) == "true"
+            return (pod.get("metadata", {}).get("annotations") or {}).get(
+                pod_contract.ANNOTATION_DRAIN
+            ) == "true"
 
         await eventually(draining)
         coordinator.documents[(k8s.ns, "signal-game")] = progress_doc("draining")
@@ -205,7 +207,9 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
 
         async def checkpoint_requested() -> str | None:
             pod = (await k8s.pods("signal-game")).get("signal-game-coordinator") or {}
-            return (pod.get("metadata", {}).get("annotations") or {}).get(naming.ANNOTATION_CHECKPOINT)
+            return (pod.get("metadata", {}).get("annotations") or {}).get(
+                pod_contract.ANNOTATION_CHECKPOINT_REQUEST
+            )
 
         request = await eventually(checkpoint_requested)
         assert await k8s.pod_names("signal-game") == SIGNAL_GAME_PODS

@@ -1,4 +1,5 @@
-"""The reconciler (plan + apply + status) step by step against an in-memory API server.
+"""The reconciler (``polyrl_operator.reconciling``: plan + apply + status) step by step against an
+in-memory API server.
 
 The test plays the kubelet, the runtime's /progress, Kueue and the clock; every decision of the
 operator is checked as the exact objects and status it leaves behind."""
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from polyrl_operator import naming
+from polyrl_operator import naming, pod_contract
 from polyrl_operator.api import RLJobStatus
 from polyrl_operator.kube import ApiError
 from polyrl_testenv.operator_fixtures import SIGNAL_GAME_PODS, Sim, gpu_job, pod_status, progress, stored_job
@@ -111,7 +112,7 @@ async def test_scale_in_drains_the_highest_index_before_deleting_it() -> None:
     sim.progress = progress("idle")
     await sim.step()
     victim = sim.api.obj("pods", "signal-game-speaker-rollout-1")
-    assert victim["metadata"]["annotations"][naming.ANNOTATION_DRAIN] == "true"
+    assert victim["metadata"]["annotations"][pod_contract.ANNOTATION_DRAIN] == "true"
     assert "signal-game-speaker-rollout-1" in sim.pods()
     await sim.step()  # not drained yet: still there
     assert "signal-game-speaker-rollout-1" in sim.pods()
@@ -210,7 +211,7 @@ async def test_suspend_checkpoints_then_deletes_pods_and_resume_recreates() -> N
     sim.patch_spec({"suspend": True})
     await sim.step()
     coordinator = sim.api.obj("pods", "signal-game-coordinator")
-    request = coordinator["metadata"]["annotations"][naming.ANNOTATION_CHECKPOINT]
+    request = coordinator["metadata"]["annotations"][pod_contract.ANNOTATION_CHECKPOINT_REQUEST]
     assert sim.pods() == SIGNAL_GAME_PODS  # waiting for the checkpoint
     assert sim.status["phase"] == "Suspended"
     assert sim.condition("Suspended")["status"] == "False"
@@ -256,7 +257,7 @@ async def test_the_deadline_checkpoints_then_fails_the_job_and_survives_a_restar
     sim.progress = progress("idle").model_copy(update={"attempt": 1})
     await sim.step(60)
     coordinator = sim.api.obj("pods", "signal-game-coordinator")
-    request = coordinator["metadata"]["annotations"][naming.ANNOTATION_CHECKPOINT]
+    request = coordinator["metadata"]["annotations"][pod_contract.ANNOTATION_CHECKPOINT_REQUEST]
     assert request.startswith("deadlineexceeded-")
     assert sim.pods() == SIGNAL_GAME_PODS  # kept until the checkpoint is done
     assert sim.condition("Progressing")["reason"] == "DeadlineExceeded"
@@ -497,3 +498,39 @@ async def test_secret_token_is_stable_across_reconciles() -> None:
     await sim.converge(3)
     assert sim.api.obj("secrets", "signal-game-ray-token")["data"] == token
     assert '"totalSteps": 61' in sim.api.obj("configmaps", "signal-game-config")["data"]["rljob.json"]
+
+
+def _prio_gets(sim: Sim) -> int:
+    return sum(1 for verb, path in sim.api.log if path.split("/")[0].endswith("priorityclasses"))
+
+
+async def test_the_reconciler_waits_for_a_missing_class_then_creates_the_workload_with_it() -> None:
+    body = gpu_job()
+    body["spec"]["scheduling"]["priorityClassName"] = "rl-batch"
+    sim = Sim(body)
+    await sim.step()
+    await sim.step()
+    assert sim.api.names("workloads") == set() and sim.pods() == set()
+    admitted = sim.condition("Admitted")
+    assert (admitted["status"], admitted["reason"]) == ("False", "PriorityNotFound")
+    assert admitted["message"].startswith("spec.scheduling.priorityClassName:")
+    assert sim.status["phase"] == "Pending"
+    events = [o for (pl, _, _), o in sim.api.objects.items() if pl == "events"]
+    assert [e["reason"] for e in events if e["reason"] == "PriorityNotFound"] == ["PriorityNotFound"]
+    assert not [k for k in sim.kicks if k < 1], "a missing class is re-checked on the resync, not at once"
+    # The admin creates the class: the next reconcile (the resync) creates the Workload with it.
+    sim.api._create("workloadpriorityclasses", None, {"metadata": {"name": "rl-batch"}, "value": 1000})
+    await sim.step()
+    workload = sim.api.obj("workloads", "debate")
+    assert workload["spec"]["priorityClassRef"]["kind"] == "WorkloadPriorityClass"
+    assert workload["spec"]["priority"] == 1000
+    assert {"priorityClassName"} & set(workload["spec"]["podSets"][0]["template"]["spec"]) == set()
+    assert sim.condition("Admitted")["reason"] == "WorkloadCreating"
+    # From now on the Workload records the class: no lookup per reconcile, and a class whose value
+    # changes (or that goes) does not replace a Workload that exists.
+    before = _prio_gets(sim)
+    sim.api.objects[("workloadpriorityclasses", None, "rl-batch")]["value"] = 5
+    await sim.step()
+    await sim.step()
+    assert _prio_gets(sim) == before
+    assert sim.api.obj("workloads", "debate")["metadata"]["uid"] == workload["metadata"]["uid"]

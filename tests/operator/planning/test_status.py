@@ -1,9 +1,9 @@
-"""The RLJob status per policy carries the coordinator's latest evaluation pass (spec.evaluation):
-taken from /progress when there, kept as last written when a report has none."""
+"""The RLJob status per policy (``polyrl_operator.planning.status``) carries the coordinator's
+latest evaluation pass (spec.evaluation): taken from /progress when there, kept as last written when
+a report has none."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,11 +14,16 @@ from polyrl_operator.api.progress import EvalProgress, PolicyProgress, Progress
 from polyrl_operator.api.status import EvalStatus, PolicyStatus
 from polyrl_operator.planning.pods import empty_pod_plan
 from polyrl_operator.planning.status import policy_statuses
+from polyrl_testenv.bad_rljobs import REPO
 
 JOB = RLJob.model_validate(
-    yaml.safe_load((Path(__file__).parents[1] / "runtime" / "data" / "selfplay-tiny.yaml").read_text())
+    yaml.safe_load((REPO / "tests" / "runtime" / "data" / "selfplay-tiny.yaml").read_text())
 )
+
+
 PASS = EvalProgress(step=6, reward_mean=0.25, pass_at_k=0.5, k=4, rows=10)
+
+
 OLD = EvalStatus(step=3, reward_mean=0.1, pass_at_k=0.2, k=4)
 
 
@@ -39,9 +44,3 @@ def test_policy_status_carries_the_latest_eval_pass(
     [status] = policy_statuses(JOB, old, progress, empty_pod_plan(JOB))
     wire = status.model_dump(by_alias=True, exclude_none=True, mode="json").get("evaluation")
     assert wire == expected
-
-
-def test_progress_without_the_field_still_parses() -> None:
-    """An older coordinator's document (no `evaluation`) is read as before."""
-    doc = {"schemaVersion": 1, "state": "running", "policies": [{"name": "agent", "step": 2}]}
-    assert Progress.model_validate(doc).policies[0].evaluation is None

@@ -1,5 +1,4 @@
-"""`spec.metrics` in the API and the pods: sinks validated naming the field, and the metrics
-credentials Secret reaching the coordinator (where the sinks run) and no other pod."""
+"""``spec.metrics`` (``polyrl_operator.api.metrics``): sinks validated naming the field."""
 
 from __future__ import annotations
 
@@ -9,59 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from polyrl_operator.api import RLJob
-from polyrl_operator.builders import JobRef, PodRequest, build_pod
-from polyrl_operator.settings import OperatorSettings
 from polyrl_operator.validation import validate_file
 from polyrl_testenv.bad_rljobs import base_job
-from polyrl_testenv.operator_fixtures import gpu_job
-
-REF = JobRef("debate", "team-a", "uid-1")
-
-
-def _job(spec: dict[str, Any]) -> RLJob:
-    body = gpu_job()
-    body["spec"].update(spec)
-    return RLJob.model_validate(
-        {k: v for k, v in body.items() if k != "metadata"}
-        | {"metadata": {"name": "debate", "namespace": "team-a"}}
-    )
-
-
-def _env_from(job: RLJob, req: PodRequest) -> Any:
-    [container] = build_pod(job, REF, req, OperatorSettings())["spec"]["containers"]
-    return container.get("envFrom")
-
-
-@pytest.mark.parametrize(
-    ("spec", "coordinator", "others"),
-    [
-        ({}, None, None),
-        ({"metrics": {"credentialsSecret": "wandb-key"}}, [{"secretRef": {"name": "wandb-key"}}], None),
-        (
-            {"metrics": {"credentialsSecret": "wandb-key"}, "storage": {"credentialsSecret": "s3"}},
-            [{"secretRef": {"name": "s3"}}, {"secretRef": {"name": "wandb-key"}}],
-            [{"secretRef": {"name": "s3"}}],
-        ),
-        (  # one Secret for both: listed once
-            {"metrics": {"credentialsSecret": "all"}, "storage": {"credentialsSecret": "all"}},
-            [{"secretRef": {"name": "all"}}],
-            [{"secretRef": {"name": "all"}}],
-        ),
-    ],
-    ids=["unset", "metrics-secret", "both-secrets", "same-secret"],
-)
-def test_the_metrics_secret_reaches_the_coordinator_only(
-    spec: dict[str, Any], coordinator: Any, others: Any
-) -> None:
-    job = _job(spec)
-    assert _env_from(job, PodRequest("coordinator")) == coordinator
-    for req in (
-        PodRequest("workflow", 0),
-        PodRequest("rollout", 0, "proposer"),
-        PodRequest("trainer", 0, "judge"),
-    ):
-        assert _env_from(job, req) == others, req.role
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from polyrl_operator import naming
+from polyrl_operator import naming, pod_contract
 from polyrl_operator.builders.priority import Priority, PriorityNotFound
 from polyrl_operator.observed import Child
 from polyrl_operator.planning import JobMemory, Plan, QuotaRefusal, plan, stored_status
@@ -72,7 +72,7 @@ def checkpoint_asked(body: dict[str, Any]) -> World:
         body,
         annotations={
             COORDINATOR: {
-                naming.ANNOTATION_CHECKPOINT: REQUEST,
+                pod_contract.ANNOTATION_CHECKPOINT_REQUEST: REQUEST,
                 naming.ANNOTATION_CHECKPOINT_SINCE: rfc3339(later(61)),
             }
         },
@@ -205,7 +205,7 @@ CASES = [
         {"Progressing": ("False", "DeadlineExceeded"), "Ready": ("False", "DeadlineExceeded")},
         pods=set(),
         events=frozenset({"CheckpointRequested"}),
-        annotated={COORDINATOR: {naming.ANNOTATION_CHECKPOINT: REQUEST}},
+        annotated={COORDINATOR: {pod_contract.ANNOTATION_CHECKPOINT_REQUEST: REQUEST}},
     ),
     Case(
         "deadline passed, checkpoint done: Failed with DeadlineExceeded",
