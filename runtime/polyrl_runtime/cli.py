@@ -83,13 +83,13 @@ def register_models(subparsers: Any) -> None:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    from polyrl_runtime.coordinator.pod import run_coordinator
+    from polyrl_runtime.pods.entry import run_coordinator
 
     return run_coordinator(args.config, out=args.out, ray_port=args.ray_port, http_port=args.http_port)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from polyrl_runtime.coordinator.pod import run_worker
+    from polyrl_runtime.pods.entry import run_worker
 
     return run_worker(
         args.config, role=args.role, policy=args.policy, address=args.address, http_port=args.http_port

@@ -96,8 +96,8 @@ def test_a_pod_logs_json_lines_with_the_operators_keys() -> None:
     out = io.StringIO()
     assert configure_logging("json", environ=POD_ENV, stream=out) == "json"
     started("worker", role="trainer")
-    structlog.get_logger("polyrl_runtime.coordinator.pod").info("worker.joined", address="h:6379")
-    structlog.get_logger("polyrl_runtime.coordinator.pod").debug("hidden")  # below INFO
+    structlog.get_logger("polyrl_runtime.pods.entry").info("worker.joined", address="h:6379")
+    structlog.get_logger("polyrl_runtime.pods.entry").debug("hidden")  # below INFO
     logging.getLogger("aiohttp.server").warning("a library's warning")  # the stdlib bridge
     logging.getLogger("aiohttp.server").info("a library's chatter")  # below WARNING
     try:

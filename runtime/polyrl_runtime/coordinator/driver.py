@@ -15,7 +15,7 @@ version, so generation waits for the weights of the previous step (strictly on-p
 generation runs up to maxStaleness versions ahead; older samples are dropped (and counted) by the
 buffer, newer-but-stale ones are corrected by truncated importance weights in the loss.
 
-`Driver` composes one component per responsibility (listed in coordinator/driver_base.py). `_start`
+`Driver` composes one component per responsibility (listed in coordinator/job_state.py). `_start`
 starts the actors and builds the components that use them, all at once (`JobParts`); `run` runs their
 loops and reports a `JobSnapshot` (report.py). Every hop of a step is a typed call through an actor's
 client (polyrl_runtime/actors.py); `PolicyTrainer.train_step` (training.py) makes them in order.
@@ -33,15 +33,16 @@ import structlog
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import Progress
 from polyrl_runtime.actors import Actor
-from polyrl_runtime.coordinator.checkpoint import CheckpointRef, CheckpointStore
-from polyrl_runtime.coordinator.checkpointing import Checkpointer
+from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
+from polyrl_runtime.coordinator.checkpoints.store import CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.datafeed import DataFeed, buffered_groups, open_train_feed
-from polyrl_runtime.coordinator.driver_base import DriverOptions, JobControl, JobFailedError, PolicyRun, State
 from polyrl_runtime.coordinator.evaluation import Evaluator, load_eval_rows
+from polyrl_runtime.coordinator.failures import JobFailedError, root_cause
 from polyrl_runtime.coordinator.fleet import Fleet
-from polyrl_runtime.coordinator.housekeeping import FleetSupervisor
-from polyrl_runtime.coordinator.metrics import RewardWindow, StepRecord
-from polyrl_runtime.coordinator.metrics_log import MetricsLog
+from polyrl_runtime.coordinator.fleet_supervisor import FleetSupervisor
+from polyrl_runtime.coordinator.job_state import DriverOptions, JobControl, PolicyRun, State
+from polyrl_runtime.coordinator.metrics.log import MetricsLog
+from polyrl_runtime.coordinator.metrics.records import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.producer import EpisodeProducer, ProducerLimits
 from polyrl_runtime.coordinator.report import (
     JobSnapshot,
@@ -51,7 +52,6 @@ from polyrl_runtime.coordinator.report import (
     run_summary,
     worker_views,
 )
-from polyrl_runtime.coordinator.tasks import root_cause
 from polyrl_runtime.coordinator.training import PolicyTrainer, ProducerEventSink, StepLimits, TrainingParts
 from polyrl_runtime.data import DataError
 from polyrl_runtime.experience.buffer import PolicyConfig

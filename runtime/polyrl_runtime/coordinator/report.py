@@ -21,11 +21,11 @@ from polyrl_operator.api.progress import (
 )
 from polyrl_runtime.actors import Actor
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
-from polyrl_runtime.coordinator.metrics import SeriesEnds, StepRecord
+from polyrl_runtime.coordinator.metrics.records import SeriesEnds, StepRecord
 from polyrl_runtime.experience.client import BufferClient
 
 if TYPE_CHECKING:  # the driver's modules import torch; `polyrl run` loads them while Ray starts
-    from polyrl_runtime.coordinator.driver_base import PolicyRun, State
+    from polyrl_runtime.coordinator.job_state import PolicyRun, State
 
 log = structlog.get_logger(__name__)
 

@@ -20,12 +20,12 @@ import structlog
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import EvalProgress
 from polyrl_runtime.actors import Actor, actor_gone
-from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef
-from polyrl_runtime.coordinator.checkpointing import Checkpointer
-from polyrl_runtime.coordinator.driver_base import JobControl, PolicyRun
+from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
+from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointRef
 from polyrl_runtime.coordinator.evaluation import Evaluator
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
-from polyrl_runtime.coordinator.metrics import StepRecord, Totals
+from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
+from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.experience.client import BufferClient
@@ -70,7 +70,7 @@ class TrainingParts:
     producer: EpisodeProducer
     checkpointer: Checkpointer
     registry: VersionRegistry
-    record: Callable[[StepRecord], Awaitable[None]]  # where each step's record goes (metrics_log.py)
+    record: Callable[[StepRecord], Awaitable[None]]  # where each step's record goes (metrics/log.py)
     evaluator: Evaluator | None
 
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from polyrl_runtime.coordinator.metrics import StepRecord
+from polyrl_runtime.coordinator.metrics.records import StepRecord
 
 
 def use_colour(live: bool | None, environ: Mapping[str, str], stream: TextIO) -> bool:

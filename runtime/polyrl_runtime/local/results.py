@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from polyrl_runtime.coordinator.metrics import StartupPhases
-from polyrl_runtime.coordinator.metrics_files import LOCAL_NAME, read_metrics
+from polyrl_runtime.coordinator.metrics.files import LOCAL_NAME, read_metrics
+from polyrl_runtime.coordinator.metrics.startup import StartupPhases
 from polyrl_runtime.coordinator.report import RunSummary
 from polyrl_runtime.local.plots import reward_curves, write_csv
 

@@ -7,7 +7,7 @@ latest checkpoint there. Ctrl-C stops after the steps in progress, writes a chec
 files, and exits 130; a second Ctrl-C exits 130 at once (local/interrupts.py).
 
 While it starts, the run says what it is doing (Ray, actors, models, trainers, first weights) and
-the summary gives each start-up phase's duration (coordinator/metrics.py `StartupPhases`).
+the summary gives each start-up phase's duration (coordinator/metrics/startup.py `StartupPhases`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime.config import JobFileError, load_job, placement_resources, set_env_defaults
-from polyrl_runtime.coordinator.checkpoint import CheckpointStore, checkpoint_root
-from polyrl_runtime.coordinator.metrics import StartupPhases
+from polyrl_runtime.coordinator.checkpoints.store import CheckpointStore, checkpoint_root
+from polyrl_runtime.coordinator.metrics.startup import StartupPhases
 from polyrl_runtime.coordinator.report import RunSummary
 from polyrl_runtime.cpusets import format_cpus
 from polyrl_runtime.local.display import ProgressDisplay, use_colour, write
@@ -193,7 +193,7 @@ def run_local(
                 checkpoint_root=root,
                 resume=resume,
                 on_record=display.record,
-                metrics_dir=out_dir,  # metrics.jsonl beside the other results (coordinator/metrics_files.py)
+                metrics_dir=out_dir,  # metrics.jsonl beside the other results (coordinator/metrics/files.py)
                 on_event=on_event,
                 cpu_sets=dict(cpu_sets or {}),
                 startup=startup,

@@ -11,7 +11,7 @@ import pytest
 from driver_harness import make_job, policy
 
 from polyrl_runtime import storage
-from polyrl_runtime.coordinator.checkpoint import BUFFER, STATE, CheckpointStore, checkpoint_root
+from polyrl_runtime.coordinator.checkpoints.store import BUFFER, STATE, CheckpointStore, checkpoint_root
 from polyrl_runtime.coordinator.driver import Driver, DriverOptions
 from polyrl_runtime.experience.buffer import BufferSnapshot
 

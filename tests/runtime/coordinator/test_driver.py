@@ -20,7 +20,7 @@ from driver_harness import make_job, new_driver, policy, run, still_running, unt
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import Progress
 from polyrl_runtime.actors import Actor
-from polyrl_runtime.coordinator.checkpoint import BUFFER, CheckpointStore
+from polyrl_runtime.coordinator.checkpoints.store import BUFFER, CheckpointStore
 from polyrl_runtime.coordinator.driver import Driver
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.progress_server import ProgressServer

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from polyrl_operator.api.progress import EvalProgress
-from polyrl_runtime.coordinator.driver_base import PolicyRun
 from polyrl_runtime.coordinator.evaluation import summarize
+from polyrl_runtime.coordinator.job_state import PolicyRun
 from polyrl_runtime.coordinator.report import JobSnapshot, PolicySnapshot, progress_report
 from polyrl_testenv.localrun import metrics_rows, run_to_end, write_job
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from driver_harness import make_job, run
 
-from polyrl_runtime.coordinator.metrics_files import read_metrics
+from polyrl_runtime.coordinator.metrics.files import read_metrics
 
 pytestmark = pytest.mark.slow
 

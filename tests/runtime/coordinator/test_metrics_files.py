@@ -1,4 +1,4 @@
-"""The per-step metrics series (coordinator/metrics_files.py): one row per (policy, step), kept in a
+"""The per-step metrics series (coordinator/metrics/files.py): one row per (policy, step), kept in a
 local file or in rolling part files in an object store, continued without duplicates on resume."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from polyrl_runtime import storage
-from polyrl_runtime.coordinator.metrics_files import LOCAL_NAME, MetricsFile, read_metrics, unique_rows
+from polyrl_runtime.coordinator.metrics.files import LOCAL_NAME, MetricsFile, read_metrics, unique_rows
 
 
 def _row(policy: str, step: int, loss: float = 0.0) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from driver_harness import make_job, policy, run
 
-from polyrl_runtime.coordinator.tasks import root_cause
+from polyrl_runtime.coordinator.failures import root_cause
 from polyrl_runtime.models import ModelLoadError
 
 

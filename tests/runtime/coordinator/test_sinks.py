@@ -1,7 +1,7 @@
-"""Metric sinks (coordinator/sinks.py) in their offline and file modes, fed by a real job: TensorBoard
-event files, a Weights & Biases offline run, an MLflow file store; read back with each tool's own
-reader. The job checkpoints to S3, so the same run shows the JSONL series next to the checkpoints
-and its continuation after a resume."""
+"""Metric sinks (coordinator/metrics/sinks.py) in their offline and file modes, fed by a real job:
+TensorBoard event files, a Weights & Biases offline run, an MLflow file store; read back with each
+tool's own reader. The job checkpoints to S3, so the same run shows the JSONL series next to the
+checkpoints and its continuation after a resume."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from driver_harness import make_job
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.metrics import MetricsSink
 from polyrl_runtime import storage
-from polyrl_runtime.coordinator.checkpoint import checkpoint_root
+from polyrl_runtime.coordinator.checkpoints.store import checkpoint_root
 from polyrl_runtime.coordinator.driver import Driver, DriverOptions
-from polyrl_runtime.coordinator.metrics_files import read_metrics
+from polyrl_runtime.coordinator.metrics.files import read_metrics
+from polyrl_runtime.coordinator.metrics.sinks import GuardedSink, MlflowSink, SinkError, build_sink
 from polyrl_runtime.coordinator.report import RunSummary
-from polyrl_runtime.coordinator.sinks import GuardedSink, MlflowSink, SinkError, build_sink
 
 
 def _wandb_history(run_file: Path) -> list[dict[str, Any]]:

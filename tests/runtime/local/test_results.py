@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from polyrl_runtime.coordinator.metrics import RewardWindow, SeriesEnds, StartupPhases
+from polyrl_runtime.coordinator.metrics.records import RewardWindow, SeriesEnds
+from polyrl_runtime.coordinator.metrics.startup import StartupPhases
 from polyrl_runtime.coordinator.report import RunSummary
 from polyrl_runtime.local.display import use_colour
 from polyrl_runtime.local.results import FAILED_START, SUMMARY, summary_lines, write_results

@@ -16,8 +16,8 @@ import torch
 
 from polyrl_operator.api import Policy, Trainer
 from polyrl_runtime.coordinator.fleet import Fleet
-from polyrl_runtime.coordinator.pod import _units
 from polyrl_runtime.local.run import local_resources
+from polyrl_runtime.pods.entry import _units
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "coordinator"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from polyrl_runtime.coordinator.tasks import fail_on_error
+from polyrl_runtime.coordinator.failures import fail_on_error
 
 
 def test_an_exception_fails_with_its_name_and_a_cancel_or_a_return_does_not() -> None:

@@ -1,11 +1,10 @@
-"""Per-step records the driver emits (display, metrics files, /progress) and run-level counters."""
+"""Per-step records the driver emits (display, metrics files, /progress), a policy's running totals,
+the reward window each step reports from, and the ends of the job's metrics series."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -133,45 +132,3 @@ class SeriesEnds:
 
     def last_of(self, policy: str, key: str) -> float | None:
         return self.last.get(policy, {}).get(key)
-
-
-# The start-up phases, in the order they run, and the words the summary prints for each.
-STARTUP_PHASES: dict[str, str] = {
-    "ray": "ray",
-    "actors": "actors",
-    "model_load": "model load",
-    "trainer_init": "trainer init",
-    "first_weights": "first weights",
-}
-
-
-@dataclass
-class StartupPhases:
-    """How long each start-up phase of a run took, in seconds. The phases follow one another (each
-    ends before the next begins), so together they are the start-up's wall time, bar reading the
-    job, its workflow and its data before them:
-
-    - ray: starting the local Ray cluster (`polyrl run`; a pod's command starts the pod's Ray);
-    - actors: starting every actor's process (engines, trainer ranks, workflow workers, the
-      experience buffer) until the trainer ranks and the buffer have imported their code and answered;
-    - model_load: the rollout engines loading their models and the workflow workers each policy's
-      tokenizer, as they start (with the other actors: this is what is left once those answered);
-    - trainer_init: the trainer ranks joining their process group and building their model,
-      reference model and DeepSpeed engine (and loading the checkpoint, on a resume);
-    - first_weights: publishing each policy's starting weights to its engines.
-    """
-
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    @contextmanager
-    def timed(self, phase: str) -> Iterator[None]:
-        """Time `phase` (also when it fails: the summary of a failed start shows where it stopped)."""
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - start
-
-    def describe(self) -> str:
-        """The phases as the summary prints them: `ray 2.1s, actors 6.0s, ...`."""
-        return ", ".join(f"{STARTUP_PHASES.get(p, p)} {s:.1f}s" for p, s in self.seconds.items())

@@ -1,14 +1,15 @@
-"""What the driver's components share: the job's options, its failure type, one policy's run state,
-and `JobControl` (the stop event, the first fatal error, event reporting, the clock).
+"""What the driver's components share: the job's options (`DriverOptions`), its state, one policy's
+run state (`PolicyRun`), and `JobControl` (the stop event, the first fatal error, event reporting,
+the clock).
 
 The driver (coordinator/driver.py) composes one component per responsibility, each built from
 explicit inputs and holding no reference back to the driver:
 
     PolicyTrainer     per policy: wait for a step of samples, train, sync weights (training.py)
-    Checkpointer      checkpoints, exports and checkpoint requests (checkpointing.py)
-    FleetSupervisor   health, drain, elasticity and routes, every poll (housekeeping.py)
+    Checkpointer      checkpoints, exports and checkpoint requests (checkpoints/checkpointer.py)
+    FleetSupervisor   health, drain, elasticity and routes, every poll (fleet_supervisor.py)
     ProducerEventSink what the episode producer reports back (training.py)
-    MetricsLog        where each step's record goes: memory, files, sinks (metrics_log.py)
+    MetricsLog        where each step's record goes: memory, files, sinks (metrics/log.py)
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Any, Literal
 
 from polyrl_operator.api.progress import EvalProgress
 from polyrl_runtime.actors import Actor
+from polyrl_runtime.coordinator.failures import JobFailedError, fail_on_error
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
-from polyrl_runtime.coordinator.metrics import RewardWindow, StartupPhases, StepRecord
-from polyrl_runtime.coordinator.tasks import fail_on_error
+from polyrl_runtime.coordinator.metrics.records import RewardWindow, StepRecord
+from polyrl_runtime.coordinator.metrics.startup import StartupPhases
 from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
@@ -33,16 +35,10 @@ from polyrl_runtime.weights.endpoints import PolicyWeightSync
 State = Literal["starting", "running", "checkpointing", "done", "failed"]
 
 
-class JobFailedError(RuntimeError):
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-
-
 @dataclass
 class DriverOptions:
     out_dir: Path
-    checkpoint_root: Path | str  # a local directory or an object-store URI (coordinator/checkpoint.py)
+    checkpoint_root: Path | str  # a local directory or an object-store URI (coordinator/checkpoints/store.py)
     resume: bool = True
     episode_timeout_s: float = 300.0
     max_consecutive_failures: int = 64
@@ -56,13 +52,13 @@ class DriverOptions:
     place_by_resource: bool = True  # False: ignore polyrl/<policy>/<role> resources (tests on a plain Ray)
     cpu_sets: dict[str, frozenset[int]] = field(default_factory=dict)  # role -> CPUs (local mode's --cpus)
     on_record: Callable[[StepRecord], None] | None = None
-    # Where the per-step metrics series goes (metrics_files.py); None: <checkpoint_root>/metrics.
+    # Where the per-step metrics series goes (metrics/files.py); None: <checkpoint_root>/metrics.
     metrics_dir: Path | str | None = None
     # Polled every poll_s: the id of a checkpoint request (the pod's checkpoint-request annotation).
     checkpoint_requests: Callable[[], str | None] | None = None
     on_event: Callable[[str, dict[str, Any]], None] | None = None
     attempt: int | None = None  # the pod's POLYRL_ATTEMPT, reported in /progress (None: polyrl run)
-    # The start-up phases' durations (metrics.py): the caller may have timed some before the driver's.
+    # The start-up phases' durations (metrics/startup.py): the caller may have timed some before the driver's.
     startup: StartupPhases = field(default_factory=StartupPhases)
 
 

@@ -8,9 +8,9 @@ import asyncio
 import structlog
 
 from polyrl_operator.api import RLJob
-from polyrl_runtime.coordinator.checkpointing import Checkpointer
-from polyrl_runtime.coordinator.driver_base import JobControl, PolicyRun
+from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.fleet import Fleet
+from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
 from polyrl_runtime.experience.client import BufferClient
 
 log = structlog.get_logger(__name__)

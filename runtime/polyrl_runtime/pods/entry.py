@@ -5,8 +5,7 @@
                                                  joins the head with one unit of `polyrl/<policy>/<role>`
                                                  and waits; relays its drain annotation to the coordinator
 
-The Ray processes are children of a `ray start --block` process that we own: stopping it (SIGTERM)
-stops exactly this node's Ray, never other Ray clusters on the machine.
+Each pod's Ray node is a child process it owns (ray_node.py).
 
 No wait is silent or endless (`polyrl_runtime.waiting`): a worker waits for the head at most
 `POLYRL_JOIN_TIMEOUT_S` (600 s) and resolves the head's address again on every try (the Service's
@@ -25,9 +24,7 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,61 +45,12 @@ from polyrl_runtime.config import (
     resource_name,
     set_env_defaults,
 )
-from polyrl_runtime.coordinator.waits import head_attempt, split_address, wait_for_head, watch_start
+from polyrl_runtime.pods.cluster_waits import head_attempt, split_address, wait_for_head, watch_start
+from polyrl_runtime.pods.ray_node import head_args, node_ports, ray_started, ray_temp_dir, start_ray, stop_ray
 from polyrl_runtime.waiting import Attempt, Wait, WaitTimeout, wait_until
 from polyrl_runtime.workflows.preflight import entry_point_problems
 
 log = structlog.get_logger(__name__)
-
-
-def _temp_dir(ray_port: int | None = None) -> str:
-    """This node's own Ray temp dir (sockets, logs), in the pod's /tmp; the head's is also named by
-    its port, which is where `ray start` records the cluster address.
-
-    A joining node without one takes the head's, and nodes that share a host (the test kubelet)
-    then race for the same socket names: two raylets starting together pick the same
-    `plasma_store.N`, one dies on "bind: Address already in use" and its `ray start` times out 30 s
-    later. Short on purpose: Ray puts the Unix sockets ~60 characters below it and a socket path
-    must stay under 108."""
-    return f"{tempfile.gettempdir()}/ray" + (f"-{ray_port}" if ray_port else "")
-
-
-def _ray_bin() -> str:
-    local = Path(sys.executable).parent / "ray"
-    return str(local) if local.exists() else (shutil.which("ray") or "ray")
-
-
-def _node_ports() -> list[str]:
-    """Explicit free ports for one node's Ray agents, so several nodes can share a host (tests)."""
-    names = (
-        "node-manager-port",
-        "object-manager-port",
-        "metrics-export-port",
-        "runtime-env-agent-port",
-        "dashboard-agent-grpc-port",
-        "dashboard-agent-listen-port",
-    )
-    return [f"--{n}={netmap.free_port()}" for n in names]
-
-
-def start_ray(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [_ray_bin(), "start", "--block", "--disable-usage-stats", *args]
-    log.info("ray.start", cmd=" ".join(cmd))
-    # unbuffered: the worker reads "Ray runtime started" from this log to know it joined
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log_path.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-def stop_ray(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _load(config: str) -> tuple[PodEnv, RLJob] | None:
@@ -113,27 +61,6 @@ def _load(config: str) -> tuple[PodEnv, RLJob] | None:
     except JobFileError as e:
         sys.stderr.write(f"error: {e}\n")
         return None
-
-
-def head_args(ray_port: int, client_port: int, *, dashboard_port: int | None) -> list[str]:
-    """`ray start` arguments of the coordinator's head; `dashboard_port` None: no dashboard."""
-    # A private temp dir: `ray start` records its address there, not in /tmp/ray, so other Ray
-    # users on the machine (plain `ray.init()`) never find and join this cluster by accident.
-    dashboard = (
-        ["--include-dashboard=true", "--dashboard-host=0.0.0.0", f"--dashboard-port={dashboard_port}"]
-        if dashboard_port is not None
-        else ["--include-dashboard=false"]
-    )
-    return [
-        "--head",
-        f"--port={ray_port}",
-        f"--temp-dir={_temp_dir(ray_port)}",
-        *dashboard,
-        f"--ray-client-server-port={client_port}",
-        "--num-cpus=0",
-        '--resources={"polyrl/coordinator": 1}',
-        *_node_ports()[1:],
-    ]
 
 
 def _scratch(job_name: str) -> Path:
@@ -195,7 +122,7 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int | No
     does not import), and the driver reports that failure without connecting to one."""
     import ray
 
-    from polyrl_runtime.coordinator.checkpoint import checkpoint_root
+    from polyrl_runtime.coordinator.checkpoints.store import checkpoint_root
     from polyrl_runtime.coordinator.driver import Driver, DriverOptions
     from polyrl_runtime.coordinator.progress_server import ProgressServer
 
@@ -220,7 +147,7 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int | No
         if ray_port is None:
             summary = await driver.run()  # fails at its first step, which makes no Ray call
         else:
-            await _connect(f"127.0.0.1:{ray_port}", _temp_dir(ray_port))
+            await _connect(f"127.0.0.1:{ray_port}", ray_temp_dir(ray_port))
             run = asyncio.create_task(driver.run())
             watch = asyncio.create_task(watch_start(driver, job, start_deadline))
             await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -339,9 +266,9 @@ async def _work(
             proc = start_ray(
                 [
                     f"--address={address}",
-                    f"--temp-dir={_temp_dir()}",
+                    f"--temp-dir={ray_temp_dir()}",
                     f"--resources={resources}",
-                    *_node_ports(),
+                    *node_ports(),
                 ],
                 log_path,
             )
@@ -359,7 +286,7 @@ async def _work(
                     log.warning("worker.head_unreachable", address=address)
                     break
                 if not ready.is_set():
-                    if _ray_started(log_path, offset):  # ready = this node really joined
+                    if ray_started(log_path, offset):  # ready = this node really joined
                         ready.set()
                         joining.done()
                         log.info("worker.joined", role=role, policy=policy, address=address)
@@ -380,16 +307,6 @@ async def _work(
         relay.cancel()
         await runner.cleanup()
     return code
-
-
-def _ray_started(log_path: Path, offset: int) -> bool:
-    """Whether the `ray start` writing to ``log_path`` from ``offset`` on reported its node up."""
-    try:
-        with log_path.open("rb") as f:
-            f.seek(offset)
-            return b"Ray runtime started" in f.read()
-    except OSError:
-        return False
 
 
 async def _serve_health(ready: asyncio.Event, port: int) -> web.AppRunner:

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from polyrl_runtime.coordinator.pod import head_args, start_ray, stop_ray
-from polyrl_runtime.coordinator.waits import missing_resources, split_address
+from polyrl_runtime.pods.cluster_waits import missing_resources, split_address
+from polyrl_runtime.pods.ray_node import head_args, start_ray, stop_ray
 
 DATA = Path(__file__).parent.parent / "data"
 BIN = str(Path(sys.executable).parent / "polyrl-runtime")

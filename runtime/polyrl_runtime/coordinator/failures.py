@@ -1,4 +1,5 @@
-"""Background tasks of the coordinator whose errors must fail the job, not vanish with the task."""
+"""How the coordinator fails a job: its failure type, background tasks whose errors must fail the job
+(not vanish with the task), and the root cause of an actor's error."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ import structlog
 from polyrl_runtime.models.hf import ModelLoadError
 
 log = structlog.get_logger(__name__)
+
+
+class JobFailedError(RuntimeError):
+    """The job cannot go on; `retryable` False when running it again cannot succeed."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def fail_on_error(task: asyncio.Task[Any], what: str, fail: Callable[[str], None]) -> asyncio.Task[Any]:

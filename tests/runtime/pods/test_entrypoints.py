@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from polyrl_runtime.config import PodEnv
-from polyrl_runtime.coordinator.pod import _relay_drain
+from polyrl_runtime.pods.entry import _relay_drain
 
 DATA = Path(__file__).parent.parent / "data"
 BIN = str(Path(sys.executable).parent / "polyrl-runtime")

@@ -14,8 +14,8 @@ import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime import storage
-from polyrl_runtime.coordinator.checkpoint import TRAINER_TAG, CheckpointRef, CheckpointStore
-from polyrl_runtime.coordinator.driver_base import JobControl, PolicyRun
+from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointRef, CheckpointStore
+from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.export import export_due, export_location
 

@@ -1,5 +1,5 @@
 """Where each step's record goes: the in-memory list the run's summary reports, the JSONL series
-that outlives the process (metrics_files.py), the job's sinks (sinks.py) and the caller's
+that outlives the process (files.py), the job's sinks (sinks.py) and the caller's
 `on_record` (the local display).
 
 Files and sinks do I/O, so they run in threads, off the driver's event loop; a failing sink is
@@ -9,21 +9,40 @@ disabled (sinks.py), and a failing metrics file only logs: training never stops 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime import storage
-from polyrl_runtime.coordinator.driver_base import DriverOptions, JobFailedError
-from polyrl_runtime.coordinator.metrics import SeriesEnds, StepRecord
-from polyrl_runtime.coordinator.metrics_files import MetricsFile
-from polyrl_runtime.coordinator.sinks import GuardedSink, SinkError, build_sink
+from polyrl_runtime.coordinator.failures import JobFailedError
+from polyrl_runtime.coordinator.metrics.files import MetricsFile
+from polyrl_runtime.coordinator.metrics.records import SeriesEnds, StepRecord
+from polyrl_runtime.coordinator.metrics.sinks import GuardedSink, SinkError, build_sink
 
 log = structlog.get_logger(__name__)
 
 
-def metrics_dir(opts: DriverOptions) -> str:
+class MetricsOptions(Protocol):
+    """The driver's options the log reads (coordinator/job_state.py `DriverOptions`). A protocol, not
+    that class: job_state uses this package's records, so the package must not import it back."""
+
+    @property
+    def out_dir(self) -> Path: ...
+
+    @property
+    def checkpoint_root(self) -> Path | str: ...
+
+    @property
+    def metrics_dir(self) -> Path | str | None: ...
+
+    @property
+    def on_record(self) -> Callable[[StepRecord], None] | None: ...
+
+
+def metrics_dir(opts: MetricsOptions) -> str:
     """`opts.metrics_dir`, else `<checkpoint root>/metrics` (next to the checkpoints)."""
     if opts.metrics_dir is not None:
         return str(opts.metrics_dir)
@@ -33,7 +52,7 @@ def metrics_dir(opts: DriverOptions) -> str:
 class MetricsLog:
     """The per-step records of one run and everywhere they are written."""
 
-    def __init__(self, job: RLJob, opts: DriverOptions) -> None:
+    def __init__(self, job: RLJob, opts: MetricsOptions) -> None:
         self.job, self.opts = job, opts
         self.directory = metrics_dir(opts)
         self.records: list[StepRecord] = []
