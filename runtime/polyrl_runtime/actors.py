@@ -10,12 +10,11 @@ is typed by the class or Protocol whose methods its client calls: `start_actor` 
 constructor's arguments and, for a Protocol, that the class implements it.
 
 Gone: the actor died (`RayActorError` and its subclasses), or it was never created because its node
-could not set up the actor's runtime environment (`RuntimeEnvSetupError`). The e2e tier saw the
-second: a worker pod's raylet got an HTTP 404 from its own runtime-env agent at start-up, so the
-engine placed there never started. Every call to it failed the same way. The weight sync kept it,
-and the 30 episodes routed to it failed as workflow errors, where a dead engine's episodes move on
-to the policy's other engines. Everything that decides "this actor is gone" (the engine pool, the
-weight sync, the driver, the producer) asks here, so the two cases are handled alike.
+could not set up the actor's runtime environment (`RuntimeEnvSetupError`, e.g. a raylet that gets no
+answer from its runtime-env agent). Every later call to such an actor fails the same way, so both
+cases must move its episodes to the policy's other engines and drop it from the weight sync.
+Everything that decides "this actor is gone" (the engine pool, the weight sync, the driver, the
+producer) asks here, so the two cases are handled alike.
 """
 
 from __future__ import annotations
