@@ -65,7 +65,7 @@ def operator_checks(job: RLJob, settings: OperatorSettings) -> list[Problem]:
     spec = job.spec
     name = job.metadata.name
     longest, size = naming.longest_child_name(
-        name, [p.name for p in spec.policies], spec.workflow.replicas.max
+        name, [p.name for p in spec.policies], spec.workflow.replicas.max, sorted(spec.pool_names)
     )
     if size > naming.MAX_NAME:
         problems.append(
@@ -83,7 +83,7 @@ def operator_checks(job: RLJob, settings: OperatorSettings) -> list[Problem]:
                 (f"{slot.path}.gpuType", f"unknown GPU type {gpu_type!r} (this cluster maps: {known})")
             )
     for slot in slots:
-        if role_image(job, slot.role, slot.policy, settings) is None:
+        if role_image(job, slot.role, slot.owner, settings) is None:
             problems.append(
                 (
                     f"{slot.path}.image",
@@ -101,12 +101,15 @@ def operator_checks(job: RLJob, settings: OperatorSettings) -> list[Problem]:
         )
     elif spec.scheduling and spec.scheduling.queue_name:
         podsets = len(slots)
+        pools = f" and {len(spec.pools)} pools" if spec.pools else ""
         if podsets > MAX_PODSETS:
             problems.append(
                 (
                     "spec.policies",
-                    f"{len(spec.policies)} policies need {podsets} Kueue podSets; a Workload allows "
-                    f"{MAX_PODSETS} (at most {(MAX_PODSETS - 2) // 2} policies with scheduling.queueName)",
+                    f"{len(spec.policies)} policies{pools} need {podsets} Kueue podSets (one per "
+                    "dedicated rollout or trainer, one per pool); a Workload allows "
+                    f"{MAX_PODSETS} (at most {(MAX_PODSETS - 2) // 2} policies with dedicated roles and "
+                    "scheduling.queueName; placing roles on pools takes fewer)",
                 )
             )
     return problems

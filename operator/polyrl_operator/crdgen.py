@@ -75,6 +75,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
     },
     {
+        "name": "Pools",
+        "type": "string",
+        "jsonPath": ".status.poolSummary",
+        "description": "Each device pool's ready/desired pods (empty without pools).",
+        "priority": 1,
+    },
+    {
         "name": "Started",
         "type": "date",
         "jsonPath": ".status.startTime",

@@ -16,11 +16,14 @@ from polyrl_operator.roles import ROLE_TRAITS, Role
 DOMAIN: Final = "polyrl.dev"
 LABEL_JOB: Final = f"{DOMAIN}/job"
 LABEL_POLICY: Final = f"{DOMAIN}/policy"
+LABEL_POOL: Final = f"{DOMAIN}/pool"
+"""On a pool's pods (role ``pool``), in place of the policy: the pool's name."""
 LABEL_ROLE: Final = f"{DOMAIN}/role"
 LABEL_INDEX: Final = f"{DOMAIN}/index"
 LABEL_ATTEMPT: Final = f"{DOMAIN}/attempt"
-"""Coordinator and trainer pods carry the restart attempt they belong to (status.restarts when
-created); a failure of a pod of an older attempt was already counted."""
+"""Coordinator and trainer pods (and pool pods hosting a trainer) carry the restart attempt they
+belong to (status.restarts when created); a failure of a pod of an older attempt was already
+counted."""
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_KUEUE_QUEUE: Final = "kueue.x-k8s.io/queue-name"
 """Kueue's label naming a job's LocalQueue; read when ``spec.scheduling.queueName`` is unset."""
@@ -32,6 +35,9 @@ ANNOTATION_DRAIN_SINCE: Final = f"{DOMAIN}/drain-since"
 """RFC 3339 time the drain was requested, so the drain timeout survives an operator restart."""
 ANNOTATION_CHECKPOINT_SINCE: Final = f"{DOMAIN}/checkpoint-since"
 """RFC 3339 time the checkpoint request (pod_contract.ANNOTATION_CHECKPOINT_REQUEST) was made."""
+ANNOTATION_SERVES: Final = f"{DOMAIN}/serves"
+"""On a pool pod: the roles it hosts, ``policy/role`` comma-separated in spec order (e.g.
+``solver/rollout,solver/trainer``), for people and tools reading the pod."""
 MUTABLE_ANNOTATIONS: Final = (
     ANNOTATION_DRAIN,
     ANNOTATION_DRAIN_SINCE,
@@ -72,18 +78,31 @@ def policy_service(job: str, policy: str, role: Role) -> str:
     return f"{job}-{policy}-{role}"
 
 
-def role_pod(job: str, role: Role, policy: str | None, index: int) -> str:
-    """The pod of any role: a singleton's has no index, a per-policy role's names its policy
-    (``policy`` is ignored for the roles that belong to the whole job)."""
+def pool_pod(job: str, pool: str, index: int) -> str:
+    return f"{job}-pool-{pool}-{index}"
+
+
+def pool_service(job: str, pool: str) -> str:
+    return f"{job}-pool-{pool}"
+
+
+def role_pod(job: str, role: Role, owner: str | None, index: int) -> str:
+    """The pod of any role: a singleton's has no index, a per-policy role's names its policy and a
+    pool's its pool (``owner``; ignored for the roles that belong to the whole job)."""
     traits = ROLE_TRAITS[role]
     if traits.singleton:
         return f"{job}-{role}"
-    return policy_pod(job, policy or "", role, index) if traits.per_policy else f"{job}-{role}-{index}"
+    if traits.per_pool:
+        return pool_pod(job, owner or "", index)
+    return policy_pod(job, owner or "", role, index) if traits.per_policy else f"{job}-{role}-{index}"
 
 
-def role_service(job: str, role: Role, policy: str | None) -> str:
+def role_service(job: str, role: Role, owner: str | None) -> str:
     """The Service of any role (the singleton's ClusterIP one, the others' headless ones)."""
-    return policy_service(job, policy or "", role) if ROLE_TRAITS[role].per_policy else f"{job}-{role}"
+    traits = ROLE_TRAITS[role]
+    if traits.per_pool:
+        return pool_service(job, owner or "")
+    return policy_service(job, owner or "", role) if traits.per_policy else f"{job}-{role}"
 
 
 def config_map(job: str) -> str:
@@ -113,34 +132,43 @@ def workload(job: str) -> str:
     return job
 
 
-def podset(role: Role, policy: str | None) -> str:
-    """Kueue podSet name of a role (a DNS label, unique in the Workload)."""
-    return f"{policy}-{role}" if policy else role
+def podset(role: Role, owner: str | None) -> str:
+    """Kueue podSet name of a role (a DNS label, unique in the Workload): ``<policy>-<role>`` of a
+    per-policy role, ``<pool>-pool`` of a pool (no policy's role is named ``pool``, so the two never
+    meet), the role of the others."""
+    return f"{owner}-{role}" if owner else role
 
 
 def coordinator_host(job: str, namespace: str) -> str:
     return f"{coordinator_service(job)}.{namespace}.svc"
 
 
-def labels(job: str, role: Role | None = None, policy: str | None = None) -> dict[str, str]:
-    """Labels every child carries: the job (for the index and cleanup), the role and the policy."""
+def _owner_label(role: Role) -> str:
+    return LABEL_POOL if ROLE_TRAITS[role].per_pool else LABEL_POLICY
+
+
+def labels(job: str, role: Role | None = None, owner: str | None = None) -> dict[str, str]:
+    """Labels every child carries: the job (for the index and cleanup), the role, and its policy
+    (``polyrl.dev/policy``) or, for a pool, its pool (``polyrl.dev/pool``)."""
     out = {LABEL_JOB: job, LABEL_MANAGED_BY: MANAGER}
     if role is not None:
         out[LABEL_ROLE] = role
-    if policy is not None:
-        out[LABEL_POLICY] = policy
+        if owner is not None:
+            out[_owner_label(role)] = owner
     return out
 
 
-def selector(job: str, role: Role, policy: str | None = None) -> dict[str, str]:
+def selector(job: str, role: Role, owner: str | None = None) -> dict[str, str]:
     """The Service selector of a role: the same keys as ``labels`` minus the manager."""
     out = {LABEL_JOB: job, LABEL_ROLE: role}
-    if policy is not None:
-        out[LABEL_POLICY] = policy
+    if owner is not None:
+        out[_owner_label(role)] = owner
     return out
 
 
-def longest_child_name(job: str, policies: list[str], workflow_max: int) -> tuple[str, int]:
+def longest_child_name(
+    job: str, policies: list[str], workflow_max: int, pools: list[str] | None = None
+) -> tuple[str, int]:
     """The longest child name and its length (for the operator's own length check)."""
     names = [
         coordinator_pod(job),
@@ -152,5 +180,6 @@ def longest_child_name(job: str, policies: list[str], workflow_max: int) -> tupl
         workflow_pod(job, max(workflow_max - 1, 0)),
     ]
     names.extend(policy_service(job, p, r) for p in policies for r, t in ROLE_TRAITS.items() if t.per_policy)
+    names.extend(pool_service(job, q) for q in pools or ())
     longest = max(names, key=len)
     return longest, len(longest)

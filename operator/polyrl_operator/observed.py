@@ -53,6 +53,15 @@ class Child:
         return self.label(naming.LABEL_POLICY)
 
     @property
+    def pool(self) -> str | None:
+        return self.label(naming.LABEL_POOL)
+
+    @property
+    def owner(self) -> str:
+        """Whose pod it is: its policy, or its pool for a pool pod; "" for the job's own roles."""
+        return self.policy or self.pool or ""
+
+    @property
     def index(self) -> int:
         try:
             return int(self.label(naming.LABEL_INDEX) or 0)

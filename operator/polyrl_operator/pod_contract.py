@@ -27,7 +27,10 @@ ENV_JOB: Final[str] = "POLYRL_JOB"
 ENV_NAMESPACE: Final[str] = "POLYRL_NAMESPACE"
 ENV_ROLE: Final[str] = "POLYRL_ROLE"
 ENV_POLICY: Final[str] = "POLYRL_POLICY"
-"""The policy name; empty for the roles that belong to the whole job."""
+"""The policy name; empty for the roles that belong to the whole job and on pool pods."""
+ENV_POOL: Final[str] = "POLYRL_POOL"
+"""The device pool's name on a pool pod (role ``pool``, which hosts the roles placed on that pool);
+absent on every other pod."""
 ENV_INDEX: Final[str] = "POLYRL_INDEX"
 """The replica index (a trainer's rank among its policy's trainer pods)."""
 ENV_ATTEMPT: Final[str] = "POLYRL_ATTEMPT"
@@ -66,6 +69,7 @@ POD_ENV: Final[frozenset[str]] = frozenset(
         ENV_NAMESPACE,
         ENV_ROLE,
         ENV_POLICY,
+        ENV_POOL,
         ENV_INDEX,
         ENV_ATTEMPT,
         ENV_POD_NAME,

@@ -112,7 +112,7 @@ class PodSecurity(_Model):
     )
     """Per role. Every pod gets a writable ``emptyDir`` at /tmp with the runtime's scratch and cache
     directories pointed there (TMPDIR, XDG_CACHE_HOME, TRITON_CACHE_DIR, TORCH_EXTENSIONS_DIR), so
-    all four built-in roles run with a read-only root; set a role to false when its user code
+    every built-in role runs with a read-only root; set a role to false when its user code
     (workflows, custom images) writes elsewhere."""
 
 

@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
         metavar="ROLE=CPUS",
         help="pin a role's actors to CPUs, e.g. --cpus rollout=0 --cpus workflow=0 --cpus trainer=1 "
         "(roles: rollout, workflow, trainer; Linux). Gives each role its own cores, as pods have; "
-        "by default every actor shares every core",
+        "by default every actor shares every core. pool:NAME=CPUS pins every role placed on device "
+        "pool NAME (spec.pools), whose cores they share; ROLE=CPUS pins only the roles on pods of "
+        "their own",
     )
     run.set_defaults(func=_cmd_run)
 
@@ -92,7 +94,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from polyrl_runtime.pods.entry import run_worker
 
     return run_worker(
-        args.config, role=args.role, policy=args.policy, address=args.address, http_port=args.http_port
+        args.config,
+        role=args.role,
+        policy=args.policy,
+        pool=args.pool,
+        address=args.address,
+        http_port=args.http_port,
     )
 
 
@@ -112,8 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_coordinator)
     w = sub.add_parser("worker", help="join the coordinator's Ray cluster as one role's node and wait")
     w.add_argument("--config", required=True, help=f"RLJob file (the pod's {contract.ENV_CONFIG})")
-    w.add_argument("--role", required=True, choices=["rollout", "trainer", "workflow"])
+    w.add_argument("--role", required=True, choices=["rollout", "trainer", "workflow", "pool"])
     w.add_argument("--policy", default=None, help="policy name (rollout and trainer roles)")
+    w.add_argument(
+        "--pool",
+        default=None,
+        help=f"device pool name (role pool; default: {contract.ENV_POOL}): the pod offers every role "
+        "placed on the pool",
+    )
     w.add_argument(
         "--address", default=None, help=f"Ray head address (default: {contract.ENV_COORDINATOR_ADDRESS})"
     )
@@ -134,7 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"error: {e}\n")
         return 2
     started(
-        args.command, role=getattr(args, "role", None) or "coordinator", policy=getattr(args, "policy", None)
+        args.command,
+        role=getattr(args, "role", None) or "coordinator",
+        policy=getattr(args, "policy", None),
+        pool=getattr(args, "pool", None),
     )
     return int(args.func(args))
 

@@ -71,6 +71,8 @@ class PodEnv:
     config: str
     podinfo_dir: str
     http_port: int
+    pool: str = ""
+    """The pool a pool pod belongs to (its `--pool` default); empty on every other pod."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> PodEnv:
@@ -80,6 +82,7 @@ class PodEnv:
             "namespace": e.get(contract.ENV_NAMESPACE, ""),
             "role": e.get(contract.ENV_ROLE, ""),
             "policy": e.get(contract.ENV_POLICY, ""),
+            "pool": e.get(contract.ENV_POOL, ""),
             "index": int(e.get(contract.ENV_INDEX, "0") or 0),
             "attempt": int(e.get(contract.ENV_ATTEMPT, "0") or 0),
             "pod_name": e.get(contract.ENV_POD_NAME, ""),
@@ -114,9 +117,47 @@ def resource_name(policy: str | None, role: str) -> str:
 
 def placement_resources(job: RLJob) -> dict[str, float]:
     """The units of each placement resource the job's actors need at their minimum replica counts:
-    what a one-machine cluster offers, and what a coordinator waits to see joined in pods."""
+    what a one-machine cluster offers, and what a coordinator waits to see joined in pods. A pooled
+    role counts as a dedicated one would on its pool's pods: an engine per pod at the pool's
+    replicas.min, `ranks_per_pod` ranks on each of those pods (the sum of `node_resources` over them)."""
     res: dict[str, float] = {resource_name(None, "workflow"): float(job.spec.workflow.replicas.min)}
     for p in job.spec.policies:
-        res[resource_name(p.name, "rollout")] = float(p.rollout.replicas.min)
-        res[resource_name(p.name, "trainer")] = float(p.trainer.replicas * p.trainer.ranks)
+        res[resource_name(p.name, "rollout")] = float(job.spec.rollout_placement(p).min_replicas)
+        res[resource_name(p.name, "trainer")] = float(job.spec.trainer_placement(p).trainer_world)
     return res
+
+
+def node_resources(
+    job: RLJob, role: str, policy: str | None, pool: str | None, index: int
+) -> dict[str, float]:
+    """The placement resources a worker pod's Ray node offers: the only way the job's actors land on
+    it (each asks for one unit of `resource_name(policy, role)`).
+
+    - rollout or workflow: one unit (one engine, one workflow worker);
+    - trainer: one unit per rank of the pod (`trainer_placement(...).ranks_per_pod`);
+    - pool (pod `index` of pool `pool`): the units of every role that names the pool, so the fleet
+      places pooled actors exactly as dedicated ones: one engine of each pooled rollout on every pod,
+      and `ranks_per_pod` ranks of each pooled trainer on the pods whose index is below the pool's
+      replicas.min (a trainer's world is fixed; the pods above it are the rollouts' elastic part).
+
+    `policy` and `pool` must name ones the job has (`run_worker` checks them first): ValueError
+    (or KeyError for an unknown pool) otherwise."""
+    spec = job.spec
+    if role == "workflow":
+        return {resource_name(None, "workflow"): 1.0}
+    if role == "pool":
+        if pool is None:
+            raise ValueError("a pool pod needs its pool's name")
+        first_pods = index < spec.pool(pool).replicas.min
+        res: dict[str, float] = {}
+        for p in spec.policies:
+            if p.rollout.pool == pool:
+                res[resource_name(p.name, "rollout")] = 1.0
+            if p.trainer.pool == pool and first_pods:
+                res[resource_name(p.name, "trainer")] = float(spec.trainer_placement(p).ranks_per_pod)
+        return res
+    found = next((p for p in spec.policies if p.name == policy), None)
+    if found is None or role not in ("rollout", "trainer"):
+        raise ValueError(f"no {role} pod for policy {policy!r}")
+    units = spec.trainer_placement(found).ranks_per_pod if role == "trainer" else 1
+    return {resource_name(found.name, role): float(units)}

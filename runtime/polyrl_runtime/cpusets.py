@@ -6,6 +6,12 @@ reclaims that idle time. In local mode every actor shares every core by default,
 difference. `polyrl run --cpus rollout=0 --cpus workflow=0 --cpus trainer=1` gives each role its own
 cores on one machine, as AReaL's `allocation_mode` splits devices between inference and training.
 
+A device pool shares its pods' cores between the roles placed on it, so its cores are given once,
+`--cpus pool:NAME=CPUS`, and pin every actor of those roles (`cpu_set_key`). `ROLE=CPUS` pins the
+actors of that role that run on pods of their own; giving it when every one of them runs on a pool
+is an error (`check_pools`), as is a pool the job does not define. Sets may overlap (two roles on
+one core is how a small machine is shared).
+
 A process is pinned as a whole: Linux affinity belongs to each thread, and threads started later
 inherit their creator's, so `pin_from_env` pins every thread the actor process has when it starts.
 """
@@ -13,18 +19,25 @@ inherit their creator's, so `pin_from_env` pins every thread the actor process h
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import structlog
 
 log = structlog.get_logger(__name__)
 
 ROLES = ("rollout", "workflow", "trainer")
+POOL_PREFIX = "pool:"  # `--cpus pool:NAME=CPUS`: the key of a pool's set
 ENV = "POLYRL_CPU_SET"  # set per actor by the fleet, read by the actor's __init__
 
 
 class CpuSetError(ValueError):
-    """A `--cpus ROLE=LIST` item is malformed or names a CPU this process cannot use."""
+    """A `--cpus ROLE=LIST` item is malformed, names a CPU this process cannot use, or does not fit
+    the job's pools."""
+
+
+def cpu_set_key(role: str, pool: str | None) -> str:
+    """The `--cpus` key whose set pins an actor of `role`: its pool's when it runs on one."""
+    return f"{POOL_PREFIX}{pool}" if pool else role
 
 
 def format_cpus(cpus: Iterable[int]) -> str:
@@ -61,15 +74,19 @@ def _available() -> frozenset[int]:
 def parse_cpu_sets(
     items: Sequence[str], available: frozenset[int] | None = None
 ) -> dict[str, frozenset[int]]:
-    """`["rollout=0", "trainer=1"]` -> {role: CPUs}; each error names the item and what is wrong."""
+    """`["rollout=0", "trainer=1", "pool:shared=2-3"]` -> {role or `pool:NAME`: CPUs}; each error
+    names the item and what is wrong. Whether a pool exists is the job's to say (`check_pools`)."""
     sets: dict[str, frozenset[int]] = {}
     for item in items:
         role, sep, text = item.partition("=")
         role = role.strip()
         if not sep:
             raise CpuSetError(f"--cpus {item}: expected ROLE=CPUS, e.g. trainer=1 or rollout=0-3")
-        if role not in ROLES:
-            raise CpuSetError(f"--cpus {item}: unknown role {role!r} (roles: {', '.join(ROLES)})")
+        if role not in ROLES and not (role.startswith(POOL_PREFIX) and role[len(POOL_PREFIX) :]):
+            raise CpuSetError(
+                f"--cpus {item}: unknown role {role!r} (roles: {', '.join(ROLES)}; "
+                f"{POOL_PREFIX}NAME for the roles on device pool NAME)"
+            )
         if role in sets:
             raise CpuSetError(f"--cpus {item}: role {role!r} is given twice")
         try:
@@ -87,9 +104,37 @@ def parse_cpu_sets(
     return sets
 
 
-def role_env(cpu_sets: Mapping[str, frozenset[int]], role: str) -> dict[str, str]:
-    """The env var that pins an actor of `role`, or nothing when the role is not pinned."""
-    cpus = cpu_sets.get(role)
+def check_pools(
+    cpu_sets: Mapping[str, frozenset[int]],
+    pools: Collection[str],
+    placed: Sequence[tuple[str, str, str | None]],
+) -> None:
+    """That the sets fit the job: `pools` are its pool names, `placed` has (policy, role, pool or
+    None) for every policy's rollout and trainer. A `pool:NAME` must be one of the pools; `ROLE=CPUS`
+    must pin at least one actor, i.e. some policy runs that role on pods of its own (a pooled role's
+    actors take their pool's set). CpuSetError names the `--cpus` item and the pool."""
+    for key, cpus in cpu_sets.items():
+        item = f"--cpus {key}={format_cpus(cpus)}"
+        if key.startswith(POOL_PREFIX):
+            name = key[len(POOL_PREFIX) :]
+            if name not in pools:
+                known = ", ".join(sorted(pools)) if pools else "it defines none"
+                raise CpuSetError(f"{item}: the job has no pool {name!r} (spec.pools: {known})")
+            continue
+        of_role = [(policy, pool) for policy, role, pool in placed if role == key]
+        if of_role and all(pool for _, pool in of_role):
+            where = ", ".join(f"policy {policy!r} on pool {pool!r}" for policy, pool in of_role)
+            pools_used = sorted({pool for _, pool in of_role if pool})
+            hint = " ".join(f"--cpus {POOL_PREFIX}{pool}=CPUS" for pool in pools_used)
+            raise CpuSetError(
+                f"{item}: every {key} runs on a device pool ({where}), whose cores the roles on it "
+                f"share: pin the pool instead, {hint}"
+            )
+
+
+def role_env(cpu_sets: Mapping[str, frozenset[int]], key: str) -> dict[str, str]:
+    """The env var that pins an actor whose set is `key` (`cpu_set_key`), or nothing when unpinned."""
+    cpus = cpu_sets.get(key)
     return {ENV: format_cpus(cpus)} if cpus else {}
 
 

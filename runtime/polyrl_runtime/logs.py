@@ -38,6 +38,7 @@ POD_FIELDS: dict[str, str] = {
     contract.ENV_JOB: "job",
     contract.ENV_NAMESPACE: "namespace",
     contract.ENV_POLICY: "policy",
+    contract.ENV_POOL: "pool",
     contract.ENV_ROLE: "role",
     contract.ENV_POD_NAME: "pod",
 }

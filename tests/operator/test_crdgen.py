@@ -101,6 +101,8 @@ def test_free_form_only_where_intended() -> None:
         ".spec.policies[*].trainer.podTemplate.spec",
         ".spec.coordinator.env[*].valueFrom",
         ".spec.coordinator.podTemplate.spec",
+        ".spec.pools[*].env[*].valueFrom",
+        ".spec.pools[*].podTemplate.spec",
     }
 
 
@@ -118,6 +120,7 @@ def test_names_printer_columns_and_subresources() -> None:
         "Age",
     ]
     assert columns["Policies"]["jsonPath"] == ".status.policySummary"
+    assert columns["Pools"] == {**columns["Pools"], "jsonPath": ".status.poolSummary", "priority": 1}
     for name, path in (("Started", ".status.startTime"), ("Completed", ".status.completionTime")):
         assert columns[name]["type"] == "date" and columns[name]["jsonPath"] == path
     # Every column reads a field the schema has: a column on a missing field stays empty forever.

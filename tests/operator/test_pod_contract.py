@@ -22,9 +22,16 @@ from polyrl_testenv.manifest_view import with_set
 # Every feature that adds a variable: the GPU example mounts claims (models, checkpoints); the
 # secrets add their own.
 SECRETS = (("storage", {"credentialsSecret": "s3"}), ("metrics", {"credentialsSecret": "wandb"}))
+# A device pool adds the pool pods' own variable (POLYRL_POOL).
+POOLED = (
+    ("pools", [{"name": "shared", "gpus": 0, "env": [{"name": "POOL_OWN", "value": "1"}]}]),
+    ("policies.0.rollout", {"engine": "torch", "pool": "shared"}),
+    ("policies.0.trainer", {"pool": "shared"}),
+)
 JOBS: list[tuple[str, Path, tuple[tuple[str, Any], ...]]] = [
     *((path.name, path, ()) for path in sorted(EXAMPLES.glob("*.yaml"))),
     ("debate-gpu.yaml with secrets", EXAMPLES / "debate-gpu.yaml", SECRETS),
+    ("signal-game-cpu.yaml on a pool", EXAMPLES / "signal-game-cpu.yaml", POOLED),
 ]
 OPERATOR = REPO / "operator" / "polyrl_operator"
 RUNTIME = REPO / "runtime" / "polyrl_runtime"
@@ -51,6 +58,7 @@ def _pod_env(path: Path, changes: tuple[tuple[str, Any], ...]) -> tuple[set[str]
     spec = body["spec"]
     roles = [spec.get("coordinator") or {}, spec["workflow"]]
     roles += [p.get(role) or {} for p in spec["policies"] for role in ("rollout", "trainer")]
+    roles += spec.get("pools") or []
     own = {e["name"] for role in roles for e in role.get("env") or []}
     return given, own
 

@@ -1,5 +1,6 @@
 """The roles (``polyrl_operator.roles``): the traits table covers every role, and a job's role slots
-say where each role's settings sit and how many pods it may have."""
+say where each role's settings sit and how many pods it may have; a pool's slot lists the roles
+placed on it, and each of its pods has the traits of the roles it hosts."""
 
 from __future__ import annotations
 
@@ -8,10 +9,20 @@ from typing import get_args
 import pytest
 
 from polyrl_operator.api import RLJob
-from polyrl_operator.roles import ROLE_TRAITS, ROLES, Role, restarts_job, role_slot, role_slots, traits_of
-from polyrl_testenv.operator_fixtures import gpu_job
+from polyrl_operator.roles import (
+    ROLE_TRAITS,
+    ROLES,
+    PlacedRole,
+    Role,
+    pod_traits,
+    role_slot,
+    role_slots,
+    traits_of,
+)
+from polyrl_testenv.operator_fixtures import gpu_job, pooled_cpu_job, pooled_gpu_job
 
 JOB = RLJob.model_validate({**gpu_job(), "metadata": {"name": "debate", "namespace": "team-a"}})
+POOLED = RLJob.model_validate(pooled_gpu_job())
 
 
 def test_every_role_has_its_traits() -> None:
@@ -49,16 +60,91 @@ def test_a_policy_the_job_lacks_is_named() -> None:
 
 
 @pytest.mark.parametrize(
-    ("label", "restarts"),
+    ("label", "owner", "index", "restarts"),
     [
-        ("coordinator", True),
-        ("trainer", True),
-        ("rollout", False),
-        ("workflow", False),
-        ("other", False),
-        (None, False),
+        ("coordinator", None, 0, True),
+        ("trainer", "judge", 0, True),
+        ("rollout", "judge", 0, False),
+        ("workflow", None, 1, False),
+        # Pool h100 hosts the proposer's trainer on its first replicas.min (2) pods only.
+        ("pool", "h100", 0, True),
+        ("pool", "h100", 1, True),
+        ("pool", "h100", 2, False),
+        ("pool", "gone", 0, False),
+        ("other", None, 0, False),
+        (None, None, 0, False),
     ],
 )
-def test_which_pod_labels_restart_the_job(label: str | None, restarts: bool) -> None:
-    assert restarts_job(label) is restarts
+def test_which_pods_restart_the_job(label: str | None, owner: str | None, index: int, restarts: bool) -> None:
+    traits = pod_traits(POOLED, label, owner, index)
+    assert (traits is not None and traits.restarts_job) is restarts
     assert (traits_of(label) is None) is (label not in ROLES)
+
+
+# The GPU example with pool h100 (2 to 4 pods of 8 GPUs) hosting the proposer's rollout and trainer
+# and the critic's rollout: those roles lose their slots, the pool's comes last.
+POOLED_SLOTS: list[tuple[Role, str | None, tuple[str, int, int, int, str | None]]] = [
+    ("coordinator", None, ("spec.coordinator", 1, 1, 0, None)),
+    ("workflow", None, ("spec.workflow", 2, 8, 0, None)),
+    ("trainer", "critic", ("spec.policies[1].trainer", 1, 1, 4, "h100")),
+    ("rollout", "judge", ("spec.policies[2].rollout", 1, 2, 2, "a100-80gb")),
+    ("trainer", "judge", ("spec.policies[2].trainer", 1, 1, 8, "h100")),
+    ("pool", "h100", ("spec.pools[0]", 2, 4, 8, "h100")),
+]
+
+
+def test_pooled_roles_have_no_slot_of_their_own() -> None:
+    slots = role_slots(POOLED)
+    assert [
+        (s.role, s.owner, (s.path, s.min_replicas, s.max_replicas, s.gpus, s.gpu_type)) for s in slots
+    ] == (POOLED_SLOTS)
+    pool = slots[-1]
+    assert (pool.pool, pool.policy) == ("h100", None)
+    assert [str(r) for r in pool.placed] == ["proposer/rollout", "proposer/trainer", "critic/rollout"]
+    with pytest.raises(KeyError, match="the rollout of policy 'proposer' in job debate runs on a pool"):
+        role_slot(POOLED, "rollout", "proposer")
+    with pytest.raises(KeyError, match="no pool 'h200' in job debate"):
+        role_slot(POOLED, "pool", "h200")
+
+
+ALL_THREE = ["proposer/rollout", "proposer/trainer", "critic/rollout"]
+ENGINES = ["proposer/rollout", "critic/rollout"]
+
+
+# (pod index, the roles it hosts, (restarts the job, rendezvous port, checkpoint claim, model mount))
+@pytest.mark.parametrize(
+    ("index", "hosted", "traits"),
+    [
+        (0, ALL_THREE, (True, True, True, "read-write")),
+        (1, ALL_THREE, (True, True, True, "read-write")),
+        # Past replicas.min: rollout engines only, like a rollout pod.
+        (2, ENGINES, (False, False, False, "read-only")),
+        (3, ENGINES, (False, False, False, "read-only")),
+    ],
+)
+def test_a_pool_pod_has_the_traits_of_what_it_hosts(
+    index: int, hosted: list[str], traits: tuple[bool, bool, bool, str]
+) -> None:
+    slot = role_slot(POOLED, "pool", "h100")
+    got = slot.traits_at(index)
+    assert [str(r) for r in slot.hosted(index)] == hosted
+    assert (got.restarts_job, got.rendezvous, got.mounts_checkpoint, got.model_mount) == traits
+    # What does not depend on what a pod hosts stays the pool's own.
+    own = ROLE_TRAITS["pool"]
+    assert (got.elastic, got.per_pool, got.entry_point, got.gpus) == (True, True, "worker", True)
+    assert (own.restarts_job, own.model_mount) == (False, "none")
+    assert not got.metrics_sinks and not got.mounts_data and not got.ray_head
+
+
+def test_a_pool_without_rollouts_stays_at_its_minimum() -> None:
+    """Only rollout engines run past replicas.min: a pool hosting trainers alone never scales out."""
+    doc = pooled_cpu_job()
+    doc["spec"]["policies"][0]["rollout"] = {"engine": "torch", "gpus": 0}
+    doc["spec"]["policies"][1]["rollout"] = {"engine": "torch", "gpus": 0}
+    slot = role_slot(RLJob.model_validate(doc), "pool", "shared")
+    assert (slot.min_replicas, slot.max_replicas, slot.placed) == (1, 1, (PlacedRole("speaker", "trainer"),))
+
+
+def test_every_pool_slot_has_the_traits_of_its_role() -> None:
+    assert all(s.traits is ROLE_TRAITS[s.role] for s in role_slots(POOLED))
+    assert [s.traits_at(0) == s.traits for s in role_slots(POOLED)] == [True] * 5 + [False]

@@ -39,7 +39,7 @@ def test_roles_map_to_cpu_sets() -> None:
     ("item", "message"),
     [
         ("trainer", "--cpus trainer: expected ROLE=CPUS"),
-        ("gpu=0", "--cpus gpu=0: unknown role 'gpu' (roles: rollout, workflow, trainer)"),
+        ("gpu=0", "--cpus gpu=0: unknown role 'gpu' (roles: rollout, workflow, trainer; pool:NAME for"),
         ("trainer=9", "--cpus trainer=9: CPU 9 is not available to this process (available: 0-3)"),
         ("trainer=2-9", "CPU 4-9 is not available"),
         ("trainer=", "--cpus trainer=: '' is not a CPU number or range"),

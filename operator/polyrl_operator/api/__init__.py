@@ -9,6 +9,8 @@ from polyrl_operator.api.common import (
     ResourceRequirements,
     RoleOverrides,
 )
+from polyrl_operator.api.policy import Algorithm, Model, Policy, Rollout, Sampling, Trainer
+from polyrl_operator.api.pools import Placement, Pool
 from polyrl_operator.api.rljob import (
     API_VERSION,
     CATEGORIES,
@@ -22,22 +24,24 @@ from polyrl_operator.api.rljob import (
     longest_pod_name_len,
 )
 from polyrl_operator.api.spec import (
-    Algorithm,
     Checkpoint,
     Coordinator,
     FailurePolicy,
-    Model,
-    Policy,
     RLJobSpec,
-    Rollout,
-    Sampling,
     Scheduling,
-    Trainer,
     Training,
     WeightSync,
     Workflow,
 )
-from polyrl_operator.api.status import PHASES, Condition, PolicyStatus, RLJobStatus, RoleCounts, Staleness
+from polyrl_operator.api.status import (
+    PHASES,
+    Condition,
+    PolicyStatus,
+    PoolStatus,
+    RLJobStatus,
+    RoleCounts,
+    Staleness,
+)
 
 __all__ = [
     "API_VERSION",
@@ -57,9 +61,12 @@ __all__ = [
     "EnvVar",
     "FailurePolicy",
     "Model",
+    "Placement",
     "PodTemplateOverride",
     "Policy",
     "PolicyStatus",
+    "Pool",
+    "PoolStatus",
     "RLJob",
     "RLJobSpec",
     "RLJobStatus",

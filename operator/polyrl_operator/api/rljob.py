@@ -33,19 +33,45 @@ def longest_pod_name_len(job: str, policy: str, rollout_max: int, trainer_replic
     return len(job) + 1 + len(policy) + 1 + ROLE_NAME_LEN + 1 + len(str(last_index))
 
 
+def longest_pool_pod_name_len(job: str, pool: str, replicas_max: int) -> int:
+    """Length of the longest pool pod name `<job>-pool-<pool>-<i>` the operator can create."""
+    return len(job) + len("-pool-") + len(pool) + 1 + len(str(replicas_max - 1))
+
+
 def _pod_names_fit(job: RLJob) -> bool:
+    name = job.metadata.name
     return all(
-        longest_pod_name_len(job.metadata.name, p.name, p.rollout.replicas.max, p.trainer.replicas)
+        longest_pod_name_len(
+            name,
+            p.name,
+            (p.rollout.replicas.max if p.rollout.replicas else 1),
+            p.trainer.replicas or 1,
+        )
         <= MAX_NAME_LEN
         for p in job.spec.policies
     )
 
 
-# CEL twin of longest_pod_name_len: 10 == two dashes around the 7-letter role, one before the index.
+def _pool_pod_names_fit(job: RLJob) -> bool:
+    name = job.metadata.name
+    return all(
+        longest_pool_pod_name_len(name, q.name, q.replicas.max) <= MAX_NAME_LEN for q in job.spec.pools or ()
+    )
+
+
+# CEL twin of longest_pod_name_len and longest_pool_pod_name_len: 10 == two dashes around the
+# 7-letter role, one before the index; 7 == "-pool-" and the dash before the index. A pooled role's
+# unset replicas count as 1 here, as for a dedicated role's (its pods are the pool's).
+_ROLLOUT_MAX_CEL = "(has(p.rollout.replicas) ? p.rollout.replicas.max : 1)"
+_TRAINER_REPLICAS_CEL = "(has(p.trainer.replicas) ? p.trainer.replicas : 1)"
 _POD_NAME_CEL = (
     "self.spec.policies.all(p, size(self.metadata.name) + size(p.name) + 10"
-    " + size(string((p.rollout.replicas.max > p.trainer.replicas"
-    " ? p.rollout.replicas.max : p.trainer.replicas) - 1)) <= 63)"
+    f" + size(string(({_ROLLOUT_MAX_CEL} > {_TRAINER_REPLICAS_CEL}"
+    f" ? {_ROLLOUT_MAX_CEL} : {_TRAINER_REPLICAS_CEL}) - 1)) <= 63)"
+)
+_POOL_POD_NAME_CEL = (
+    "!has(self.spec.pools) || self.spec.pools.all(q, size(self.metadata.name) + size(q.name) + 7"
+    " + size(string(q.replicas.max - 1)) <= 63)"
 )
 
 
@@ -75,6 +101,13 @@ class RLJob(ApiModel):
             "must fit in 63 characters",
             check=_pod_names_fit,
             field=".spec.policies",
+        ),
+        Rule(
+            cel=_POOL_POD_NAME_CEL,
+            message="job name plus pool name too long: pod names <job>-pool-<pool>-<index> must fit in "
+            "63 characters",
+            check=_pool_pod_names_fit,
+            field=".spec.pools",
         ),
     )
 

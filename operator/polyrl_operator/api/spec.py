@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -10,13 +10,9 @@ from polyrl_operator.api.base import ApiModel, Rule
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverrides
 from polyrl_operator.api.data import Data, Evaluation
 from polyrl_operator.api.metrics import Metrics
-from polyrl_operator.api.patterns import (
-    CHECKPOINT_URI_PATTERN,
-    ENTRYPOINT_PATTERN,
-    GPU_TYPE_PATTERN,
-    MODEL_URI_PATTERN,
-    SECRET_NAME_PATTERN,
-)
+from polyrl_operator.api.patterns import CHECKPOINT_URI_PATTERN, ENTRYPOINT_PATTERN, SECRET_NAME_PATTERN
+from polyrl_operator.api.policy import DEFAULT_GPUS, Policy, Rollout, Trainer
+from polyrl_operator.api.pools import MAX_POOLS, Placement, Pool
 
 MAX_POLICIES = 16
 
@@ -52,250 +48,6 @@ class Workflow(RoleOverrides):
     replicas: Replicas = Field(
         default_factory=Replicas, description="Workflow worker pods that run episodes (elastic)."
     )
-
-
-class Model(ApiModel):
-    """Where the policy's initial weights come from."""
-
-    uri: str = Field(
-        ...,
-        max_length=1024,
-        pattern=MODEL_URI_PATTERN,
-        description="A Hugging Face model directory (pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/PREFIX; "
-        "s3:// is downloaded once per node, credentials from spec.storage.credentialsSecret) or "
-        "builtin://NAME: builtin://tiny-qwen2 is a tiny Qwen2 built in code "
-        "(a real Hugging Face model for CPU examples and tests), builtin://tiny a plain-torch toy.",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Parameter dtype; auto uses bfloat16 on GPU and float32 on CPU."
-    )
-    trust_remote_code: bool = Field(
-        False,
-        description="Run Python code shipped in the model directory (Hugging Face trust_remote_code). "
-        "Only for models whose architecture transformers does not include; off by default.",
-    )
-
-
-class Lora(ApiModel):
-    """Low-rank adapters (peft's LoRA): only the adapters are trained and stored; the rollout engines
-    serve the base weights with the adapters merged in."""
-
-    rank: int = Field(16, ge=1, le=4096, description="Rank r of each adapter.")
-    alpha: int = Field(
-        32,
-        ge=1,
-        le=1_000_000,
-        description="Scaling numerator: an adapter's update is (alpha / rank) * B @ A.",
-    )
-    dropout: float = Field(0.0, ge=0, lt=1.0, description="Dropout on the adapters' input while training.")
-    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
-        default_factory=lambda: ["all-linear"],
-        min_length=1,
-        max_length=256,
-        description="Names of the modules to adapt (e.g. q_proj, v_proj; a name matches a module whose "
-        "path ends with it), or all-linear: every linear layer except the output head.",
-    )
-
-
-class Algorithm(ApiModel):
-    """The policy-gradient algorithm and its hyper-parameters."""
-
-    __rules__ = (
-        Rule(
-            cel="self.name != 'grpo' || self.groupSize >= 2",
-            message="must be at least 2 for grpo (advantages are relative to the group)",
-            check=lambda a: a.name != "grpo" or a.group_size >= 2,
-            field=".groupSize",
-        ),
-    )
-
-    name: Literal["grpo", "ppo"] = Field(
-        "grpo", description="grpo (group-relative advantages) or ppo (clipped)."
-    )
-    group_size: int = Field(
-        8, ge=1, le=1024, description="Episodes sharing a prompt whose rewards are compared (grpo)."
-    )
-    advantage_norm: Literal["per-policy", "per-agent", "global", "none"] = Field(
-        "per-policy",
-        description="Normalise advantages per policy (recommended for multi-agent training), per agent "
-        "(each agent's samples with that agent's own statistics, for agents that share a policy through "
-        "workflow.args.policies), over all policies, or not at all.",
-    )
-    lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
-    clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO clipping range.")
-    is_cap: float = Field(
-        2.0, ge=1.0, le=100.0, description="Cap on the importance weight that corrects stale samples."
-    )
-    kl_coef: float = Field(
-        0.0, ge=0, le=100.0, description="Weight of a KL penalty to the initial policy (0: off)."
-    )
-    entropy_coef: float = Field(
-        0.0,
-        ge=0,
-        le=10.0,
-        description="Weight of an entropy bonus that keeps the policy exploring (0: off).",
-    )
-    warmup_steps: int = Field(
-        0,
-        ge=0,
-        le=10_000_000,
-        description="Training steps over which the learning rate rises linearly from 0 to lr (0: none). "
-        "The schedule counts training steps (policy versions), whatever the number of optimizer steps "
-        "in each (ppo takes one per micro-batch); a resumed job continues it from its step.",
-    )
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant",
-        description="Learning rate after warmup: constant, or cosine decay to minLrRatio * lr at "
-        "training.totalSteps. Every optimizer step of a training step uses that step's rate.",
-    )
-    min_lr_ratio: float = Field(
-        0.0, ge=0, le=1.0, description="Final learning rate of the cosine schedule, as a fraction of lr."
-    )
-    max_grad_norm: float = Field(
-        1.0, ge=0, le=1.0e6, description="Clip the global gradient norm to this value (0: no clipping)."
-    )
-    lora: Lora | None = Field(
-        None,
-        description="Train low-rank adapters instead of all weights (Hugging Face models only); unset "
-        "trains every weight.",
-    )
-
-
-# vLLM engine arguments the runtime derives from the spec or needs for correctness (the logprob
-# convention, per-version prefix-cache reset, the weight-update worker extension, GPUs = TP size).
-RESERVED_ENGINE_ARGS = (
-    "model",
-    "tokenizer",
-    "dtype",
-    "seed",
-    "trust_remote_code",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_size",
-    "distributed_executor_backend",
-    "logprobs_mode",
-    "enable_prefix_caching",
-    "worker_extension_cls",
-)
-
-
-class Sampling(ApiModel):
-    """Sampling parameters of the rollout engine."""
-
-    temperature: float = Field(1.0, ge=0, le=10.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling threshold.")
-    max_new_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens generated per agent turn.")
-
-
-EngineName = Literal["vllm", "torch"]
-"""The rollout engines (the runtime's engine registry holds one class for each)."""
-
-
-class Rollout(RoleOverrides):
-    """The inference fleet that generates this policy's actions."""
-
-    __rules__ = (
-        Rule(
-            cel="self.engine != 'vllm' || self.gpus >= 1",
-            message="must be at least 1 for engine vllm (vLLM runs on GPUs only)",
-            check=lambda r: r.engine != "vllm" or r.gpus >= 1,
-            field=".gpus",
-        ),
-    )
-
-    engine: EngineName = Field("vllm", description="vllm (GPU) or torch (the small built-in CPU engine).")
-    replicas: Replicas = Field(default_factory=Replicas, description="Rollout engine pods (elastic).")
-    gpus: int = Field(1, ge=0, le=64, description="GPUs per rollout pod (nvidia.com/gpu).")
-    gpu_type: str | None = Field(
-        None,
-        max_length=63,
-        pattern=GPU_TYPE_PATTERN,
-        description="Admin-defined GPU type name (e.g. l40s); mapped to node placement by the operator.",
-    )
-    sampling: Sampling = Field(default_factory=Sampling, description="Sampling parameters.")
-    engine_args: dict[str, Any] | None = Field(
-        None,
-        description="engine vllm: keyword arguments for vLLM's AsyncEngineArgs (snake_case, e.g. "
-        "max_model_len, gpu_memory_utilization, enforce_eager, quantization), validated by vLLM when the "
-        "engine starts. Keys the runtime sets itself are refused: " + ", ".join(RESERVED_ENGINE_ARGS) + ".",
-    )
-
-    @field_validator("engine_args")
-    @classmethod
-    def _no_reserved_engine_args(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(v or {}) & set(RESERVED_ENGINE_ARGS))
-        if taken:
-            raise ValueError(
-                f"engineArgs.{taken[0]} is set by polyrl itself (from model, gpus, training.seed or the "
-                f"logprob convention); remove it. Reserved keys: {', '.join(RESERVED_ENGINE_ARGS)}"
-            )
-        return v
-
-
-class Trainer(RoleOverrides):
-    """The training fleet that updates this policy's weights."""
-
-    __rules__ = (
-        Rule(
-            cel="!has(self.ranksPerPod) || self.gpus == 0 || self.ranksPerPod == self.gpus",
-            message="must equal gpus when gpus > 0 (one rank per GPU)",
-            check=lambda t: t.ranks_per_pod is None or t.gpus in (0, t.ranks_per_pod),
-            field=".ranksPerPod",
-        ),
-    )
-
-    backend: Literal["deepspeed"] = Field("deepspeed", description="Training backend.")
-    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
-    replicas: int = Field(1, ge=1, le=1000, description="Data-parallel trainer pods.")
-    gpus: int = Field(1, ge=0, le=64, description="GPUs per trainer pod (nvidia.com/gpu); 0 trains on CPU.")
-    gpu_type: str | None = Field(
-        None,
-        max_length=63,
-        pattern=GPU_TYPE_PATTERN,
-        description="Admin-defined GPU type name (e.g. h100); mapped to node placement by the operator.",
-    )
-    micro_batch_size: int = Field(8, ge=1, le=65536, description="Samples per forward/backward pass.")
-    max_tokens_per_micro_batch: int | None = Field(
-        None,
-        ge=1,
-        le=1 << 24,
-        description="Token budget of one forward/backward pass: rows, sorted by length, are packed so that "
-        "rows x longest row stays within it (a row longer than the budget trains alone). Unset: "
-        "microBatchSize rows per pass.",
-    )
-    ranks_per_pod: int | None = Field(
-        None,
-        ge=1,
-        le=64,
-        description="Training processes (ranks) per trainer pod; unset means one per GPU (gpus), or 1 "
-        "on CPU. On GPU it must equal gpus (one rank per device); on CPU several ranks use gloo.",
-    )
-    gradient_checkpointing: bool = Field(
-        False,
-        description="Recompute activations in the backward pass to save memory (Hugging Face models; "
-        "builtin:// models ignore it).",
-    )
-
-    @property
-    def ranks(self) -> int:
-        """Ranks per pod: ranksPerPod, else one per GPU, else 1."""
-        return self.ranks_per_pod or max(self.gpus, 1)
-
-
-class Policy(ApiModel):
-    """One independently weighted agent policy with its own model, rollout fleet and trainer."""
-
-    name: str = Field(
-        ...,
-        min_length=1,
-        max_length=40,
-        pattern=DNS_LABEL_PATTERN,
-        description="Policy name, used in pod names and by the workflow to call the agent (a DNS label).",
-    )
-    model: Model = Field(..., description="Initial weights.")
-    algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm.")
-    rollout: Rollout = Field(default_factory=Rollout, description="Inference fleet.")
-    trainer: Trainer = Field(default_factory=Trainer, description="Training fleet.")
 
 
 # `auto` and the transports the runtime registers (polyrl_runtime/weights/registry.py takes its list
@@ -431,6 +183,48 @@ class RLJobSpec(ApiModel):
             ),
             field=".training.episodesPerStep",
         ),
+        Rule(
+            # CEL lists hold one type: the rollout and the trainer are spelled out, not listed.
+            cel="self.policies.all(p, "
+            "(!has(p.rollout.pool) || (has(self.pools) && self.pools.exists(q, q.name == p.rollout.pool))) && "
+            "(!has(p.trainer.pool) || (has(self.pools) && self.pools.exists(q, q.name == p.trainer.pool))))",
+            message="a rollout or trainer names a pool that spec.pools does not define",
+            check=lambda s: all(r.pool is None or r.pool in s.pool_names for r in s.policy_roles()),
+            field=".policies",
+        ),
+        Rule(
+            cel="!has(self.pools) || self.pools.all(q, self.policies.exists(p, "
+            "(has(p.rollout.pool) && p.rollout.pool == q.name) || "
+            "(has(p.trainer.pool) && p.trainer.pool == q.name)))",
+            message="every pool must be named by a rollout or trainer (a pool no role uses would hold "
+            "devices for nothing)",
+            check=lambda s: all(q.name in {r.pool for r in s.policy_roles()} for q in s.pools or ()),
+            field=".pools",
+        ),
+        Rule(
+            cel="!has(self.pools) || self.policies.all(p, !has(p.rollout.pool) || "
+            "p.rollout.engine != 'vllm' || self.pools.all(q, q.name != p.rollout.pool || q.gpus >= 1))",
+            message="a pool that runs a vllm rollout must have gpus >= 1 (vLLM runs on GPUs only)",
+            check=lambda s: all(
+                p.rollout.pool is None or p.rollout.engine != "vllm" or s.pool_gpus(p.rollout.pool) >= 1
+                for p in s.policies
+            ),
+            field=".pools",
+        ),
+        Rule(
+            cel="!has(self.pools) || self.policies.all(p, !has(p.trainer.pool) || "
+            "!has(p.trainer.ranksPerPod) || self.pools.all(q, q.name != p.trainer.pool || q.gpus == 0 || "
+            "q.gpus == p.trainer.ranksPerPod))",
+            message="a trainer on a pool with GPUs runs one rank per GPU: its ranksPerPod must equal the "
+            "pool's gpus",
+            check=lambda s: all(
+                p.trainer.pool is None
+                or p.trainer.ranks_per_pod is None
+                or s.pool_gpus(p.trainer.pool) in (0, p.trainer.ranks_per_pod)
+                for p in s.policies
+            ),
+            field=".policies",
+        ),
     )
 
     image: str | None = Field(
@@ -458,6 +252,13 @@ class RLJobSpec(ApiModel):
         min_length=1,
         max_length=MAX_POLICIES,
         description="The policies (agents) trained together; names must be unique.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    pools: list[Pool] | None = Field(
+        None,
+        max_length=MAX_POOLS,
+        description="Device pools that rollouts and trainers share (their pool field); roles without a "
+        "pool run on pods of their own.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     data: Data | None = Field(None, description="Prompt data rows played by the workflow (ctx.sample).")
@@ -492,6 +293,55 @@ class RLJobSpec(ApiModel):
                 raise ValueError(f"duplicate policy name {p.name!r}: policy names must be unique")
             seen.add(p.name)
         return policies
+
+    @field_validator("pools")
+    @classmethod
+    def _unique_pool_names(cls, pools: list[Pool] | None) -> list[Pool] | None:
+        names = [q.name for q in pools or ()]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"duplicate pool name {name!r}: pool names must be unique")
+        return pools
+
+    @property
+    def pool_names(self) -> frozenset[str]:
+        return frozenset(q.name for q in self.pools or ())
+
+    def policy_roles(self) -> list[Rollout | Trainer]:
+        """Every policy's rollout and trainer (what the pool rules range over)."""
+        return [r for p in self.policies for r in (p.rollout, p.trainer)]
+
+    def pool(self, name: str) -> Pool:
+        """The pool called `name` (KeyError when spec.pools has none: validation rules that out)."""
+        for q in self.pools or ():
+            if q.name == name:
+                return q
+        raise KeyError(f"no pool {name!r} in spec.pools")
+
+    def pool_gpus(self, name: str) -> int:
+        """GPUs per pod of the pool `name`; 0 when it is not defined (another rule reports that)."""
+        return next((q.gpus for q in self.pools or () if q.name == name), 0)
+
+    def rollout_placement(self, policy: Policy) -> Placement:
+        """The policy's rollout engines' pods: its own (replicas, gpus) or one per pod of its pool."""
+        r = policy.rollout
+        if r.pool is not None:
+            q = self.pool(r.pool)
+            return Placement(q.name, q.gpus, q.gpu_type, q.replicas.min, q.replicas.max)
+        replicas = r.replicas or Replicas()
+        gpus = DEFAULT_GPUS if r.gpus is None else r.gpus
+        return Placement(None, gpus, r.gpu_type, replicas.min, replicas.max)
+
+    def trainer_placement(self, policy: Policy) -> Placement:
+        """The policy's trainer ranks' pods: `replicas` of its own, or its pool's first
+        `replicas.min` pods; one rank per GPU (or ranksPerPod, 1 by default, on CPU)."""
+        t = policy.trainer
+        if t.pool is not None:
+            q = self.pool(t.pool)
+            pods, gpus, gpu_type = q.replicas.min, q.gpus, q.gpu_type
+        else:
+            pods, gpus, gpu_type = t.replicas or 1, DEFAULT_GPUS if t.gpus is None else t.gpus, t.gpu_type
+        return Placement(t.pool, gpus, gpu_type, pods, pods, t.ranks_per_pod or max(gpus, 1))
 
     @property
     def effective_max_staleness(self) -> int:

@@ -41,6 +41,11 @@ class RoleCounts(ApiModel):
 
     desired: int = Field(0, ge=0, description="Pods the operator wants (the autoscaler's decision).")
     ready: int = Field(0, ge=0, description="Pods that are running and ready.")
+    pool: str | None = Field(
+        None,
+        description="Set when the role runs on this device pool: the counts are then the pool's pods "
+        "it runs on (a rollout: every pod of the pool; a trainer: the first replicas.min).",
+    )
 
 
 class Staleness(ApiModel):
@@ -75,6 +80,29 @@ class PolicyStatus(ApiModel):
     evaluation: EvalStatus | None = Field(None, description="The latest evaluation pass (spec.evaluation).")
 
 
+class PoolStatus(ApiModel):
+    """One device pool: its pods and the roles placed on it."""
+
+    name: str = Field(..., description="Pool name (spec.pools[].name).")
+    desired: int = Field(0, ge=0, description="Pool pods the operator wants (the autoscaler's decision).")
+    ready: int = Field(0, ge=0, description="Pool pods that are running and ready.")
+    roles: list[str] = Field(
+        default_factory=list,
+        description="The roles placed on the pool, as policy/role (e.g. solver/rollout).",
+    )
+    busy_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Fraction of the pool's device time some role used (coordinator's report).",
+    )
+    switches: int | None = Field(
+        None,
+        ge=0,
+        description="Times the pool's devices passed from one role to another (coordinator's report).",
+    )
+
+
 class RLJobStatus(ApiModel):
     """Observed state of an RLJob."""
 
@@ -98,6 +126,17 @@ class RLJobStatus(ApiModel):
         "element of a list).",
     )
     workflow: RoleCounts | None = Field(None, description="Workflow pods.")
+    pools: list[PoolStatus] | None = Field(
+        None,
+        description="Per-pool pod counts and the roles placed on each (spec.pools).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    pool_summary: str | None = Field(
+        None,
+        max_length=4096,
+        description="Compact per-pool pods for `kubectl get -o wide`: name:READY/DESIRED per pool, "
+        "space-separated, e.g. `shared:2/3`; unset without pools.",
+    )
     step: int | None = Field(
         None,
         ge=0,

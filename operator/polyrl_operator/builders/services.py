@@ -1,4 +1,5 @@
-"""Services: the coordinator's ClusterIP Service and one headless Service per role.
+"""Services: the coordinator's ClusterIP Service and one headless Service per role (per policy for
+a policy's roles, per pool for a pool's pods).
 
 Headless Services give every pod of a role a stable DNS name ``<pod>.<service>.<ns>.svc`` (pods set
 hostname/subdomain) for rank rendezvous, like KubeRay's headless worker service. They publish
@@ -55,16 +56,17 @@ def build_coordinator_service(ref: JobRef, *, dashboard: bool = False) -> Manife
     return stamp_hash(manifest)
 
 
-def build_headless_service(ref: JobRef, role: Role, policy: str | None = None) -> Manifest:
-    name = naming.role_service(ref.name, role, policy)
+def build_headless_service(ref: JobRef, role: Role, owner: str | None = None) -> Manifest:
+    """The headless Service of a role's pods (``owner``: its policy, or its pool for a pool)."""
+    name = naming.role_service(ref.name, role, owner)
     manifest: Manifest = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(ref, name, naming.labels(ref.name, role, policy)),
+        "metadata": metadata(ref, name, naming.labels(ref.name, role, owner)),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": naming.selector(ref.name, role, policy),
+            "selector": naming.selector(ref.name, role, owner),
             "ports": [
                 {
                     "name": "http",

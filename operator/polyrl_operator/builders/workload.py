@@ -1,6 +1,8 @@
 """The Kueue Workload that admits the whole job as one unit (kueue.x-k8s.io/v1beta2).
 
-One podSet per role: ``coordinator``, ``workflow``, and ``<policy>-rollout``/``<policy>-trainer``.
+One podSet per role slot: ``coordinator``, ``workflow``, ``<policy>-rollout``/``<policy>-trainer`` for
+a policy's roles on pods of their own, and ``<pool>-pool`` for each device pool (the pods of the
+roles placed on it; its template is pod 0's, which hosts every one of them).
 Elastic roles ask for their *maximum* count, so an admitted job can scale out to max without
 exceeding what Kueue reserved; if Kueue admits fewer (partial admission), the assignment's count caps
 the autoscaler. No Kueue controller runs in the tests: they write ``status.admission`` themselves.
@@ -21,7 +23,8 @@ from polyrl_operator.roles import Role, role_slots
 from polyrl_operator.settings import OperatorSettings, Placement
 
 MAX_PODSETS = 8 + 2 * 5
-"""Kueue's Workload CRD allows at most 18 podSets: coordinator + workflow + 2 per policy => 8 policies."""
+"""Kueue's Workload CRD allows at most 18 podSets: coordinator + workflow + 2 per policy => 8 policies
+with dedicated roles (a pool's podSet stands for every role placed on it)."""
 
 
 @dataclass(frozen=True)
@@ -30,22 +33,28 @@ class PodSetSize:
     role: Role
     policy: str | None
     count: int
+    pool: str | None = None
+
+    @property
+    def owner(self) -> str | None:
+        return self.pool or self.policy
 
 
 def podset_sizes(job: RLJob) -> list[PodSetSize]:
     """One podSet per role slot, at its maximum count (an elastic role may scale out to it)."""
     return [
-        PodSetSize(naming.podset(s.role, s.policy), s.role, s.policy, s.max_replicas) for s in role_slots(job)
+        PodSetSize(naming.podset(s.role, s.owner), s.role, s.policy, s.max_replicas, s.pool)
+        for s in role_slots(job)
     ]
 
 
 def _template(
     job: RLJob, ref: JobRef, size: PodSetSize, settings: OperatorSettings, priority: Priority | None
 ) -> dict[str, Any]:
-    pod = build_pod(job, ref, PodRequest(size.role, 0, size.policy), settings, priority)
+    pod = build_pod(job, ref, PodRequest(size.role, 0, size.policy, pool=size.pool), settings, priority)
     spec = dict(pod["spec"])
     spec.pop("hostname", None)  # per pod, not per podSet
-    return {"metadata": {"labels": naming.labels(ref.name, size.role, size.policy)}, "spec": spec}
+    return {"metadata": {"labels": naming.labels(ref.name, size.role, size.owner)}, "spec": spec}
 
 
 def build_workload(

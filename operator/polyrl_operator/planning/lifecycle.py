@@ -14,7 +14,7 @@ from polyrl_operator.api.progress import Progress
 from polyrl_operator.observed import Child
 from polyrl_operator.planning.conditions import parse_time
 from polyrl_operator.planning.types import AdmissionState, Event
-from polyrl_operator.roles import restarts_job
+from polyrl_operator.roles import pod_traits
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,12 @@ def with_queue(job: RLJob, labels: dict[str, str]) -> RLJob:
     return job.model_copy(update={"spec": job.spec.model_copy(update={"scheduling": filled})})
 
 
+def _restarts_job(job: RLJob, pod: Child) -> bool:
+    """Whether the pod belongs to a restart attempt (a pool pod: whether it hosts a trainer)."""
+    traits = pod_traits(job, pod.role, pod.owner, pod.index)
+    return traits is not None and traits.restarts_job
+
+
 def terminal_verdict(
     job: RLJob,
     progress: Progress | None,
@@ -66,7 +72,7 @@ def terminal_verdict(
         (
             p
             for p in pods
-            if restarts_job(p.role) and p.phase == "Failed" and p.attempt == restarts and not p.deleting
+            if _restarts_job(job, p) and p.phase == "Failed" and p.attempt == restarts and not p.deleting
         ),
         key=lambda p: p.name,
     )

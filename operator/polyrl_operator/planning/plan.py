@@ -95,7 +95,7 @@ def infrastructure(job: RLJob, ref: JobRef, settings: OperatorSettings) -> dict[
         build_service_account(ref),
         *build_network_policies(ref, settings),
         build_coordinator_service(ref, dashboard=job.spec.coordinator.dashboard),
-        *(build_headless_service(ref, s.role, s.policy) for s in role_slots(job) if not s.traits.singleton),
+        *(build_headless_service(ref, s.role, s.owner) for s in role_slots(job) if not s.traits.singleton),
     ]
     return _keyed(manifests)
 

@@ -1,7 +1,9 @@
 """The pod plan: which role pods must exist, which drain, which go; a value, like every step.
 
 Scale-in drains the highest index first (annotation, then delete once /progress reports it drained
-or the drain times out), so pod names stay dense (0..n-1) and no episode in flight is lost.
+or the drain times out), so pod names stay dense (0..n-1) and no episode in flight is lost. A pool
+scales like a rollout fleet, on the backlog of all the rollouts placed on it; its pods past the
+minimum host rollout engines only, so draining one never stops a trainer.
 Stopping for a suspension, a Kueue eviction or an exceeded deadline first asks the coordinator for a
 checkpoint (annotation on its pod) and waits for it, or for the checkpoint timeout, before the pods
 are deleted.
@@ -14,6 +16,7 @@ from datetime import datetime
 
 from polyrl_operator import naming
 from polyrl_operator.api import RLJob, RLJobStatus
+from polyrl_operator.api.progress import Worker
 from polyrl_operator.autoscale import ScaleState, Signals, decide
 from polyrl_operator.builders import JobRef, PodRequest, build_pod
 from polyrl_operator.builders.common import Manifest
@@ -22,7 +25,7 @@ from polyrl_operator.observed import Child, Observed
 from polyrl_operator.planning.conditions import parse_time, rfc3339
 from polyrl_operator.planning.types import Actions, Event, JobMemory, Key, PodPlan, RoleKey, combine
 from polyrl_operator.pod_contract import ANNOTATION_CHECKPOINT_REQUEST, ANNOTATION_DRAIN
-from polyrl_operator.roles import ROLE_TRAITS, Role, role_slots
+from polyrl_operator.roles import RoleSlot, role_slots
 from polyrl_operator.settings import OperatorSettings
 
 CHECKPOINT_FIRST = ("Suspended", "Evicted", "DeadlineExceeded")
@@ -30,7 +33,10 @@ CHECKPOINT_FIRST = ("Suspended", "Evicted", "DeadlineExceeded")
 
 
 def role_keys(job: RLJob) -> list[RoleKey]:
-    return [(slot.policy or "", slot.role) for slot in role_slots(job)]
+    """The roles the pod plan counts: every role slot, then every policy's role placed on a pool
+    (counted on its pool's pods, see ``_pooled_counts``)."""
+    slots = role_slots(job)
+    return [(s.owner or "", s.role) for s in slots] + [(r.policy, r.role) for s in slots for r in s.placed]
 
 
 def empty_pod_plan(job: RLJob) -> PodPlan:
@@ -52,55 +58,93 @@ class PodInputs:
     now: datetime
 
 
-def _old_desired(old: RLJobStatus, policy: str, role: str) -> int | None:
-    if not policy:
-        value = old.workflow.desired if old.workflow else None
-    else:
-        entry = next((p for p in old.policies or [] if p.name == policy), None)
-        counts = None if entry is None else (entry.rollout if role == "rollout" else entry.trainer)
+def _old_desired(old: RLJobStatus, slot: RoleSlot) -> int | None:
+    """The count the autoscaler last decided for an elastic slot, as status recorded it."""
+    if slot.traits.per_pool:
+        pool = next((q for q in old.pools or [] if q.name == slot.pool), None)
+        value = pool.desired if pool else None
+    elif slot.traits.per_policy:
+        entry = next((p for p in old.policies or [] if p.name == slot.policy), None)
+        counts = None if entry is None else (entry.rollout if slot.role == "rollout" else entry.trainer)
         value = counts.desired if counts else None
+    else:
+        value = old.workflow.desired if old.workflow else None
     return value if value else None
 
 
-def _signals(observed: Observed, policy: str, ready: int) -> Signals | None:
+def _rollout_policies(slot: RoleSlot) -> list[str]:
+    """The policies whose engines run on the slot's pods (a rollout's own, or those on a pool)."""
+    if slot.traits.per_pool:
+        return [r.policy for r in slot.placed if r.role == "rollout"]
+    return [slot.policy] if slot.policy else []
+
+
+def _work(observed: Observed, slot: RoleSlot) -> tuple[int, list[Worker]] | None:
+    """(backlog, workers) of an elastic slot from /progress: the workflow's episodes, a rollout's
+    generation requests, or for a pool those of every rollout placed on it added up (each of its
+    pods runs one engine of each). None when the report does not cover the slot."""
+    progress = observed.progress
+    if progress is None:
+        return None
+    policies = _rollout_policies(slot)
+    if not policies:
+        if slot.traits.per_policy or slot.traits.per_pool:
+            return None
+        return progress.workflow.backlog, list(progress.workflow.workers)
+    entries = [progress.policy(name) for name in policies]
+    if any(e is None for e in entries):
+        return None
+    return sum(e.backlog for e in entries if e), [w for e in entries if e for w in e.engines]
+
+
+def _signals(observed: Observed, slot: RoleSlot, ready: int) -> Signals | None:
     progress = observed.progress
     if progress is None or progress.state not in ("running", "checkpointing"):
         return None
-    if policy:
-        entry = progress.policy(policy)
-        if entry is None:
-            return None
-        backlog, workers = entry.backlog, entry.engines
-    else:
-        backlog, workers = progress.workflow.backlog, progress.workflow.workers
+    work = _work(observed, slot)
+    if work is None:
+        return None
+    backlog, workers = work
     active = [w for w in workers if not w.draining]
     util = sum(w.utilisation for w in active) / len(active) if active else 0.0
     return Signals(backlog=backlog, utilisation=util, ready=ready)
 
 
-def _worker_drained(observed: Observed, policy: str, pod: str) -> bool:
-    progress = observed.progress
-    if progress is None:
-        return False
-    if policy:
-        entry = progress.policy(policy)
-        workers = entry.engines if entry else []
-    else:
-        workers = progress.workflow.workers
-    return any(w.pod == pod and w.drained for w in workers)
+def _pod_drained(observed: Observed, slot: RoleSlot, pod: str) -> bool:
+    """Every worker the report places on ``pod`` (one engine per rollout on a pool pod) drained."""
+    work = _work(observed, slot)
+    on_pod = [w for w in work[1] if w.pod == pod] if work is not None else []
+    return bool(on_pod) and all(w.drained for w in on_pod)
 
 
-def _ready_count(inputs: PodInputs, policy: str, role: Role, limit: int) -> int:
+def _of_slot(pod: Child, slot: RoleSlot) -> bool:
+    return pod.role == slot.role and pod.owner == (slot.owner or "")
+
+
+def _ready_count(inputs: PodInputs, slot: RoleSlot, limit: int) -> int:
     return sum(
         1
         for p in inputs.pods
-        if p.role == role
-        and (p.policy or "") == policy
+        if _of_slot(p, slot)
         and p.index < limit
         and p.ready
         and not p.deleting
-        and (not ROLE_TRAITS[role].restarts_job or p.attempt == inputs.restarts)
+        and (not slot.traits_at(p.index).restarts_job or p.attempt == inputs.restarts)
     )
+
+
+def _pooled_counts(
+    inputs: PodInputs, slot: RoleSlot, pods: int
+) -> tuple[dict[RoleKey, int], dict[RoleKey, int]]:
+    """(desired, ready) of each role placed on a pool that runs ``pods`` pods: a rollout runs an
+    engine on each of them, a trainer ranks on the first ``min_replicas``."""
+    desired: dict[RoleKey, int] = {}
+    ready: dict[RoleKey, int] = {}
+    for placed in slot.placed:
+        count = pods if placed.role == "rollout" else min(slot.min_replicas, pods)
+        desired[(placed.policy, placed.role)] = count
+        ready[(placed.policy, placed.role)] = _ready_count(inputs, slot, count)
+    return desired, ready
 
 
 def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
@@ -113,55 +157,53 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
     scaled: list[tuple[str, str, int, int]] = []
     parts: list[Actions] = []
 
-    # Fixed roles: their spec's count (one coordinator, trainer.replicas trainers). Elastic roles:
-    # the last decision recorded in status (never spec), moved by the autoscaler.
+    # Fixed roles: their spec's count (one coordinator, trainer.replicas trainers). Elastic roles
+    # (pools included): the last decision recorded in status (never spec), moved by the autoscaler.
     slots = role_slots(job)
-    elastic = [(s.policy or "", s.role, s.min_replicas, s.max_replicas) for s in slots if s.traits.elastic]
-    for policy, role, lo, spec_hi in elastic:
-        podset = naming.podset(role, policy or None)
-        hi = spec_hi
+    for slot in slots:
+        owner, role = slot.owner or "", slot.role
+        if not slot.traits.elastic:
+            desired[(owner, role)] = slot.min_replicas
+            continue
+        lo, hi = slot.min_replicas, slot.max_replicas
+        podset = naming.podset(role, slot.owner)
         if admission is not None and podset in admission.counts:
-            hi = max(lo, min(spec_hi, admission.counts[podset]))
-        current = _old_desired(inputs.old, policy, role) or lo
-        key = f"{policy}/{role}"
+            hi = max(lo, min(slot.max_replicas, admission.counts[podset]))
+        current = _old_desired(inputs.old, slot) or lo
+        key = f"{owner}/{role}"
         decision = decide(
             current,
             lo,
             hi,
-            signals=_signals(inputs.observed, policy, _ready_count(inputs, policy, role, current)),
+            signals=_signals(inputs.observed, slot, _ready_count(inputs, slot, current)),
             state=scale.get(key, ScaleState()),
             now=now.timestamp(),
             params=settings.autoscale,
         )
         scale[key] = decision.state
         if decision.desired != current:
-            what = f"{role} of policy {policy}" if policy else role
-            scaled.append((policy, role, current, decision.desired))
+            what = _describe(slot)
+            scaled.append((owner, role, current, decision.desired))
             message = f"{what}: {current} -> {decision.desired} replicas ({decision.reason})"
             parts.append(Actions(events=(Event("Normal", "Scaled", message),)))
-        desired[(policy, role)] = decision.desired
-    for s in slots:
-        if not s.traits.elastic:
-            desired[(s.policy or "", s.role)] = s.min_replicas
-
-    # (policy, role, pods wanted now, pods the job cannot run without)
-    wanted: list[tuple[str, Role, int, int]] = [
-        (s.policy or "", s.role, desired[(s.policy or "", s.role)], s.min_replicas) for s in slots
-    ]
+        desired[(owner, role)] = decision.desired
 
     pods: dict[Key, Manifest] = {}
     required: set[str] = set()
     ready: dict[RoleKey, int] = {}
+    pooled_desired: dict[RoleKey, int] = {}
     missing_required = 0
+    waiting = 0
     unschedulable: list[str] = []
-    for policy, role, count, minimum in wanted:
-        flavor = admission.placement.get(naming.podset(role, policy or None)) if admission else None
-        traits = ROLE_TRAITS[role]
-        attempt = inputs.restarts if traits.restarts_job else 0
+    for slot in slots:
+        owner, role = slot.owner or "", slot.role
+        count, minimum = desired[(owner, role)], slot.min_replicas
+        flavor = admission.placement.get(naming.podset(role, slot.owner)) if admission else None
         for i in range(count):
-            manifest = build_pod(
-                job, inputs.ref, PodRequest(role, i, policy or None, attempt, flavor), settings, priority
-            )
+            traits = slot.traits_at(i)
+            attempt = inputs.restarts if traits.restarts_job else 0
+            request = PodRequest(role, i, slot.policy, attempt, flavor, pool=slot.pool)
+            manifest = build_pod(job, inputs.ref, request, settings, priority)
             name = manifest["metadata"]["name"]
             existing = by_name.get(name)
             if i < minimum:
@@ -174,8 +216,10 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
                 missing_required += 0 if current else 1
             if existing is not None and existing.unschedulable:
                 unschedulable.append(f"{name}: {existing.unschedulable}")
-            if existing is not None and existing.terminated and traits.elastic and not existing.deleting:
-                # A finished worker is replaced: deleted now, created again next round.
+            replaced_alone = traits.elastic and not traits.restarts_job
+            if existing is not None and existing.terminated and replaced_alone and not existing.deleting:
+                # A finished worker is replaced: deleted now, created again next round. A pod that
+                # restarts the job is not: the restart (a new attempt) replaces it.
                 why = f"pod {name} {existing.phase.lower()}: {existing.failure or 'exited'}; replacing it"
                 parts.append(Actions(events=(Event("Warning", "Replacing", why),), requeue_after=1.0))
                 continue
@@ -183,11 +227,15 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
             if existing is not None and existing.annotation(ANNOTATION_DRAIN):
                 undrain = ((ANNOTATION_DRAIN, None), (naming.ANNOTATION_DRAIN_SINCE, None))
                 parts.append(Actions(annotate=((name, undrain),)))
-        ready[(policy, role)] = _ready_count(inputs, policy, role, count)
-        if traits.elastic:
-            parts.append(_scale_in(inputs, policy=policy, role=role, count=count))
+        ready[(owner, role)] = _ready_count(inputs, slot, count)
+        waiting += max(minimum - ready[(owner, role)], 0)
+        if slot.traits.elastic:
+            parts.append(_scale_in(inputs, slot, count))
+        if slot.placed:
+            placed_desired, placed_ready = _pooled_counts(inputs, slot, count)
+            pooled_desired |= placed_desired
+            ready |= placed_ready
 
-    waiting = sum(max(minimum - ready[(p, r)], 0) for p, r, _, minimum in wanted)
     if unschedulable:
         reason, message = "Unschedulable", "unschedulable: " + "; ".join(sorted(unschedulable)[:3])
     elif missing_required:
@@ -196,7 +244,7 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
     else:
         reason, message = "PodsNotReady", f"waiting for {waiting} pods to become ready"
     return PodPlan(
-        desired=desired,
+        desired=desired | pooled_desired,
         ready=ready,
         pods=pods,
         required=frozenset(required),
@@ -211,17 +259,24 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
     )
 
 
-def _scale_in(inputs: PodInputs, *, policy: str, role: Role, count: int) -> Actions:
-    """Pods of an elastic role with index >= count: drain the busy ones, delete the rest."""
+def _describe(slot: RoleSlot) -> str:
+    """How events name a slot: ``rollout of policy speaker``, ``pool shared``, ``workflow``."""
+    if slot.traits.per_pool:
+        return f"pool {slot.pool}"
+    return f"{slot.role} of policy {slot.policy}" if slot.policy else slot.role
+
+
+def _scale_in(inputs: PodInputs, slot: RoleSlot, count: int) -> Actions:
+    """Pods of an elastic slot with index >= count: drain the busy ones, delete the rest."""
     settings, now = inputs.settings, inputs.now
     parts: list[Actions] = []
     for pod in sorted(inputs.pods, key=lambda p: p.index):
-        if pod.role != role or (pod.policy or "") != policy or pod.index < count or pod.deleting:
+        if not _of_slot(pod, slot) or pod.index < count or pod.deleting:
             continue
         if pod.terminated or not pod.ready:
             continue  # nothing runs on it: it is simply deleted
         since = parse_time(pod.annotation(naming.ANNOTATION_DRAIN_SINCE)) or now
-        if _worker_drained(inputs.observed, policy, pod.name):
+        if _pod_drained(inputs.observed, slot, pod.name):
             parts.append(
                 Actions(events=(Event("Normal", "Drained", f"pod {pod.name} drained; deleting it"),))
             )

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from polyrl_operator.api import PolicyStatus, RLJob, RLJobStatus, RoleCounts, Staleness
+from polyrl_operator.api import PolicyStatus, PoolStatus, RLJob, RLJobStatus, RoleCounts, Staleness
 from polyrl_operator.api.progress import EvalProgress, Progress
 from polyrl_operator.api.status import ConditionType, EvalStatus, Phase
 from polyrl_operator.planning.conditions import Setting, clip, get_condition, rfc3339, set_conditions
 from polyrl_operator.planning.lifecycle import Verdict
 from polyrl_operator.planning.pods import empty_pod_plan
-from polyrl_operator.planning.types import Event, PodPlan, StatusInputs
+from polyrl_operator.planning.types import Event, PodPlan, RoleKey, StatusInputs
+from polyrl_operator.roles import role_slots
 
 SUMMARY_LIMIT = 4096
 """The CRD's maxLength of status.policySummary."""
@@ -51,19 +52,47 @@ def policy_statuses(
                     "evaluation": eval_status(prog.evaluation) or entry.evaluation,
                 }
             )
+        rollout, trainer = job.spec.rollout_placement(p), job.spec.trainer_placement(p)
         out.append(
             entry.model_copy(
                 update={
-                    "rollout": RoleCounts(
-                        desired=pods.desired[(p.name, "rollout")], ready=pods.ready[(p.name, "rollout")]
-                    ),
-                    "trainer": RoleCounts(
-                        desired=pods.desired[(p.name, "trainer")], ready=pods.ready[(p.name, "trainer")]
-                    ),
+                    "rollout": _counts(pods, (p.name, "rollout"), rollout.pool),
+                    "trainer": _counts(pods, (p.name, "trainer"), trainer.pool),
                 }
             )
         )
     return out
+
+
+def _counts(pods: PodPlan, key: RoleKey, pool: str | None) -> RoleCounts:
+    """A role's pod counts; a pooled role's are the pods of its pool it runs on (pool named)."""
+    return RoleCounts(desired=pods.desired[key], ready=pods.ready[key], pool=pool)
+
+
+def pool_statuses(job: RLJob, old: RLJobStatus, pods: PodPlan) -> list[PoolStatus] | None:
+    """Each pool's pod counts and the roles placed on it (None for a job without pools). The
+    coordinator's figures (busy fraction, switches) are kept as last written."""
+    if not job.spec.pools:
+        return None
+    previous = {q.name: q for q in old.pools or []}
+    return [
+        (previous.get(slot.pool) or PoolStatus(name=slot.pool)).model_copy(
+            update={
+                "desired": pods.desired[(slot.pool, slot.role)],
+                "ready": pods.ready[(slot.pool, slot.role)],
+                "roles": [str(r) for r in slot.placed],
+            }
+        )
+        for slot in role_slots(job)
+        if slot.pool is not None
+    ]
+
+
+def pool_summary(pools: list[PoolStatus] | None) -> str | None:
+    """``shared:2/3``: what the ``Pools`` printer column shows (ready/desired pods per pool)."""
+    if pools is None:
+        return None
+    return clip(" ".join(f"{q.name}:{q.ready}/{q.desired}" for q in pools), SUMMARY_LIMIT)
 
 
 def eval_status(ev: EvalProgress | None) -> EvalStatus | None:
@@ -78,9 +107,17 @@ def policy_summary(policies: list[PolicyStatus]) -> str:
     return clip(" ".join(f"{p.name}:v{p.version}" for p in policies), SUMMARY_LIMIT)
 
 
-def _with_policies(status: RLJobStatus, policies: list[PolicyStatus], step: int) -> RLJobStatus:
+def _with_policies(
+    status: RLJobStatus, policies: list[PolicyStatus], step: int, pools: list[PoolStatus] | None
+) -> RLJobStatus:
     return status.model_copy(
-        update={"policies": policies, "policy_summary": policy_summary(policies), "step": step}
+        update={
+            "policies": policies,
+            "policy_summary": policy_summary(policies),
+            "step": step,
+            "pools": pools,
+            "pool_summary": pool_summary(pools),
+        }
     )
 
 
@@ -146,11 +183,12 @@ def finished_status(
         "QuotaExceeded": (False, "Finished", ""),
     }
     conditions = set_conditions(status.conditions, values, generation=generation, now=now)
-    policies = policy_statuses(job, status, progress, empty_pod_plan(job))
+    no_pods = empty_pod_plan(job)
+    policies = policy_statuses(job, status, progress, no_pods)
     steps = [p.step for p in policies]
     step = (max(steps) if succeeded else min(steps)) if steps else 0
     status = status.model_copy(update={"conditions": conditions, "workflow": RoleCounts()})
-    return _with_policies(status, policies, step)
+    return _with_policies(status, policies, step, pool_statuses(job, status, no_pods))
 
 
 def active_status(inputs: StatusInputs) -> RLJobStatus:
@@ -248,7 +286,7 @@ def active_status(inputs: StatusInputs) -> RLJobStatus:
             "message": clip(msg),
         }
     )
-    return _with_policies(status, policies, step)
+    return _with_policies(status, policies, step, pool_statuses(job, old, pods))
 
 
 def transition_events(old: RLJobStatus, new: RLJobStatus) -> tuple[Event, ...]:

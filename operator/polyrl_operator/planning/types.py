@@ -20,7 +20,8 @@ from polyrl_operator.roles import Role
 Key = tuple[str, str]
 """(kind, name) of a child."""
 RoleKey = tuple[str, Role]
-"""(policy or "", role)."""
+"""(owner, role): the owner is the policy of a policy's role, the pool of a pool, "" for the job's
+own roles. A role placed on a pool has a key too, counting the pool pods it runs on."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class PodPlan:
     actions: Actions = field(default_factory=Actions)
     scale: dict[str, ScaleState] = field(default_factory=dict)
     scaled: tuple[tuple[str, str, int, int], ...] = ()
-    """(policy or "", role, from, to) for every scale decision."""
+    """(owner, role, from, to) for every scale decision (owner as in ``RoleKey``)."""
     checkpoint: tuple[str, str] | None = None
     """The checkpoint request (id, since) made while stopping, to remember."""
     checkpointing: bool = False

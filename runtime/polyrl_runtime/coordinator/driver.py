@@ -92,7 +92,7 @@ class Driver:
         self.runs: dict[str, PolicyRun] = {}  # filled as `_start` starts each policy's trainer
         self.checkpointer = Checkpointer(job, self.store, self.control, self.runs, opts.checkpoint_requests)
         self.metrics = MetricsLog(job, opts)
-        cuda = any(p.trainer.gpus > 0 for p in self.spec.policies)
+        cuda = any(self.spec.trainer_placement(p).gpus > 0 for p in self.spec.policies)
         self.transport = choose_transport(
             self.spec.weight_sync.transport, cuda=cuda, same_host=opts.same_host
         )
@@ -203,7 +203,7 @@ class Driver:
         with phase("actors", "starting actors (" + self._actor_counts() + ")"):
             buffer = fleet.new_buffer(configs, capacity, snapshot)
             for p in spec.policies:
-                for _ in range(p.rollout.replicas.min):
+                for _ in range(spec.rollout_placement(p).min_replicas):
                     fleet.new_engine(p)
                 ranks = fleet.new_trainers(p, buffer)
                 self.runs[p.name] = PolicyRun(p.name, ranks, window=RewardWindow(self.episodes_per_step))
@@ -273,8 +273,8 @@ class Driver:
 
     def _actor_counts(self) -> str:
         spec = self.spec
-        engines = sum(p.rollout.replicas.min for p in spec.policies)
-        ranks = sum(p.trainer.replicas * p.trainer.ranks for p in spec.policies)
+        engines = sum(spec.rollout_placement(p).min_replicas for p in spec.policies)
+        ranks = sum(spec.trainer_placement(p).trainer_world for p in spec.policies)
         workers = spec.workflow.replicas.min
 
         def n(count: int, what: str) -> str:

@@ -6,6 +6,10 @@ of that role (or `ray.init(resources=...)` under `polyrl run`) provides, so the 
 on the operator's pods and on one laptop. Engines and workers are elastic: new units (a pod joined)
 get a new actor; an actor that died is replaced when its unit is free again; a draining one leaves the
 routing tables, finishes its work and is reported drained.
+
+A role on a device pool is placed the same way: a pool pod offers the units of every role that
+names the pool (config.node_resources), so a colocated policy's engine and trainer ranks land on
+the same pods. How they share the pod's GPUs: `ray_gpus`.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ import structlog
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from polyrl_operator.api import Policy, RLJob
+from polyrl_operator.api import Placement, Policy, RLJob
 from polyrl_runtime.actors import Actor, start_actor
 from polyrl_runtime.config import resource_name
-from polyrl_runtime.cpusets import role_env
+from polyrl_runtime.cpusets import cpu_set_key, role_env
 from polyrl_runtime.engines.api import Engine
 from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.engines.registry import engine_kind
@@ -86,6 +90,26 @@ EngineSlot = Slot[EngineClient]
 WorkerSlot = Slot[WorkflowWorkerClient]
 A = TypeVar("A", bound=Actor)
 
+# Ray sets no CUDA_VISIBLE_DEVICES for an actor it assigns no GPU unless this variable is 1 (then it
+# sets it to "", hiding every device): pooled actors see their pod's GPUs only with it off.
+_KEEP_VISIBLE_DEVICES = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+
+
+def ray_gpus(placement: Placement, own: int) -> int:
+    """The GPUs an actor placed by `placement` asks Ray for; `own` is what it takes on a pod of its
+    own role (an engine all of the pod's, for tensor parallelism; a trainer rank one).
+
+    On a pool pod the roles placed there share its GPUs, which Ray cannot express: it hands out whole
+    devices (or fractions of one device), never all devices to several actors at once. So a pooled
+    actor asks for none, and the invariant is: every pooled actor sees every GPU of its pod (Ray
+    leaves the pod's CUDA_VISIBLE_DEVICES alone for an actor it assigns none, `_KEEP_VISIBLE_DEVICES`);
+    an engine runs tensor-parallel over all of them, a trainer rank uses the device of its index among
+    its policy's ranks on that node (`trainers.api.node_local_ranks`). How many actors share a pod is
+    bounded by the pool's placement resources alone (one engine per pooled rollout, ranks_per_pod
+    ranks per pooled trainer), and their memory by the engines' engineArgs (gpu_memory_utilization
+    must leave the trainers room). On CPU (gpus 0) every actor asks for none either way."""
+    return 0 if placement.pool is not None or placement.gpus == 0 else own
+
 
 class Fleet:
     def __init__(
@@ -117,10 +141,16 @@ class Fleet:
     def _res(self, policy: str | None, role: str) -> dict[str, float]:
         return {resource_name(policy, role): 1} if self.place_by_resource else {}
 
-    def _env(self, role: str) -> dict[str, dict[str, str]]:
+    def _env(self, role: str, placement: Placement | None = None) -> dict[str, dict[str, str]]:
+        """The actor's environment: the driver's settings that matter to it, its CPU set (its pool's
+        when it runs on one) and, on a pool with GPUs, the pod's devices left visible (`ray_gpus`)."""
         keep = ("OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PYTHONPATH")
         env = {k: os.environ[k] for k in keep if k in os.environ}
-        return {"env_vars": {**env, **role_env(self.cpu_sets, role)}}
+        pool = placement.pool if placement is not None else None
+        env.update(role_env(self.cpu_sets, cpu_set_key(role, pool)))
+        if placement is not None and pool is not None and placement.gpus > 0:
+            env.update(_KEEP_VISIBLE_DEVICES)
+        return {"env_vars": env}
 
     def _track(self, actor: A) -> A:
         self._started.append(actor)
@@ -137,12 +167,13 @@ class Fleet:
     def new_engine(self, policy: Policy) -> EngineSlot:
         name = f"{policy.name}-rollout-{next(self._ids)}"
         kind = engine_kind(policy.rollout.engine)
+        placement = self.spec.rollout_placement(policy)
         options = {
             "resources": self._res(policy.name, "rollout"),
             "num_cpus": 0,
-            "num_gpus": policy.rollout.gpus,
+            "num_gpus": ray_gpus(placement, placement.gpus),
             "max_concurrency": 4096,
-            "runtime_env": self._env("rollout"),
+            "runtime_env": self._env("rollout", placement),
         }
         handle: ActorHandle[Engine] = start_actor(
             kind.load(),
@@ -188,20 +219,22 @@ class Fleet:
         return slot
 
     def new_trainers(self, policy: Policy, buffer: BufferClient) -> list[TrainerRankClient]:
-        """Every rank of the policy's trainer: `replicas` pods of `ranks` each (one per GPU), each
-        rank one unit of the pod's trainer resource and, on GPU, one GPU of its own."""
+        """Every rank of the policy's trainer: `ranks_per_pod` on each of its pods (one per GPU), each
+        rank one unit of the pod's trainer resource and, on GPU, one GPU of its own (on a pool, the
+        pod's GPU of its node-local index: `ray_gpus`)."""
         from polyrl_runtime.trainers.build import rank_layout
         from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
+        placement = self.spec.trainer_placement(policy)
         options = {
             "resources": self._res(policy.name, "trainer"),
             "num_cpus": 0,
-            "num_gpus": 1 if policy.trainer.gpus > 0 else 0,
+            "num_gpus": ray_gpus(placement, 1),
             "max_concurrency": 2,
-            "runtime_env": self._env("trainer"),
+            "runtime_env": self._env("trainer", placement),
         }
         ranks: list[TrainerRankClient] = []
-        for slot in rank_layout(policy.trainer.replicas, policy.trainer.ranks):
+        for slot in rank_layout(placement.min_replicas, placement.ranks_per_pod):
             handle: ActorHandle[TrainerRank] = start_actor(
                 DeepSpeedTrainer,
                 options,
@@ -210,10 +243,10 @@ class Fleet:
                 self.spec.training.seed,
                 rank=slot.rank,
                 world=slot.world,
-                local_rank=slot.local_rank,
                 buffer=buffer,
                 temperature=policy.rollout.sampling.temperature,
                 total_steps=self.spec.training.total_steps,
+                gpus=placement.gpus,
             )
             ranks.append(self._track(TrainerRankClient(handle)))
         return ranks

@@ -61,7 +61,7 @@ class FleetSupervisor:
                     changed = True
         for p in self.spec.policies:
             # A free unit of the role's resource is a pod (or a dead engine's slot) with no engine.
-            room = p.rollout.replicas.max - len(self.fleet.live_engines(p.name))
+            room = self.spec.rollout_placement(p).max_replicas - len(self.fleet.live_engines(p.name))
             for _ in range(max(0, min(room, self.fleet.free_units(p.name, "rollout")))):
                 slot = self.fleet.new_engine(p)
                 run = self.runs[p.name]

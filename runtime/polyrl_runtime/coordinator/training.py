@@ -29,7 +29,7 @@ from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.experience.client import BufferClient
-from polyrl_runtime.trainers.api import StepResult
+from polyrl_runtime.trainers.api import StepResult, node_local_ranks
 from polyrl_runtime.weights import VersionRegistry, sender_options
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
 
@@ -100,7 +100,9 @@ class PolicyTrainer:
         """Rendezvous the ranks and build their models; load the checkpoint if it has this policy."""
         run = self.run
         addr, port = await run.ranks[0].address()
-        await asyncio.gather(*(r.setup(addr, port) for r in run.ranks))
+        nodes = await asyncio.gather(*(r.node_id() for r in run.ranks))
+        local = node_local_ranks(nodes)
+        await asyncio.gather(*(r.setup(addr, port, i) for r, i in zip(run.ranks, local, strict=True)))
         if ref is not None and run.name in ref.state["policies"]:
             d = ref.trainer_dir(run.name)  # each rank downloads it first when it is in an object store
             await asyncio.gather(*(r.load(d, TRAINER_TAG) for r in run.ranks))

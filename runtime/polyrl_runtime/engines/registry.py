@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from polyrl_operator.api.spec import EngineName, Policy, RLJobSpec
+from polyrl_operator.api.policy import EngineName, Policy
+from polyrl_operator.api.spec import RLJobSpec
 from polyrl_runtime.engines import vllm_api
 from polyrl_runtime.engines.api import Engine
 

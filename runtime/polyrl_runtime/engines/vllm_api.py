@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from polyrl_operator.api.spec import RESERVED_ENGINE_ARGS, Policy, RLJobSpec
+from polyrl_operator.api.policy import RESERVED_ENGINE_ARGS, Policy
+from polyrl_operator.api.spec import RLJobSpec
 from polyrl_runtime.engines.api import SamplingParams
 
 # The vLLM source releases the contract test checks: (sdist URL, sha256). The `gpu` extra admits
@@ -231,7 +232,7 @@ def actor_options(spec: RLJobSpec, policy: Policy) -> dict[str, Any]:
     """The `VllmEngine` keyword arguments that come from the RLJob (beside those every engine takes)."""
     index = next(i for i, p in enumerate(spec.policies) if p.name == policy.name)
     return {
-        "gpus": policy.rollout.gpus,
+        "gpus": spec.rollout_placement(policy).gpus,
         "engine_args": dict(policy.rollout.engine_args or {}),
         "inflight": spec.weight_sync.inflight,
         "policy_path": f"spec.policies[{index}].rollout",

@@ -29,7 +29,7 @@ from polyrl_runtime.config import JobFileError, load_job, placement_resources, s
 from polyrl_runtime.coordinator.checkpoints.store import CheckpointStore, checkpoint_root
 from polyrl_runtime.coordinator.metrics.startup import StartupPhases
 from polyrl_runtime.coordinator.report import RunSummary
-from polyrl_runtime.cpusets import format_cpus
+from polyrl_runtime.cpusets import check_pools, format_cpus
 from polyrl_runtime.local.display import ProgressDisplay, use_colour, write
 from polyrl_runtime.local.interrupts import EXIT_INTERRUPTED, Interrupts
 from polyrl_runtime.local.results import clear_previous, summary_lines, write_results
@@ -43,8 +43,18 @@ log = structlog.get_logger(__name__)
 
 
 def local_resources(job: RLJob) -> dict[str, float]:
-    """The custom resources a one-machine cluster offers: as many units as the spec's replicas."""
+    """The custom resources a one-machine cluster offers: as many units as the spec's replicas (a
+    pooled role's as its pool's pods at replicas.min would offer, `placement_resources`)."""
     return placement_resources(job)
+
+
+def role_pools(job: RLJob) -> list[tuple[str, str, str | None]]:
+    """(policy, role, its pool or None) for every policy's rollout and trainer (`check_pools`)."""
+    return [
+        (p.name, role, r.pool)
+        for p in job.spec.policies
+        for role, r in (("rollout", p.rollout), ("trainer", p.trainer))
+    ]
 
 
 def import_from_cwd() -> None:
@@ -139,6 +149,7 @@ def run_local(
     set_env_defaults()
     try:
         job = load_job(job_file)
+        check_pools(cpu_sets or {}, job.spec.pool_names, role_pools(job))
         import_from_cwd()
         check_entry_points(job.spec)  # before Ray: a job whose code does not import never starts
         out_dir = Path(out or Path("runs") / job.metadata.name)

@@ -3,7 +3,11 @@
     polyrl-runtime coordinator --config FILE     Ray head + driver + /progress on POLYRL_HTTP_PORT
     polyrl-runtime worker --config FILE --role ROLE [--policy NAME]
                                                  joins the head with one unit of `polyrl/<policy>/<role>`
-                                                 and waits; relays its drain annotation to the coordinator
+                                                 (one per rank on a trainer pod) and waits; relays its
+                                                 drain annotation to the coordinator
+    polyrl-runtime worker --config FILE --role pool --pool NAME
+                                                 the same for a device pool's pod: it offers the units of
+                                                 every role placed on the pool (config.node_resources)
 
 Each pod's Ray node is a child process it owns (ray_node.py).
 
@@ -41,8 +45,8 @@ from polyrl_runtime.config import (
     JobFileError,
     PodEnv,
     load_job,
+    node_resources,
     read_annotations,
-    resource_name,
     set_env_defaults,
 )
 from polyrl_runtime.pods.cluster_waits import head_attempt, split_address, wait_for_head, watch_start
@@ -193,15 +197,23 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int | No
 
 
 def run_worker(
-    config: str, *, role: str, policy: str | None, address: str | None = None, http_port: int | None = None
+    config: str,
+    *,
+    role: str,
+    policy: str | None,
+    pool: str | None = None,
+    address: str | None = None,
+    http_port: int | None = None,
 ) -> int:
     loaded = _load(config)
     if loaded is None:
         return 2
     env, job = loaded
-    names = [p.name for p in job.spec.policies]
-    if role in ("rollout", "trainer") and policy not in names:
-        sys.stderr.write(f"error: --policy must name one of the job's policies {names} for role {role}\n")
+    pool_source = "--pool" if pool else contract.ENV_POOL
+    pool = pool or env.pool or None
+    problem = _placement_problem(job, role, policy, pool, pool_source)
+    if problem:
+        sys.stderr.write(f"error: {problem}\n")
         return 2
     target = address or env.coordinator_address
     if not target:
@@ -211,36 +223,68 @@ def run_worker(
         source = "--address" if address else contract.ENV_COORDINATOR_ADDRESS
         sys.stderr.write(f"error: {source}={target!r}: expected HOST:PORT\n")
         return 2
+    policy = policy if role in ("rollout", "trainer") else None
+    pool = pool if role == "pool" else None
     return asyncio.run(
         _work(
             job.metadata.name,
             env,
             role=role,
-            policy=policy if role != "workflow" else None,
+            policy=policy,
+            pool=pool,
             target=target,
             http_port=env.http_port if http_port is None else http_port,
-            units=_units(job, role, policy),
+            resources=node_resources(job, role, policy, pool, env.index),
         )
     )
 
 
-def _units(job: RLJob, role: str, policy: str | None) -> int:
-    """Units of the role's placement resource this pod offers: one per trainer rank (one per GPU,
-    or `trainer.ranksPerPod`), one for any other role."""
-    if role != "trainer":
-        return 1
-    return next(p.trainer.ranks for p in job.spec.policies if p.name == policy)
+def _placement_problem(
+    job: RLJob, role: str, policy: str | None, pool: str | None, pool_source: str
+) -> str | None:
+    """Why this pod cannot offer the resources of `role` (and `policy`, or `pool` as `pool_source`
+    gave it), or None."""
+    spec = job.spec
+    if role == "pool":
+        pools = ", ".join(sorted(spec.pool_names)) or "it defines none"
+        if not pool:
+            return f"--role pool needs --pool NAME (or {contract.ENV_POOL}); spec.pools: {pools}"
+        if pool not in spec.pool_names:
+            return f"{pool_source}={pool}: the job has no pool {pool!r} (spec.pools: {pools})"
+        return None
+    if role not in ("rollout", "trainer"):
+        return None
+    found = next((p for p in spec.policies if p.name == policy), None)
+    if found is None:
+        names = [p.name for p in spec.policies]
+        return f"--policy must name one of the job's policies {names} for role {role}"
+    on_pool = found.rollout.pool if role == "rollout" else found.trainer.pool
+    if on_pool is not None:
+        return (
+            f"--role {role} --policy {policy}: policy {policy!r} runs its {role} on pool {on_pool!r}, "
+            f"whose pods offer it (--role pool --pool {on_pool})"
+        )
+    return None
 
 
 async def _work(
-    job_name: str, env: PodEnv, *, role: str, policy: str | None, target: str, http_port: int, units: int
+    job_name: str,
+    env: PodEnv,
+    *,
+    role: str,
+    policy: str | None,
+    pool: str | None,
+    target: str,
+    http_port: int,
+    resources: dict[str, float],
 ) -> int:
-    """Join the head named `target` and stay in its cluster; rejoin when it goes away and comes back.
-    Exits 0 on SIGTERM, 1 when the head stays unreachable for `POLYRL_JOIN_TIMEOUT_S`."""
-    resources = json.dumps({resource_name(policy, role): units})
+    """Join the head named `target` offering `resources` and stay in its cluster; rejoin when it goes
+    away and comes back. Exits 0 on SIGTERM, 1 when the head stays unreachable for
+    `POLYRL_JOIN_TIMEOUT_S`."""
+    offered = json.dumps(resources)
     join_deadline = float(os.environ.get("POLYRL_JOIN_TIMEOUT_S", "600"))
     start_timeout = float(os.environ.get("POLYRL_RAY_START_TIMEOUT_S", "90"))
-    log_path = _scratch(job_name) / f"ray-{role}-{policy or 'job'}-{env.index}-{os.getpid()}.log"
+    log_path = _scratch(job_name) / f"ray-{role}-{pool or policy or 'job'}-{env.index}-{os.getpid()}.log"
     ready = asyncio.Event()
     runner = await _serve_health(ready, http_port)
     stopping = asyncio.Event()
@@ -267,7 +311,7 @@ async def _work(
                 [
                     f"--address={address}",
                     f"--temp-dir={ray_temp_dir()}",
-                    f"--resources={resources}",
+                    f"--resources={offered}",
                     *node_ports(),
                 ],
                 log_path,
@@ -289,7 +333,14 @@ async def _work(
                     if ray_started(log_path, offset):  # ready = this node really joined
                         ready.set()
                         joining.done()
-                        log.info("worker.joined", role=role, policy=policy, address=address)
+                        log.info(
+                            "worker.joined",
+                            role=role,
+                            policy=policy,
+                            pool=pool,
+                            address=address,
+                            resources=resources,
+                        )
                     elif joining.expired():
                         # A `ray start` can wait forever on a GCS that is slow to answer (an
                         # overloaded head): start over rather than stay a pod that never joins.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +34,18 @@ class StepResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def node_local_ranks(nodes: Sequence[str]) -> list[int]:
+    """Each rank's index among the ranks on its node, in rank order (`nodes[i]`: rank i's node).
+    Ray places ranks by their pods' trainer units, not in `rank_layout`'s order, so a rank's
+    node-local index is known only once every rank is placed."""
+    seen: Counter[str] = Counter()
+    out: list[int] = []
+    for node in nodes:
+        out.append(seen[node])
+        seen[node] += 1
+    return out
+
+
 class TrainerRank(Protocol):
     """One rank of a policy's trainer, as the driver calls it through `trainers.client.TrainerRankClient`
     (a trainer class is started as an `ActorHandle[TrainerRank]`, which checks that it implements this)."""
@@ -41,8 +54,14 @@ class TrainerRank(Protocol):
         """Where rank 0 takes the process group's rendezvous (its host and a free port)."""
         ...
 
-    def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the process group, then build the model and its optimizer (every rank at once)."""
+    def node_id(self) -> str:
+        """The Ray node (pod) this rank runs on: the ranks' node-local indices come from these."""
+        ...
+
+    def setup(self, master_addr: str, master_port: int, local_rank: int) -> None:
+        """Join the process group, then build the model and its optimizer (every rank at once).
+        `local_rank`: this rank's index among its policy's ranks on its node (its GPU where it sees
+        all of the pod's: `trainers.build.cuda_device_index`)."""
         ...
 
     def train_step(self, step: int, share: int, n_micro: int, global_std: float | None) -> StepResult:

@@ -52,7 +52,9 @@ class RankSlot:
 
 
 def rank_layout(replicas: int, ranks_per_pod: int) -> list[RankSlot]:
-    """Every rank of a policy: pod p holds global ranks p*N .. p*N+N-1 (N = ranks per pod)."""
+    """Every rank of a policy: pod p holds global ranks p*N .. p*N+N-1 (N = ranks per pod). This is
+    the plan (ranks and world); Ray places each rank on any pod with a free trainer unit, so a rank's
+    device comes from where it landed (`trainers.api.node_local_ranks`)."""
     if replicas < 1 or ranks_per_pod < 1:
         raise ValueError(f"need at least one pod and one rank per pod, got {replicas} x {ranks_per_pod}")
     world = replicas * ranks_per_pod

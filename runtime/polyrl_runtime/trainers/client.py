@@ -22,8 +22,11 @@ class TrainerRankClient(ActorClient[TrainerRank]):
     def address(self) -> ray.ObjectRef[tuple[str, int]]:
         return call(self.handle, TrainerRank.address)
 
-    def setup(self, master_addr: str, master_port: int) -> ray.ObjectRef[None]:
-        return call(self.handle, TrainerRank.setup, master_addr, master_port)
+    def node_id(self) -> ray.ObjectRef[str]:
+        return call(self.handle, TrainerRank.node_id)
+
+    def setup(self, master_addr: str, master_port: int, local_rank: int) -> ray.ObjectRef[None]:
+        return call(self.handle, TrainerRank.setup, master_addr, master_port, local_rank)
 
     def train_step(
         self, step: int, share: int, n_micro: int, global_std: float | None

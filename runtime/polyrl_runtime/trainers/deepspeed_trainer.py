@@ -91,8 +91,8 @@ class DeepSpeedTrainer(TrainerWeights):
         world: int,
         buffer: BufferClient,
         temperature: float = 1.0,
-        local_rank: int = 0,
         total_steps: int = 1,
+        gpus: int = 0,
     ) -> None:
         # Cheap on purpose: the model is built in `setup`, once the process group exists (ZeRO-3
         # partitions it collectively as it is constructed).
@@ -102,7 +102,7 @@ class DeepSpeedTrainer(TrainerWeights):
         self.spec = Policy.model_validate_json(policy_json)
         self.rank = rank
         self.world = world
-        self.local_rank = local_rank
+        self.local_rank = 0  # its index among its policy's ranks on its node, given to `setup`
         self.total_steps = total_steps
         self.buffer = buffer
         self.temperature = temperature
@@ -111,7 +111,7 @@ class DeepSpeedTrainer(TrainerWeights):
             self.algo.clip_eps, self.algo.is_cap, self.algo.kl_coef, self.algo.entropy_coef
         )
         self.version = 0
-        self.cuda = self.spec.trainer.gpus > 0 and torch.cuda.is_available()
+        self.cuda = gpus > 0 and torch.cuda.is_available()  # gpus: its pod's (or pool's)
         self.seed = policy_seed(job_seed, self.spec.name)
         self.model: Any = None  # the engine's module, once `setup` built it
         self.ref: Any = None
@@ -123,10 +123,15 @@ class DeepSpeedTrainer(TrainerWeights):
         util: Any = ray.util
         return str(util.get_node_ip_address()), free_port()
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def node_id(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    def setup(self, master_addr: str, master_port: int, local_rank: int = 0) -> None:
         """Join the policy's process group, then build the model, reference and DeepSpeed engine
-        (all ranks at once)."""
+        (all ranks at once). `local_rank`: its index among its policy's ranks on its node (the
+        driver's `node_local_ranks`; 0 for a rank alone on its node)."""
         deepspeed = import_deepspeed()
+        self.local_rank = local_rank
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         device = torch.device("cpu")

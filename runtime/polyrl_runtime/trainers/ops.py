@@ -9,12 +9,25 @@ it forever (seen on this project's machines: trainers stuck in `setup` until the
 `prepare_ops()` builds or loads the op under our own lock, an `flock` the kernel releases when its
 holder dies. Holding it proves no build of ours is running, so a leftover torch lock file is stale
 and is removed (logged). Only then does `init_distributed` run, and it finds the op built.
+
+A pod's build directory is its scratch volume, empty at every start. An image that compiled the op
+once (`runtime/Dockerfile`) names that build in `POLYRL_PREBUILT_OPS_DIR`; `prepare_ops()` copies it
+into the empty build directory first, so torch finds the op up to date and loads it instead of
+compiling it again on each pod start. torch needs the build directory writable (its lock file), so
+the image's copy is read, never used in place.
+
+The build runs with this interpreter's own `ninja` (the `ninja` package DeepSpeed depends on) first
+on PATH. Two ninja versions keep build logs in different formats, and each discards the other's: with
+whichever `ninja` a process's PATH happened to find, the op was compiled again each time a process
+with the other one came along (a pod's PATH starts with the venv's, a shell's may not).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +39,7 @@ from polyrl_runtime.waiting import lock_deadline_s, locked
 log = structlog.get_logger(__name__)
 
 LOCK_NAME = ".polyrl-build.lock"
+PREBUILT_ENV = "POLYRL_PREBUILT_OPS_DIR"
 
 
 def extensions_dir() -> Path:
@@ -53,10 +67,51 @@ def build_lock(root: Path) -> Iterator[list[Path]]:
         yield removed
 
 
+def seed_from_prebuilt(root: Path, prebuilt: Path | None) -> list[Path]:
+    """Copy each op build of `prebuilt` that `root` lacks into `root` (times kept, so the build
+    tools see it up to date); returns what it copied. Call it holding `build_lock(root)`."""
+    if prebuilt is None or not prebuilt.is_dir() or prebuilt.resolve() == root.resolve():
+        return []
+    copied = []
+    for build in sorted(p for p in prebuilt.iterdir() if p.is_dir()):
+        target = root / build.name
+        if not target.exists():
+            shutil.copytree(build, target, ignore=shutil.ignore_patterns("lock"))
+            copied.append(target)
+    return copied
+
+
+def prebuilt_dir() -> Path | None:
+    env = os.environ.get(PREBUILT_ENV)
+    return Path(env) if env else None
+
+
+@contextlib.contextmanager
+def own_tools_first() -> Iterator[str]:
+    """PATH with this interpreter's bin directory first, for as long as the block runs; yields it."""
+    before = os.environ.get("PATH")
+    own = str(Path(sys.executable).parent)
+    os.environ["PATH"] = os.pathsep.join(
+        [own, *(p for p in (before or "").split(os.pathsep) if p and p != own)]
+    )
+    try:
+        yield os.environ["PATH"]
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def prepare_ops() -> None:
-    """Build or load DeepSpeed's CPU comm op under `build_lock` (no-op where DeepSpeed has none)."""
+    """Build or load DeepSpeed's CPU comm op under `build_lock` (no-op where DeepSpeed has none),
+    starting from the image's prebuilt copy when there is one."""
     import_deepspeed()
-    with build_lock(extensions_dir()):
+    root = extensions_dir()
+    with build_lock(root):
+        for copied in seed_from_prebuilt(root, prebuilt_dir()):
+            log.info("ops.prebuilt_copied", path=str(copied))
         from deepspeed.comm.torch import build_shm_op
 
-        build_shm_op()
+        with own_tools_first():
+            build_shm_op()

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from polyrl_operator.api import RLJob, longest_pod_name_len
+from polyrl_operator.api import Placement, RLJob, longest_pod_name_len
 from polyrl_testenv.bad_rljobs import EXAMPLES, base_job
 from polyrl_testenv.operator_fixtures import stored_job
 
@@ -61,9 +61,15 @@ def test_minimal_job_gets_documented_defaults() -> None:
     assert spec.failure_policy.max_restarts == 3
     policy = spec.policies[0]
     assert (policy.algorithm.name, policy.algorithm.group_size) == ("grpo", 8)
-    assert (policy.rollout.engine, policy.rollout.gpus) == ("vllm", 1)
-    assert (policy.rollout.replicas.min, policy.rollout.replicas.max) == (1, 1)
-    assert (policy.trainer.backend, policy.trainer.zero_stage, policy.trainer.replicas) == ("deepspeed", 2, 1)
+    # Unset replicas and gpus stay unset in the spec; the placement resolves their defaults.
+    assert (policy.rollout.engine, policy.rollout.gpus, policy.rollout.replicas) == ("vllm", None, None)
+    assert (policy.trainer.backend, policy.trainer.zero_stage, policy.trainer.replicas) == (
+        "deepspeed",
+        2,
+        None,
+    )
+    assert spec.rollout_placement(policy) == Placement(None, 1, None, 1, 1)
+    assert spec.trainer_placement(policy) == Placement(None, 1, None, 1, 1, ranks_per_pod=1)
 
 
 def test_sync_mode_has_zero_staleness() -> None:

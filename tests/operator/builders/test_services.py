@@ -1,5 +1,6 @@
 """Services (``polyrl_operator.builders.services``), table-driven: the coordinator's ClusterIP
-Service (the Ray dashboard's port only when the head serves it) and a headless Service per role."""
+Service (the Ray dashboard's port only when the head serves it) and a headless Service per role
+(per policy for a policy's roles, per pool for a pool's pods)."""
 
 from __future__ import annotations
 
@@ -38,19 +39,18 @@ HEADLESS: list[tuple[Role, str | None, str, dict[str, str]]] = [
     ("workflow", None, "signal-game-workflow", {}),
     ("rollout", "speaker", "signal-game-speaker-rollout", {"polyrl.dev/policy": "speaker"}),
     ("trainer", "listener", "signal-game-listener-trainer", {"polyrl.dev/policy": "listener"}),
+    ("pool", "shared", "signal-game-pool-shared", {"polyrl.dev/pool": "shared"}),
 ]
 
 
-@pytest.mark.parametrize(
-    ("role", "policy", "name", "policy_selector"), HEADLESS, ids=[h[2] for h in HEADLESS]
-)
-def test_headless_service(role: Role, policy: str | None, name: str, policy_selector: dict[str, str]) -> None:
-    service = build_headless_service(REF, role, policy)
+@pytest.mark.parametrize(("role", "owner", "name", "owner_selector"), HEADLESS, ids=[h[2] for h in HEADLESS])
+def test_headless_service(role: Role, owner: str | None, name: str, owner_selector: dict[str, str]) -> None:
+    service = build_headless_service(REF, role, owner)
     assert service["metadata"]["name"] == name
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"] == {
         "polyrl.dev/job": "signal-game",
         "polyrl.dev/role": role,
-        **policy_selector,
+        **owner_selector,
     }
     assert _ports(service) == {"http": 8000, "rendezvous": 29500}

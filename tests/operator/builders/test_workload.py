@@ -1,5 +1,5 @@
 """The Kueue Workload (``polyrl_operator.builders.workload``), table-driven: one podSet per role
-slot at its maximum count, the job's priority on it, and what its hash covers."""
+slot (a pool's included) at its maximum count, the job's priority on it, and what its hash covers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from polyrl_operator.builders.priority import Priority
 from polyrl_operator.builders.workload import build_workload
 from polyrl_operator.roles import Role
 from polyrl_operator.settings import OperatorSettings
-from polyrl_testenv.operator_fixtures import gpu_job
+from polyrl_testenv.operator_fixtures import gpu_job, pooled_gpu_job
 
 REF = JobRef("debate", "team-a", "uid-1")
 
@@ -34,6 +34,34 @@ PODSETS: list[tuple[str, int, Role, str | None]] = [
     ("judge-rollout", 2, "rollout", "judge"),
     ("judge-trainer", 1, "trainer", "judge"),
 ]
+
+
+# The same job with pool h100 (2 to 4 pods of 8 GPUs) hosting the proposer's rollout and trainer and
+# the critic's rollout: one podSet for the pool, at its maximum, and none for the roles placed on it.
+POOLED_PODSETS: list[tuple[str, int, Role, str | None, int]] = [
+    ("coordinator", 1, "coordinator", None, 0),
+    ("workflow", 8, "workflow", None, 0),
+    ("critic-trainer", 1, "trainer", "critic", 4),
+    ("judge-rollout", 2, "rollout", "judge", 2),
+    ("judge-trainer", 1, "trainer", "judge", 8),
+    ("h100-pool", 4, "pool", "h100", 8),
+]
+
+
+def test_one_podset_per_pool() -> None:
+    job = RLJob.model_validate({**pooled_gpu_job(), "metadata": {"name": "debate", "namespace": "team-a"}})
+    podsets = build_workload(job, REF, OperatorSettings(), active=True)["spec"]["podSets"]
+    seen = []
+    for podset in podsets:
+        labels = podset["template"]["metadata"]["labels"]
+        owner = labels.get("polyrl.dev/policy", labels.get("polyrl.dev/pool"))
+        [container] = podset["template"]["spec"]["containers"]
+        gpus = container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)
+        seen.append((podset["name"], podset["count"], labels["polyrl.dev/role"], owner, gpus))
+    assert seen == POOLED_PODSETS
+    pool = podsets[-1]["template"]
+    assert pool["spec"]["nodeSelector"] == {"polyrl.dev/gpu-type": "h100"}
+    assert "polyrl.dev/policy" not in pool["metadata"]["labels"]
 
 
 def test_one_podset_per_role_slot_in_order() -> None:

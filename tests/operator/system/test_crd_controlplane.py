@@ -105,7 +105,9 @@ def test_defaults_come_back_and_match_the_models(crd: Any, namespace: str) -> No
     assert spec["training"]["episodesPerStep"] == 64
     policy = spec["policies"][0]
     assert policy["algorithm"]["name"] == "grpo" and policy["algorithm"]["groupSize"] == 8
-    assert policy["rollout"]["replicas"] == {"min": 1, "max": 1}
+    # Unset replicas and gpus stay unset (a role placed on a pool must leave them so); the operator
+    # resolves a dedicated role's defaults (RLJobSpec.rollout_placement / trainer_placement).
+    assert "replicas" not in policy["rollout"] and "gpus" not in policy["trainer"]
     assert policy["trainer"]["zeroStage"] == 2
     # The server's defaults are exactly the models' defaults.
     model_view = RLJob.model_validate(minimal).to_k8s()["spec"]
@@ -121,6 +123,8 @@ def test_printer_columns(crd: Any, namespace: str) -> None:
             "step": 4,
             "policySummary": "speaker:v5 listener:v4",
             "startTime": "2026-01-01T12:00:00Z",
+            "pools": [{"name": "shared", "desired": 2, "ready": 1, "roles": ["speaker/rollout"]}],
+            "poolSummary": "shared:1/2",
         }
     }
     patched = crd.kubectl(
@@ -147,10 +151,12 @@ def test_printer_columns(crd: Any, namespace: str) -> None:
         "TOTAL",
         "MODE",
         "RESTARTS",
+        "POOLS",
         "STARTED",
         "COMPLETED",
         "AGE",
     ]
+    assert "shared:1/2" in short[1].split()
     for category in ("polyrl", "all"):
         listed = crd.kubectl("get", category, "-n", namespace)
         assert listed.returncode == 0, listed.stderr

@@ -53,7 +53,7 @@ def test_ranks_agree_on_each_agents_statistics(ray_here: Any, tiny_qwen2_dir: Pa
     ranks: list[Any] = [c.handle for c in clients]  # `__ray_call__` runs `_stats` in them
     try:
         addr, port = ray.get(clients[0].address())
-        ray.get([c.setup(addr, port) for c in clients])
+        ray.get([c.setup(addr, port, local_rank) for local_rank, c in enumerate(clients)])  # one node
         got = ray.get([r.__ray_call__.remote(_stats) for r in ranks])
     finally:
         fleet.close()

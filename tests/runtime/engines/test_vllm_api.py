@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl_operator.api.spec import RESERVED_ENGINE_ARGS, RLJobSpec
+from polyrl_operator.api.policy import RESERVED_ENGINE_ARGS
+from polyrl_operator.api.spec import RLJobSpec
 from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.engines import vllm_api
 from polyrl_runtime.engines.api import SamplingParams

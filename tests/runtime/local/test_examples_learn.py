@@ -1,4 +1,5 @@
-"""The solver-verifier and calculator-agent examples learn under `polyrl run`, as shipped.
+"""The solver-verifier (on pods of each role's own, and on one device pool) and calculator-agent
+examples learn under `polyrl run`, as shipped.
 
 Each run is seeded; the check compares the mean reward of the last 10 steps with the first 10, per
 policy, with margins about half the smallest rise measured over seeds 1-3 (docs/performance.md) and
@@ -36,6 +37,8 @@ def rise(rewards: list[float], window: int = 10) -> float:
         # that does not learn (a solver shown only the word problem, collapsed onto one answer) moved
         # its 10-step mean by 0.02-0.05
         ("solver-verifier-cpu.yaml", {"solver": 0.3, "verifier": 0.15}, 60),
+        # the same job with every engine and trainer on pool `shared`: the same margins
+        ("solver-verifier-pool-cpu.yaml", {"solver": 0.3, "verifier": 0.15}, 60),
         # seeds 1-3, 40 steps: reward (answer, partial credit, call) 0.10-0.14 -> 0.33-0.42
         ("calculator-agent-cpu.yaml", {"solver": 0.1}, 40),
     ],

@@ -42,6 +42,8 @@ def test_bad_job_files_give_a_clear_message(tmp_path: Path) -> None:
     assert r.returncode == 2 and "cannot read" in r.stderr
     r = polyrl_run(str(_job(tmp_path)), "--cpus", "gpu=0")
     assert r.returncode == 2 and "--cpus gpu=0: unknown role 'gpu'" in r.stderr
+    r = polyrl_run(str(_job(tmp_path)), "--cpus", "pool:shared=0")
+    assert r.returncode == 2 and "--cpus pool:shared=0: the job has no pool 'shared'" in r.stderr
 
 
 @pytest.mark.slow

@@ -1,15 +1,18 @@
-"""The DeepSpeed op build lock: a build killed mid-way must not make later trainers wait forever."""
+"""Building DeepSpeed's CPU op: a build killed mid-way must not make later trainers wait forever, an
+image's build is reused, and every process builds with the same tools."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import pytest
 from torch.utils.file_baton import FileBaton
 
-from polyrl_runtime.trainers.ops import build_lock
+from polyrl_runtime.trainers.ops import build_lock, own_tools_first, seed_from_prebuilt
 
 # What torch's cpp_extension does while it compiles: take the baton (a plain file), then work.
 HOLD_BATON = """
@@ -75,3 +78,31 @@ def test_a_live_build_is_waited_for_not_broken(tmp_path: Path) -> None:
     t.join()
     assert child.wait(30) == 0
     assert seen == [True]
+
+
+def test_an_image_s_prebuilt_op_is_copied_where_missing_and_never_over_a_build(tmp_path: Path) -> None:
+    image, scratch = tmp_path / "image", tmp_path / "scratch"
+    for name in ("deepspeed_shm_comm", "other_op"):
+        (image / name).mkdir(parents=True)
+        (image / name / f"{name}.so").write_bytes(b"built")
+    (image / "deepspeed_shm_comm" / "lock").write_text("")  # a baton the image build left: not copied
+    (scratch / "other_op").mkdir(parents=True)
+    (scratch / "other_op" / "other_op.so").write_bytes(b"mine")
+
+    assert seed_from_prebuilt(scratch, image) == [scratch / "deepspeed_shm_comm"]
+    assert (scratch / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").read_bytes() == b"built"
+    assert not (scratch / "deepspeed_shm_comm" / "lock").exists()
+    assert (scratch / "other_op" / "other_op.so").read_bytes() == b"mine"  # a build of its own stays
+    assert seed_from_prebuilt(scratch, image) == []  # nothing left to copy
+    assert seed_from_prebuilt(scratch, None) == seed_from_prebuilt(scratch, tmp_path / "absent") == []
+
+
+def test_builds_find_this_interpreter_s_tools_first_and_path_is_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    own = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", f"/usr/bin:{own}:/bin")
+    with own_tools_first() as path:
+        assert path.split(":") == [own, "/usr/bin", "/bin"]
+        assert os.environ["PATH"] == path
+    assert os.environ["PATH"] == f"/usr/bin:{own}:/bin"

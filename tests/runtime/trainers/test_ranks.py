@@ -1,7 +1,7 @@
 """One rank per device: `trainer.ranksPerPod` (one per GPU by default), the units of the trainer
-resource a pod offers, and two ranks of one pod on CPU with gloo built by `Fleet.new_trainers`: the
-Hugging Face model partitioned between them under ZeRO-3, a DeepSpeed step with world 2, and a whole
-job through the driver."""
+resource a pod offers, each rank's node-local index, and two ranks of one pod on CPU with gloo built
+by `Fleet.new_trainers`: the Hugging Face model partitioned between them under ZeRO-3, a DeepSpeed
+step with world 2, and a whole job through the driver."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import pytest
 import ray
 import torch
 
-from polyrl_operator.api import Policy, Trainer
+from polyrl_operator.api import Policy
+from polyrl_runtime.config import node_resources
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.local.run import local_resources
-from polyrl_runtime.pods.entry import _units
+from polyrl_runtime.trainers.api import node_local_ranks
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "coordinator"))
@@ -35,12 +36,15 @@ from driver_harness import make_job, policy, run
     ],
 )
 def test_ranks_per_pod(fields: dict[str, Any], ranks: int) -> None:
-    assert Trainer.model_validate(fields).ranks == ranks
+    p = policy()
+    p["trainer"] = {"backend": "deepspeed", **fields}  # without the test job's gpus: 0
+    job = make_job(policies=[p])
+    assert job.spec.trainer_placement(job.spec.policies[0]).ranks_per_pod == ranks
 
 
 def test_ranks_per_pod_must_equal_gpus_on_gpu() -> None:
     with pytest.raises(ValueError, match="ranksPerPod: must equal gpus when gpus > 0"):
-        Trainer.model_validate({"gpus": 2, "ranksPerPod": 1})
+        make_job(policies=[policy(trainer={"gpus": 2, "ranksPerPod": 1})])
 
 
 def test_a_trainer_pod_offers_one_unit_per_rank() -> None:
@@ -50,10 +54,26 @@ def test_a_trainer_pod_offers_one_unit_per_rank() -> None:
             policy("b", trainer={"gpus": 0}),
         ]
     )
-    assert _units(job, "trainer", "a") == 2 and _units(job, "trainer", "b") == 1
-    assert _units(job, "rollout", "a") == 1 and _units(job, "workflow", None) == 1
+    assert node_resources(job, "trainer", "a", None, 0) == {"polyrl/a/trainer": 2}
+    assert node_resources(job, "trainer", "b", None, 0) == {"polyrl/b/trainer": 1}
+    assert node_resources(job, "rollout", "a", None, 0) == {"polyrl/a/rollout": 1}
+    assert node_resources(job, "workflow", None, None, 0) == {"polyrl/workflow": 1}
     res = local_resources(job)
     assert res["polyrl/a/trainer"] == 6 and res["polyrl/b/trainer"] == 1
+
+
+@pytest.mark.parametrize(
+    ("nodes", "local"),
+    [
+        ([], []),
+        (["n0"], [0]),
+        (["n0", "n0", "n1", "n1"], [0, 1, 0, 1]),  # the planned layout
+        (["n0", "n1", "n0", "n1"], [0, 0, 1, 1]),  # Ray's choice: ranks 0 and 2 share a pod
+        (["n1", "n1", "n1"], [0, 1, 2]),
+    ],
+)
+def test_a_ranks_device_index_is_its_index_on_its_node(nodes: list[str], local: list[int]) -> None:
+    assert node_local_ranks(nodes) == local
 
 
 # -- two ranks of one pod on a local Ray -----------------------------------------------------------
@@ -132,11 +152,12 @@ def test_two_ranks_of_one_pod_partition_the_model_and_step_together(
     fleet = Fleet(job, "objectstore", place_by_resource=False)
     clients = fleet.new_trainers(spec, buffer=None)  # these ranks pull nothing
     ranks: list[Any] = [c.handle for c in clients]  # `__ray_call__` runs the helpers below in them
-    n = spec.trainer.ranks
+    n = job.spec.trainer_placement(spec).ranks_per_pod
     try:
         assert len(ranks) == n
         addr, port = ray.get(clients[0].address())
-        ray.get([c.setup(addr, port) for c in clients])
+        local = node_local_ranks(ray.get([c.node_id() for c in clients]))
+        ray.get([c.setup(addr, port, i) for c, i in zip(clients, local, strict=True)])
         identity = ray.get([r.__ray_call__.remote(_identity) for r in ranks])
         # LOCAL_RANK names the device in the rank's view (Ray shows each GPU rank only its own GPU).
         assert identity == [(i, i, n, "0") for i in range(n)]

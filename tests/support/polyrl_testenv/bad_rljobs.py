@@ -76,6 +76,118 @@ def _typo(doc: Doc) -> None:
     alg["grupSize"] = alg.pop("groupSize")
 
 
+def _on_pool(doc: Doc, *roles: tuple[int, str], **pool: Any) -> Doc:
+    """The base job with a CPU pool ``shared`` (``pool`` overrides its fields) hosting ``roles``
+    ((policy index, role) pairs), each of them written as it must be on a pool: its replicas, gpus,
+    gpuType and pod settings removed. A valid job: each pool case breaks one thing of it."""
+    doc["spec"]["pools"] = [{"name": "shared", "gpus": 0, "replicas": {"min": 1, "max": 2}, **pool}]
+    for i, role in roles:
+        settings = doc["spec"]["policies"][i][role]
+        for key in ("replicas", "gpus", "gpuType", "resources"):
+            settings.pop(key, None)
+        settings["pool"] = "shared"
+    return doc
+
+
+def _pool_undefined(doc: Doc) -> None:
+    _on_pool(doc, (0, "rollout"))
+    del doc["spec"]["pools"]
+
+
+def _pool_unused(doc: Doc) -> None:
+    _on_pool(doc, (0, "rollout"))
+    doc["spec"]["pools"].append({"name": "idle", "gpus": 0})
+
+
+def _pooled_role_with(role: str, key: str, value: Any) -> Callable[[Doc], None]:
+    def mutate(doc: Doc) -> None:
+        _on_pool(doc, (0, role))
+        doc["spec"]["policies"][0][role][key] = value
+
+    return mutate
+
+
+def _vllm_on_cpu_pool(doc: Doc) -> None:
+    _on_pool(doc, (0, "rollout"))
+    doc["spec"]["policies"][0]["rollout"]["engine"] = "vllm"
+
+
+def _ranks_per_pod_not_pool_gpus(doc: Doc) -> None:
+    _on_pool(doc, (0, "trainer"), gpus=2)
+    doc["spec"]["policies"][0]["trainer"]["ranksPerPod"] = 3
+
+
+def _dup_pool(doc: Doc) -> None:
+    _on_pool(doc, (0, "rollout"))
+    doc["spec"]["pools"].append(dict(doc["spec"]["pools"][0]))
+
+
+def _long_pool_names(doc: Doc) -> None:
+    _on_pool(doc, (0, "rollout"))
+    doc["metadata"]["name"] = "j" * 25
+    doc["spec"]["pools"][0]["name"] = doc["spec"]["policies"][0]["rollout"]["pool"] = "p" * 32
+
+
+POOL_CASES: tuple[BadCase, ...] = (
+    BadCase(
+        "pool-undefined", _pool_undefined, "spec.policies", ("spec.policies", "spec.pools does not define")
+    ),
+    BadCase("pool-unused", _pool_unused, "spec.pools", ("spec.pools", "every pool must be named")),
+    BadCase(
+        "pooled-rollout-with-gpus",
+        _pooled_role_with("rollout", "gpus", 0),
+        "spec.policies[0].rollout.pool",
+        ("spec.policies[0].rollout.pool", "leave them unset"),
+    ),
+    BadCase(
+        "pooled-rollout-with-replicas",
+        _pooled_role_with("rollout", "replicas", {"min": 1, "max": 2}),
+        "spec.policies[0].rollout.pool",
+        ("spec.policies[0].rollout.pool", "leave them unset"),
+    ),
+    BadCase(
+        "pooled-trainer-with-replicas",
+        _pooled_role_with("trainer", "replicas", 2),
+        "spec.policies[0].trainer.pool",
+        ("spec.policies[0].trainer.pool", "leave them unset"),
+    ),
+    BadCase(
+        "pooled-trainer-with-gpu-type",
+        _pooled_role_with("trainer", "gpuType", "h100"),
+        "spec.policies[0].trainer.pool",
+        ("spec.policies[0].trainer.pool", "leave them unset"),
+    ),
+    BadCase(
+        "pooled-rollout-with-image",
+        _pooled_role_with("rollout", "image", "img:1"),
+        "spec.policies[0].rollout.pool",
+        ("spec.policies[0].rollout.pool", "leave them unset"),
+    ),
+    BadCase(
+        "pooled-trainer-with-env",
+        _pooled_role_with("trainer", "env", [{"name": "A", "value": "1"}]),
+        "spec.policies[0].trainer.pool",
+        ("spec.policies[0].trainer.pool", "leave them unset"),
+    ),
+    BadCase(
+        "pooled-trainer-with-pod-template",
+        _pooled_role_with("trainer", "podTemplate", {"metadata": {"labels": {"team": "a"}}}),
+        "spec.policies[0].trainer.pool",
+        ("spec.policies[0].trainer.pool", "leave them unset"),
+    ),
+    BadCase("vllm-on-a-cpu-pool", _vllm_on_cpu_pool, "spec.pools", ("spec.pools", "vllm")),
+    BadCase(
+        "trainer-ranks-per-pod-not-pool-gpus",
+        _ranks_per_pod_not_pool_gpus,
+        "spec.policies",
+        ("spec.policies", "ranksPerPod must equal the pool's gpus"),
+    ),
+    BadCase("duplicate-pool-names", _dup_pool, "spec.pools", ("spec.pools[1]", "Duplicate")),
+    BadCase("pool-pod-names-too-long", _long_pool_names, "spec.pools", ("spec.pools", "63 characters")),
+)
+"""One case per pool rule of the API (spec.pools and the roles' pool field)."""
+
+
 BAD_CASES: tuple[BadCase, ...] = (
     BadCase("unknown-field-typo", _typo, "spec.policies[0].algorithm.grupSize", ("grupSize",)),
     BadCase("unknown-top-level-field", _set("spec.trainig", {"totalSteps": 3}), "spec.trainig", ("trainig",)),
@@ -238,4 +350,5 @@ BAD_CASES: tuple[BadCase, ...] = (
         "spec.evaluation.k",
         ("spec.evaluation.k", "greedy"),
     ),
+    *POOL_CASES,
 )

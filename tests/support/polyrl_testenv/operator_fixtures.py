@@ -54,6 +54,39 @@ def gpu_job(**kwargs: Any) -> dict[str, Any]:
     return stored_job(EXAMPLES / "debate-gpu.yaml", **kwargs)
 
 
+def _place(doc: dict[str, Any], pool: dict[str, Any], roles: list[tuple[int, str]]) -> dict[str, Any]:
+    """``doc`` with ``pool`` added to spec.pools and each (policy index, role) placed on it (its
+    replicas, gpus, gpuType and pod settings removed: the pool sets them)."""
+    spec = doc["spec"]
+    spec.setdefault("pools", []).append(pool)
+    for i, role in roles:
+        settings = spec["policies"][i].setdefault(role, {})
+        for key in ("replicas", "gpus", "gpuType", "image", "resources", "env", "podTemplate"):
+            settings.pop(key, None)
+        settings["pool"] = pool["name"]
+    return doc
+
+
+def pooled_gpu_job(**kwargs: Any) -> dict[str, Any]:
+    """debate-gpu.yaml with a device pool ``h100`` of 2 to 4 pods of 8 H100s: the proposer's rollout
+    and trainer and the critic's rollout run on it; the critic's trainer and the judge keep pods of
+    their own."""
+    pool = {"name": "h100", "replicas": {"min": 2, "max": 4}, "gpus": 8, "gpuType": "h100"}
+    return _place(gpu_job(**kwargs), pool, [(0, "rollout"), (0, "trainer"), (1, "rollout")])
+
+
+def pooled_cpu_job(**kwargs: Any) -> dict[str, Any]:
+    """signal-game-cpu.yaml with a CPU pool ``shared`` of 1 to 3 pods: the speaker's rollout and
+    trainer and the listener's rollout run on it; the listener's trainer keeps a pod of its own."""
+    pool = {
+        "name": "shared",
+        "replicas": {"min": 1, "max": 3},
+        "gpus": 0,
+        "resources": {"requests": {"cpu": "2", "memory": "4Gi"}},
+    }
+    return _place(stored_job(**kwargs), pool, [(0, "rollout"), (0, "trainer"), (1, "rollout")])
+
+
 def progress(sample: str, **replace: str) -> Progress:
     text = (PROGRESS_SAMPLES / f"{sample}.json").read_text()
     for old, new in replace.items():

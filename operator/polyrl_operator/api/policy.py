@@ -1,0 +1,316 @@
+"""One policy's part of the spec: its model, algorithm, rollout fleet and trainer."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from polyrl_operator.api.base import ApiModel, Rule
+from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverrides
+from polyrl_operator.api.patterns import GPU_TYPE_PATTERN, MODEL_URI_PATTERN
+
+DEFAULT_GPUS = 1
+"""GPUs per pod of a dedicated rollout or trainer whose spec leaves `gpus` unset."""
+
+POOL_FIELD_DESCRIPTION = (
+    "Run on the pods of this device pool (spec.pools[].name) instead of pods of its own; leave "
+    "replicas, gpus and gpuType unset, the pool sets them."
+)
+_POOLED_RULE_MESSAGE = (
+    "a role on a pool runs on the pool's pods, which take replicas, gpus, gpuType, image, resources, env "
+    "and podTemplate from spec.pools[]: leave them unset here"
+)
+_POOLED_UNSET_CEL = (
+    "!has(self.pool) || (!has(self.replicas) && !has(self.gpus) && !has(self.gpuType) && "
+    "!has(self.image) && !has(self.resources) && !has(self.env) && !has(self.podTemplate))"
+)
+
+
+def _pooled_fields_unset(role: Rollout | Trainer) -> bool:
+    own = (role.replicas, role.gpus, role.gpu_type, role.image, role.resources, role.env, role.pod_template)
+    return role.pool is None or all(v is None for v in own)
+
+
+class Model(ApiModel):
+    """Where the policy's initial weights come from."""
+
+    uri: str = Field(
+        ...,
+        max_length=1024,
+        pattern=MODEL_URI_PATTERN,
+        description="A Hugging Face model directory (pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/PREFIX; "
+        "s3:// is downloaded once per node, credentials from spec.storage.credentialsSecret) or "
+        "builtin://NAME: builtin://tiny-qwen2 is a tiny Qwen2 built in code "
+        "(a real Hugging Face model for CPU examples and tests), builtin://tiny a plain-torch toy.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Parameter dtype; auto uses bfloat16 on GPU and float32 on CPU."
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Run Python code shipped in the model directory (Hugging Face trust_remote_code). "
+        "Only for models whose architecture transformers does not include; off by default.",
+    )
+
+
+class Lora(ApiModel):
+    """Low-rank adapters (peft's LoRA): only the adapters are trained and stored; the rollout engines
+    serve the base weights with the adapters merged in."""
+
+    rank: int = Field(16, ge=1, le=4096, description="Rank r of each adapter.")
+    alpha: int = Field(
+        32,
+        ge=1,
+        le=1_000_000,
+        description="Scaling numerator: an adapter's update is (alpha / rank) * B @ A.",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1.0, description="Dropout on the adapters' input while training.")
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=lambda: ["all-linear"],
+        min_length=1,
+        max_length=256,
+        description="Names of the modules to adapt (e.g. q_proj, v_proj; a name matches a module whose "
+        "path ends with it), or all-linear: every linear layer except the output head.",
+    )
+
+
+class Algorithm(ApiModel):
+    """The policy-gradient algorithm and its hyper-parameters."""
+
+    __rules__ = (
+        Rule(
+            cel="self.name != 'grpo' || self.groupSize >= 2",
+            message="must be at least 2 for grpo (advantages are relative to the group)",
+            check=lambda a: a.name != "grpo" or a.group_size >= 2,
+            field=".groupSize",
+        ),
+    )
+
+    name: Literal["grpo", "ppo"] = Field(
+        "grpo", description="grpo (group-relative advantages) or ppo (clipped)."
+    )
+    group_size: int = Field(
+        8, ge=1, le=1024, description="Episodes sharing a prompt whose rewards are compared (grpo)."
+    )
+    advantage_norm: Literal["per-policy", "per-agent", "global", "none"] = Field(
+        "per-policy",
+        description="Normalise advantages per policy (recommended for multi-agent training), per agent "
+        "(each agent's samples with that agent's own statistics, for agents that share a policy through "
+        "workflow.args.policies), over all policies, or not at all.",
+    )
+    lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
+    clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO clipping range.")
+    is_cap: float = Field(
+        2.0, ge=1.0, le=100.0, description="Cap on the importance weight that corrects stale samples."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, le=100.0, description="Weight of a KL penalty to the initial policy (0: off)."
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        le=10.0,
+        description="Weight of an entropy bonus that keeps the policy exploring (0: off).",
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        le=10_000_000,
+        description="Training steps over which the learning rate rises linearly from 0 to lr (0: none). "
+        "The schedule counts training steps (policy versions), whatever the number of optimizer steps "
+        "in each (ppo takes one per micro-batch); a resumed job continues it from its step.",
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="Learning rate after warmup: constant, or cosine decay to minLrRatio * lr at "
+        "training.totalSteps. Every optimizer step of a training step uses that step's rate.",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1.0, description="Final learning rate of the cosine schedule, as a fraction of lr."
+    )
+    max_grad_norm: float = Field(
+        1.0, ge=0, le=1.0e6, description="Clip the global gradient norm to this value (0: no clipping)."
+    )
+    lora: Lora | None = Field(
+        None,
+        description="Train low-rank adapters instead of all weights (Hugging Face models only); unset "
+        "trains every weight.",
+    )
+
+
+# vLLM engine arguments the runtime derives from the spec or needs for correctness (the logprob
+# convention, per-version prefix-cache reset, the weight-update worker extension, GPUs = TP size).
+RESERVED_ENGINE_ARGS = (
+    "model",
+    "tokenizer",
+    "dtype",
+    "seed",
+    "trust_remote_code",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "distributed_executor_backend",
+    "logprobs_mode",
+    "enable_prefix_caching",
+    "worker_extension_cls",
+)
+
+
+class Sampling(ApiModel):
+    """Sampling parameters of the rollout engine."""
+
+    temperature: float = Field(1.0, ge=0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens generated per agent turn.")
+
+
+EngineName = Literal["vllm", "torch"]
+"""The rollout engines (the runtime's engine registry holds one class for each)."""
+
+
+class Rollout(RoleOverrides):
+    """The inference fleet that generates this policy's actions."""
+
+    __rules__ = (
+        Rule(
+            cel="self.engine != 'vllm' || !has(self.gpus) || self.gpus >= 1",
+            message="must be at least 1 for engine vllm (vLLM runs on GPUs only)",
+            check=lambda r: r.engine != "vllm" or r.gpus is None or r.gpus >= 1,
+            field=".gpus",
+        ),
+        Rule(
+            cel=_POOLED_UNSET_CEL,
+            message=_POOLED_RULE_MESSAGE,
+            check=_pooled_fields_unset,
+            field=".pool",
+        ),
+    )
+
+    engine: EngineName = Field("vllm", description="vllm (GPU) or torch (the small built-in CPU engine).")
+    pool: str | None = Field(
+        None,
+        max_length=40,
+        pattern=DNS_LABEL_PATTERN,
+        description=POOL_FIELD_DESCRIPTION + " One engine runs on each pod of the pool.",
+    )
+    replicas: Replicas | None = Field(
+        None, description="Rollout engine pods (elastic); unset: {min: 1, max: 1}, or the pool's."
+    )
+    gpus: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description=f"GPUs per rollout pod (nvidia.com/gpu); unset: {DEFAULT_GPUS}, or the pool's.",
+    )
+    gpu_type: str | None = Field(
+        None,
+        max_length=63,
+        pattern=GPU_TYPE_PATTERN,
+        description="Admin-defined GPU type name (e.g. l40s); mapped to node placement by the operator.",
+    )
+    sampling: Sampling = Field(default_factory=Sampling, description="Sampling parameters.")
+    engine_args: dict[str, Any] | None = Field(
+        None,
+        description="engine vllm: keyword arguments for vLLM's AsyncEngineArgs (snake_case, e.g. "
+        "max_model_len, gpu_memory_utilization, enforce_eager, quantization), validated by vLLM when the "
+        "engine starts. Keys the runtime sets itself are refused: " + ", ".join(RESERVED_ENGINE_ARGS) + ".",
+    )
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_reserved_engine_args(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & set(RESERVED_ENGINE_ARGS))
+        if taken:
+            raise ValueError(
+                f"engineArgs.{taken[0]} is set by polyrl itself (from model, gpus, training.seed or the "
+                f"logprob convention); remove it. Reserved keys: {', '.join(RESERVED_ENGINE_ARGS)}"
+            )
+        return v
+
+
+class Trainer(RoleOverrides):
+    """The training fleet that updates this policy's weights."""
+
+    __rules__ = (
+        Rule(
+            cel="!has(self.ranksPerPod) || has(self.pool) || "
+            "(has(self.gpus) ? (self.gpus == 0 || self.ranksPerPod == self.gpus) : self.ranksPerPod == 1)",
+            message="must equal gpus when gpus > 0 (one rank per GPU)",
+            check=lambda t: (
+                t.ranks_per_pod is None
+                or t.pool is not None
+                or (DEFAULT_GPUS if t.gpus is None else t.gpus) in (0, t.ranks_per_pod)
+            ),
+            field=".ranksPerPod",
+        ),
+        Rule(
+            cel=_POOLED_UNSET_CEL,
+            message=_POOLED_RULE_MESSAGE,
+            check=_pooled_fields_unset,
+            field=".pool",
+        ),
+    )
+
+    backend: Literal["deepspeed"] = Field("deepspeed", description="Training backend.")
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
+    pool: str | None = Field(
+        None,
+        max_length=40,
+        pattern=DNS_LABEL_PATTERN,
+        description=POOL_FIELD_DESCRIPTION + " Its ranks run on the pool's first replicas.min pods, one "
+        "per GPU (or ranksPerPod on CPU).",
+    )
+    replicas: int | None = Field(
+        None, ge=1, le=1000, description="Data-parallel trainer pods; unset: 1, or the pool's replicas.min."
+    )
+    gpus: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description=f"GPUs per trainer pod (nvidia.com/gpu; 0 trains on CPU); unset: {DEFAULT_GPUS}, or the "
+        "pool's.",
+    )
+    gpu_type: str | None = Field(
+        None,
+        max_length=63,
+        pattern=GPU_TYPE_PATTERN,
+        description="Admin-defined GPU type name (e.g. h100); mapped to node placement by the operator.",
+    )
+    micro_batch_size: int = Field(8, ge=1, le=65536, description="Samples per forward/backward pass.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 24,
+        description="Token budget of one forward/backward pass: rows, sorted by length, are packed so that "
+        "rows x longest row stays within it (a row longer than the budget trains alone). Unset: "
+        "microBatchSize rows per pass.",
+    )
+    ranks_per_pod: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Training processes (ranks) per trainer pod; unset means one per GPU (gpus), or 1 "
+        "on CPU. On GPU it must equal gpus (one rank per device); on CPU several ranks use gloo.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass to save memory (Hugging Face models; "
+        "builtin:// models ignore it).",
+    )
+
+
+class Policy(ApiModel):
+    """One independently weighted agent policy with its own model, rollout fleet and trainer."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=40,
+        pattern=DNS_LABEL_PATTERN,
+        description="Policy name, used in pod names and by the workflow to call the agent (a DNS label).",
+    )
+    model: Model = Field(..., description="Initial weights.")
+    algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm.")
+    rollout: Rollout = Field(default_factory=Rollout, description="Inference fleet.")
+    trainer: Trainer = Field(default_factory=Trainer, description="Training fleet.")
