@@ -140,7 +140,8 @@ class Algorithm(ApiModel):
 
 
 # vLLM engine arguments the runtime derives from the spec or needs for correctness (the logprob
-# convention, per-version prefix-cache reset, the weight-update worker extension, GPUs = TP size).
+# convention, per-version prefix-cache reset, the weight-update worker extension, GPUs = TP size,
+# sleep mode exactly for a rollout on a device pool).
 RESERVED_ENGINE_ARGS = (
     "model",
     "tokenizer",
@@ -154,6 +155,7 @@ RESERVED_ENGINE_ARGS = (
     "logprobs_mode",
     "enable_prefix_caching",
     "worker_extension_cls",
+    "enable_sleep_mode",
 )
 
 

@@ -90,6 +90,51 @@ class EngineUnavailableError(RuntimeError):
     """No live engine of the policy could serve the request (all dead or draining)."""
 
 
+SLEEP_LEVELS = (1, 2)
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    """What one `Engine.sleep` did: the seconds it took (the wait for in-flight requests included)
+    and the bytes of device memory it released (KV cache, and weights moved to the host or dropped)."""
+
+    engine: str
+    level: int
+    seconds: float
+    freed_bytes: int
+
+
+@dataclass(frozen=True)
+class WakeReport:
+    """What one `Engine.wake_up` did: the seconds it took, the bytes it brought back onto the device,
+    and whether the engine waits for a weight update before it serves (after a level-2 sleep)."""
+
+    engine: str
+    level: int  # the level it slept at
+    seconds: float
+    restored_bytes: int
+    needs_weights: bool
+
+
+class EngineAsleepError(RuntimeError):
+    """An asleep engine refused a call that needs its device memory (a weight update, another sleep)."""
+
+    def __init__(self, engine: str, level: int, what: str) -> None:
+        super().__init__(f"engine {engine} is asleep (level {level}): wake_up() it before {what}")
+        self.engine, self.level, self.what = engine, level, what
+
+    def __reduce__(self) -> tuple[type[EngineAsleepError], tuple[str, int, str]]:
+        return EngineAsleepError, (self.engine, self.level, self.what)  # through Ray
+
+
+def check_sleep_level(engine: str, level: int) -> None:
+    if level not in SLEEP_LEVELS:
+        raise ValueError(
+            f"engine {engine}: sleep level {level} is not one of {SLEEP_LEVELS} (1: weights to host "
+            "memory, KV cache freed; 2: weights and KV cache freed, reloaded by the next weight update)"
+        )
+
+
 class Engine(Protocol):
     """What the pool and the driver call on an engine actor, through `engines.client.EngineClient`
     (an engine class is started as an `ActorHandle[Engine]`, which checks that it implements this)."""
@@ -113,3 +158,19 @@ class Engine(Protocol):
     def weight_version(self) -> int: ...
 
     def stats(self) -> EngineStats: ...
+
+    # Device pools: an engine sleeps while other roles use its device, vLLM's sleep-mode semantics.
+    async def sleep(self, level: int = 1) -> SleepReport:
+        """Free the engine's device memory. Requests it accepted before the call finish first; requests
+        arriving while it sleeps wait and are served after `wake_up`. Level 1: the KV cache is freed,
+        the weights move to host memory (they stay where they are on a CPU engine, whose device is
+        the host). Level 2: KV cache and weights are freed; the version becomes -1 and the next
+        weight update loads the weights. Weight updates and a second sleep are refused with
+        `EngineAsleepError` until `wake_up` (a collective update is received and dropped, so the
+        sender and the other engines are not held)."""
+        ...
+
+    async def wake_up(self) -> WakeReport:
+        """Undo `sleep`: weights (level 1) and room for the KV cache back on the device. After level 2
+        the waiting requests are served once a weight update has loaded weights."""
+        ...

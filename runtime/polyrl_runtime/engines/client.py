@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, cast
 import ray
 
 from polyrl_runtime.actors import ActorClient, call, stream
-from polyrl_runtime.engines.api import Engine, EngineStats, Generation, SamplingParams
+from polyrl_runtime.engines.api import (
+    Engine,
+    EngineStats,
+    Generation,
+    SamplingParams,
+    SleepReport,
+    WakeReport,
+)
 from polyrl_runtime.engines.batching import Answer, Request
 
 if TYPE_CHECKING:  # weights.api imports torch, which a workflow worker (it imports this) never loads
@@ -45,3 +52,9 @@ class EngineClient(ActorClient[Engine]):
 
     def stats(self) -> ray.ObjectRef[EngineStats]:
         return call(self.handle, Engine.stats)
+
+    def sleep(self, level: int = 1) -> ray.ObjectRef[SleepReport]:
+        return call(self.handle, Engine.sleep, level)
+
+    def wake_up(self) -> ray.ObjectRef[WakeReport]:
+        return call(self.handle, Engine.wake_up)

@@ -28,6 +28,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from polyrl_runtime.device_memory import storage_bytes, unique_storages
+
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
@@ -110,6 +112,12 @@ class BatchCache:
     @property
     def rows(self) -> int:
         return int(self.pad.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory its keys and values hold, spare columns included (what freeing it releases)."""
+        tensors = [t for kv in self._kv() for t in kv]
+        return storage_bytes(unique_storages(tensors)) + self.pad.nbytes
 
     def positions(self) -> torch.Tensor:
         """[rows, 1] long: each row's cached tokens, which is its next token's position id."""

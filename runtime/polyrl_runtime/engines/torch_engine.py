@@ -20,6 +20,14 @@ A reply ends at a stop id, a stop string (`engines/stops.py`; the tokenizer is l
 request has stop strings), `max_new_tokens`, or the model's context limit (`max_position_embeddings`):
 prompt and reply must fit in it, as the trainer recomputes them as one sequence. A prompt that
 leaves no room is refused before it joins the batch (`PromptTooLongError`).
+
+Sleep and wake (`Engine.sleep`, for device pools): `sleep` stops admitting requests that arrive
+after it (they wait in `_held`), lets the accepted ones finish, frees the KV cache and parks the
+weights (`polyrl_runtime.device_memory`: level 1 copies them to host memory on a GPU and leaves them
+on a CPU engine, whose device is the host; level 2 drops them and resets the version to -1, so the
+next update loads them whatever its version). `wake_up` brings them back; the held requests are then
+served, after level 2 once an update has loaded weights. Sleep, wake and weight updates exclude each
+other (`_control`): an update while asleep is refused (`EngineAsleepError`).
 """
 
 from __future__ import annotations
@@ -37,13 +45,24 @@ import torch
 
 from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.cpusets import pin_from_env
-from polyrl_runtime.engines.api import EngineStats, Generation, PromptTooLongError, SamplingParams
+from polyrl_runtime.device_memory import ParkedMemory, park_module
+from polyrl_runtime.engines.api import (
+    EngineAsleepError,
+    EngineStats,
+    Generation,
+    PromptTooLongError,
+    SamplingParams,
+    SleepReport,
+    WakeReport,
+    check_sleep_level,
+)
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.engines.hf_cache import BatchCache, prefill
 from polyrl_runtime.engines.stops import find_stop
 from polyrl_runtime.models import Tokenizer, context_limit, load_model, load_tokenizer
 from polyrl_runtime.models.tiny import KVCache, TinyCausalLM
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
+from polyrl_runtime.weights.collective import TRANSPORT as COLLECTIVE
 from polyrl_runtime.weights.registry import DEFAULT_TRANSPORT
 from polyrl_runtime.weights.sides import EngineWeights
 
@@ -154,6 +173,14 @@ class TorchEngine(EngineWeights):
         self._requests = 0
         self._tokens = 0
         self._forwards = 0
+        # Sleep (see the module docstring): the level asleep at (0: awake), the parked weights,
+        # requests that arrived since `sleep` began, and whether they wait for a weight update.
+        self._asleep = 0
+        self._draining = False
+        self._parked: ParkedMemory | None = None
+        self._held: list[_Request] = []
+        self._needs_weights = False
+        self._control_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     # -- serving -------------------------------------------------------------------------------
 
@@ -183,7 +210,8 @@ class TorchEngine(EngineWeights):
         wake = self._ensure_loop()
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self._pending.append(_Request(list(prompt_ids), params, fut, generator=gen))
+        held = self._draining or self._asleep or self._needs_weights
+        (self._held if held else self._pending).append(_Request(list(prompt_ids), params, fut, generator=gen))
         self._requests += 1
         wake.set()
         return await fut
@@ -440,8 +468,27 @@ class TorchEngine(EngineWeights):
     # -- control -------------------------------------------------------------------------------
 
     async def receive_weights(self, manifest: WeightManifest) -> SyncReport:  # type: ignore[override]
-        # Off the event loop: fetching may block, and applying waits for the current forward pass.
-        return await asyncio.to_thread(EngineWeights.receive_weights, self, manifest)
+        async with self._control():
+            if self._asleep:
+                if manifest.transport == COLLECTIVE:  # take part, so the sender and peers go on
+                    await asyncio.to_thread(self._drop_broadcast, manifest)
+                raise EngineAsleepError(
+                    self.name, self._asleep, f"a weight update (version {manifest.version})"
+                )
+            # Off the event loop: fetching may block, and applying waits for the current forward pass.
+            report = await asyncio.to_thread(EngineWeights.receive_weights, self, manifest)
+            if self._needs_weights and report.applied:
+                self._needs_weights = False
+                self._release_held()
+            return report
+
+    def _drop_broadcast(self, manifest: WeightManifest) -> None:
+        """Receive a collective version into scratch host tensors and drop it."""
+        scratch = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in manifest.layout.specs}
+        try:
+            self._weight_receiver.receive(manifest, TensorTarget(scratch))
+        except Exception:  # the refusal is the caller's error; a failed broadcast is the sender's
+            log.warning("engine.asleep_broadcast_failed", engine=self.name, version=manifest.version)
 
     async def pause(self) -> None:
         self._paused = True
@@ -458,14 +505,112 @@ class TorchEngine(EngineWeights):
             engine=self.name,
             policy=self.policy,
             version=self.target.version,
-            in_flight=len(self._pending) + len(self._active),
-            queued=len(self._pending),
+            in_flight=len(self._pending) + len(self._active) + len(self._held),
+            queued=len(self._pending) + len(self._held),
             busy_s=self._busy_s,
             requests=self._requests,
             tokens=self._tokens,
             paused=self._paused,
-            extra={"pod": os.environ.get(ENV_POD_NAME, ""), "forward_passes": self._forwards},
+            extra={
+                "pod": os.environ.get(ENV_POD_NAME, ""),
+                "forward_passes": self._forwards,
+                "asleep": self._asleep,
+            },
         )
 
     def ping(self) -> str:
         return self.name
+
+    # -- sleep ---------------------------------------------------------------------------------
+
+    def _control(self) -> asyncio.Lock:
+        """The lock that serialises sleep, wake and weight updates (one per event loop)."""
+        loop = asyncio.get_running_loop()
+        if self._control_lock is None or self._control_lock[0] is not loop:
+            self._control_lock = (loop, asyncio.Lock())
+        return self._control_lock[1]
+
+    async def sleep(self, level: int = 1) -> SleepReport:
+        check_sleep_level(self.name, level)
+        async with self._control():
+            if self._asleep:
+                raise EngineAsleepError(self.name, self._asleep, "sleeping again")
+            start = time.perf_counter()
+            self._draining = True
+            try:
+                await self._finish_accepted()
+            except BaseException:
+                self._draining = False
+                self._release_held()
+                raise
+            freed = self._free_kv_cache()
+            on_device = self.device.type != "cpu"  # on a CPU engine the weights are in host memory
+            if level == 1 and not on_device:
+                self._parked = ParkedMemory()
+            else:
+                self._parked = await asyncio.to_thread(
+                    park_module,
+                    self.model,
+                    keep_parameters=level == 1,
+                    device=self.device if on_device else None,
+                )
+            if level == 2:  # no weights: the next update loads them, whatever its version
+                self.target = TensorTarget.from_module(self.model)
+                self._weight_target = self.target
+            self._asleep, self._draining = level, False
+            report = SleepReport(self.name, level, time.perf_counter() - start, freed + self._parked.nbytes)
+        log.info(
+            "engine.asleep",
+            engine=self.name,
+            level=level,
+            freed_bytes=report.freed_bytes,
+            seconds=report.seconds,
+        )
+        return report
+
+    async def _finish_accepted(self) -> None:
+        """Wait until every request accepted before `sleep` has finished (polled: a rare call)."""
+        while self._pending or self._active:
+            if self._paused:
+                n = len(self._pending) + len(self._active)
+                raise RuntimeError(
+                    f"engine {self.name} is paused with {n} requests in flight: resume() it before "
+                    "sleep (sleep lets them finish)"
+                )
+            self._ensure_loop().set()
+            await asyncio.sleep(0.002)
+
+    def _free_kv_cache(self) -> int:
+        """Drop the KV cache (no request is running); the bytes it held."""
+        freed = self._kv.nbytes
+        self._kv, self._kv_rows = BatchCache.empty(self.device), []
+        if self._cache is not None and isinstance(self.model, TinyCausalLM):
+            freed += sum(t.nbytes for t in (*self._cache.k, *self._cache.v, self._cache.lengths))
+            self._cache = self.model.new_cache(0)  # grows again with the batch
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    async def wake_up(self) -> WakeReport:
+        async with self._control():
+            if not self._asleep or self._parked is None:
+                raise RuntimeError(f"engine {self.name} is awake: nothing to wake")
+            start = time.perf_counter()
+            await asyncio.to_thread(self._parked.restore, f"engine {self.name}")
+            level, restored = self._asleep, self._parked.nbytes
+            self._parked, self._asleep = None, 0
+            self._needs_weights = level == 2
+            if not self._needs_weights:
+                self._release_held()
+            report = WakeReport(self.name, level, time.perf_counter() - start, restored, self._needs_weights)
+        log.info(
+            "engine.awake", engine=self.name, level=level, restored_bytes=restored, seconds=report.seconds
+        )
+        return report
+
+    def _release_held(self) -> None:
+        """Requests that waited for the engine join the queue."""
+        if self._held:
+            self._pending.extend(self._held)
+            self._held.clear()
+            self._ensure_loop().set()

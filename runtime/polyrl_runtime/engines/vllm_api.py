@@ -42,6 +42,8 @@ VLLM_RELEASES: dict[str, tuple[str, str]] = {
 
 LOGPROBS_MODE = "processed_logprobs"
 INFLIGHT_MODES = ("keep", "wait", "abort")
+# `AsyncLLM.sleep`'s pause mode: requests vLLM holds finish before it sleeps (as in the torch engine).
+SLEEP_PAUSE_MODE = "wait"
 FINISH_REASONS = ("stop", "length", "abort")
 WORKER_EXTENSION = "polyrl_runtime.engines.vllm_worker.PolyrlWorkerExtension"
 
@@ -70,6 +72,7 @@ ENGINE_ARG_KEYS = (
     "enable_prefix_caching",
     "worker_extension_cls",
     "gpu_memory_utilization",
+    "enable_sleep_mode",
 )
 SAMPLING_KEYS = (
     "temperature",
@@ -98,7 +101,9 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName(ASYNC_LLM, "AsyncLLM.collective_rpc", ("method", "timeout", "args", "kwargs")),
     VllmName(ASYNC_LLM, "AsyncLLM.update_weight_version", ("new_version",)),
     VllmName(ASYNC_LLM, "AsyncLLM.shutdown"),
-    VllmName("vllm.v1.engine", "PauseMode", values=INFLIGHT_MODES),
+    VllmName(ASYNC_LLM, "AsyncLLM.sleep", ("level", "mode")),
+    VllmName(ASYNC_LLM, "AsyncLLM.wake_up", ("tags",)),
+    VllmName("vllm.v1.engine", "PauseMode", values=(*INFLIGHT_MODES, SLEEP_PAUSE_MODE)),
     VllmName("vllm.v1.engine", "FINISH_REASON_STRINGS", values=FINISH_REASONS),
     VllmName("vllm.sampling_params", "SamplingParams", SAMPLING_KEYS),
     VllmName("vllm.outputs", "RequestOutput.outputs"),
@@ -160,15 +165,18 @@ def engine_args(
     trust_remote_code: bool,
     extra: Mapping[str, Any] | None = None,
     policy_path: str = "rollout",
+    sleep_mode: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments for `AsyncEngineArgs`: what the runtime owns, then the user's `engineArgs`
-    (which vLLM validates when the engine starts). `policy_path` names the rollout in errors."""
+    (which vLLM validates when the engine starts). `policy_path` names the rollout in errors;
+    `sleep_mode`: the rollout is on a device pool, where the engine sleeps while other roles use the
+    GPUs (vLLM's sleep mode, which also switches on its CuMem allocator)."""
     extra = dict(extra or {})
     for key in sorted(extra):
         if key in RESERVED_ENGINE_ARGS:
             raise EngineArgsError(
-                f"{policy_path}.engineArgs.{key}: set by polyrl itself (from the model, gpus, seed or the "
-                "logprob convention); remove it"
+                f"{policy_path}.engineArgs.{key}: set by polyrl itself (from the model, gpus, seed, pool or "
+                "the logprob convention); remove it"
             )
     owned: dict[str, Any] = {
         "model": model,
@@ -180,6 +188,7 @@ def engine_args(
         "enable_prefix_caching": True,
         "worker_extension_cls": WORKER_EXTENSION,
         "gpu_memory_utilization": 0.85,
+        "enable_sleep_mode": sleep_mode,
     }
     return {**owned, **extra}
 
@@ -236,4 +245,5 @@ def actor_options(spec: RLJobSpec, policy: Policy) -> dict[str, Any]:
         "engine_args": dict(policy.rollout.engine_args or {}),
         "inflight": spec.weight_sync.inflight,
         "policy_path": f"spec.policies[{index}].rollout",
+        "sleep_mode": policy.rollout.pool is not None,
     }

@@ -13,6 +13,16 @@ A weight sync (`receive_weights`, one manifest from the trainer's collective sen
 3. reset the prefix cache, preempting kept requests so their KV is recomputed by the new weights;
 4. label the version in vLLM (`update_weight_version`), which records on each output token the
    version that sampled it (`CompletionOutput.weight_versions`), then resume.
+
+Sleep and wake (`Engine.sleep`, for rollouts on a device pool, which start with vLLM's sleep mode:
+`vllm_api.engine_args(sleep_mode=True)`): new requests are held here, vLLM's own `sleep(level)` lets
+the requests it has finish (pause mode `wait`), then offloads the weights to host memory and discards
+the KV cache (level 1) or discards both (level 2); `wake_up` reverses it. After level 2 the version is
+-1 and requests wait until the next update has loaded weights (applied whatever its version). A
+weight update while asleep takes part in the broadcast without loading it (the sender and the other
+engines go on) and fails with `EngineAsleepError`. The bytes a sleep frees are measured on the
+workers' GPUs (`polyrl_device_memory`: every process's use of the device).
+
 New requests wait while a sync runs. A failure before any tensor reached the model resumes on the old
 version and raises `WeightSyncError` (the driver's sync-failed path). A failure after that leaves the
 weights mixed: the engine never serves again; it shuts vLLM down and exits its actor, so the driver
@@ -35,7 +45,15 @@ import structlog
 
 from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.engines import vllm_api
-from polyrl_runtime.engines.api import EngineStats, Generation, SamplingParams
+from polyrl_runtime.engines.api import (
+    EngineAsleepError,
+    EngineStats,
+    Generation,
+    SamplingParams,
+    SleepReport,
+    WakeReport,
+    check_sleep_level,
+)
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.engines.vllm_worker import address_args, layout_args
 from polyrl_runtime.models import model_dir
@@ -62,6 +80,7 @@ class VllmEngine:
         engine_args: Mapping[str, Any] | None = None,
         inflight: str = "keep",
         policy_path: str = "rollout",
+        sleep_mode: bool = False,
     ) -> None:
         self.name, self.policy = name, policy
         # The worker extension (vllm_worker.py) is a receiver of the collective transport's protocol.
@@ -82,6 +101,7 @@ class VllmEngine:
             trust_remote_code=trust_remote_code,
             extra=engine_args,
             policy_path=policy_path,
+            sleep_mode=sleep_mode,
         )
         try:
             engine_args_cls = vllm_api.load("AsyncEngineArgs")
@@ -104,6 +124,9 @@ class VllmEngine:
         self._ids = itertools.count()
         self._in_flight = self._queued = self._requests = self._tokens = 0
         self._busy_s = 0.0
+        self._sleep_mode = sleep_mode
+        self._asleep = 0  # the level it sleeps at (0: awake)
+        self._weights_dropped = False  # a level-2 sleep: serve again only after an update
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -169,6 +192,11 @@ class VllmEngine:
                 f"{self.name}: manifest of transport {manifest.transport!r}, not {COLLECTIVE}"
             )
         async with self._sync_lock:
+            if self._asleep:
+                await self._rpc(manifest, apply=False)  # take part: the sender and peers go on
+                raise EngineAsleepError(
+                    self.name, self._asleep, f"a weight update (version {manifest.version})"
+                )
             return await self._receive(manifest)
 
     async def _receive(self, manifest: WeightManifest) -> SyncReport:
@@ -180,7 +208,8 @@ class VllmEngine:
                 f"{manifest.policy}: update to version {manifest.version} is older than {self.name}'s "
                 f"{self._version}"
             )
-        apply = manifest.version != self._version  # a resend to a current engine is drained only
+        # A resend to a current engine is drained only; after a level-2 sleep every version loads.
+        apply = manifest.version != self._version or self._weights_dropped
         pause_start = time.perf_counter()
         if apply:
             self._open.clear()
@@ -196,7 +225,8 @@ class VllmEngine:
                 await self._retire(f"{type(e).__name__}: {e}")
             if apply:
                 await self._llm.resume_generation()
-                self._open.set()
+                if not self._weights_dropped:  # after a level-2 sleep only loaded weights serve
+                    self._open.set()
             raise
         if not apply:
             return make_report(manifest, start, 0.0, applied=False)
@@ -207,6 +237,7 @@ class VllmEngine:
             await self._retire(f"weights of version {manifest.version} loaded, then: {e}")
             raise
         self._version = manifest.version
+        self._weights_dropped = False
         await self._llm.resume_generation()
         self._open.set()
         pause = time.perf_counter() - pause_start
@@ -252,8 +283,58 @@ class VllmEngine:
         self._open.clear()
 
     async def resume(self) -> None:
-        if not self._sync_lock.locked():
+        if not (self._sync_lock.locked() or self._asleep or self._weights_dropped):
             self._open.set()
+
+    # -- sleep ---------------------------------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> SleepReport:
+        check_sleep_level(self.name, level)
+        if not self._sleep_mode:
+            raise RuntimeError(
+                f"engine {self.name} cannot sleep: it runs without vLLM's sleep mode, which polyrl turns "
+                "on for rollouts on a device pool (rollout.pool)"
+            )
+        async with self._sync_lock:  # not during a weight sync
+            if self._asleep:
+                raise EngineAsleepError(self.name, self._asleep, "sleeping again")
+            start = time.perf_counter()
+            self._open.clear()  # new requests wait here until wake_up
+            try:
+                before = await self._device_bytes()
+                await self._llm.sleep(level=level, mode=vllm_api.SLEEP_PAUSE_MODE)
+            except BaseException:
+                self._open.set()  # it did not sleep: it serves on
+                raise
+            freed = before - await self._device_bytes()
+            self._asleep = level
+            if level == 2:  # no weights: the next update loads them, whatever its version
+                self._version, self._weights_dropped = -1, True
+        report = SleepReport(self.name, level, time.perf_counter() - start, max(0, freed))
+        log.info("vllm.asleep", engine=self.name, level=level, freed_bytes=freed, seconds=report.seconds)
+        return report
+
+    async def wake_up(self) -> WakeReport:
+        async with self._sync_lock:
+            if not self._asleep:
+                raise RuntimeError(f"engine {self.name} is awake: nothing to wake")
+            start = time.perf_counter()
+            before = await self._device_bytes()
+            await self._llm.wake_up()
+            restored = await self._device_bytes() - before
+            level, self._asleep = self._asleep, 0
+            if not self._weights_dropped:
+                self._open.set()
+        report = WakeReport(
+            self.name, level, time.perf_counter() - start, max(0, restored), self._weights_dropped
+        )
+        log.info("vllm.awake", engine=self.name, level=level, restored_bytes=restored, seconds=report.seconds)
+        return report
+
+    async def _device_bytes(self) -> int:
+        """Device memory in use on the workers' GPUs (summed over tensor-parallel ranks)."""
+        results = await self._llm.collective_rpc("polyrl_device_memory", timeout=60.0)
+        return sum(int(r["used"]) for r in results)
 
     def weight_version(self) -> int:
         return self._version
@@ -269,7 +350,7 @@ class VllmEngine:
             requests=self._requests,
             tokens=self._tokens,
             paused=not self._open.is_set(),
-            extra={"pod": os.environ.get(ENV_POD_NAME, ""), "retired": self._retired},
+            extra={"pod": os.environ.get(ENV_POD_NAME, ""), "retired": self._retired, "asleep": self._asleep},
         )
 
     def ping(self) -> str:

@@ -320,3 +320,9 @@ class PolyrlWorkerExtension:
                 "(the trainer's tensor names do not match this model)"
             )
         return {"load_calls": calls, "tensors": len(plan.specs) if apply else 0, "rank": tp.rank_in_group}
+
+    def polyrl_device_memory(self) -> dict[str, int]:
+        """Bytes in use on this worker's GPU, by every process on it (what a sleep frees shows here;
+        vLLM's sleep reports its figure only in its log)."""
+        free, total = torch.cuda.mem_get_info()
+        return {"used": int(total - free)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from polyrl_runtime.weights.api import WeightManifest
@@ -32,6 +32,18 @@ class StepResult:
     lr: float = 0.0  # the learning rate of every optimizer step of this training step
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OffloadReport:
+    """What one rank's `offload` or `restore` did: the seconds it took and the bytes it moved
+    between its device and host memory (on a CPU rank, between the original storages and their host
+    copies)."""
+
+    rank: int
+    direction: Literal["offload", "restore"]
+    seconds: float
+    moved_bytes: int
 
 
 def node_local_ranks(nodes: Sequence[str]) -> list[int]:
@@ -78,6 +90,17 @@ class TrainerRank(Protocol):
 
     def export(self, directory: str) -> None:
         """Write the policy as a Hugging Face model directory (every rank at once; rank 0 writes)."""
+        ...
+
+    def offload(self) -> OffloadReport:
+        """Move the rank's parameters, gradients, optimizer state and reference model to host memory
+        and free them on its device (a device pool's other roles use it meanwhile). Until `restore`,
+        every call that needs them fails with `TrainerOffloadedError`; offloading twice is an error."""
+        ...
+
+    def restore(self) -> OffloadReport:
+        """Bring back exactly what `offload` moved: the next step computes what it would have without
+        the round trip."""
         ...
 
     # Rank 0's end of the weight sync (weights/sides.py `TrainerWeights`).

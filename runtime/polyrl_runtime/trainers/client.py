@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from polyrl_runtime.actors import ActorClient, call
-from polyrl_runtime.trainers.api import StepResult, TrainerRank
+from polyrl_runtime.trainers.api import OffloadReport, StepResult, TrainerRank
 
 if TYPE_CHECKING:
     from polyrl_runtime.weights.api import WeightManifest
@@ -44,6 +44,12 @@ class TrainerRankClient(ActorClient[TrainerRank]):
 
     def export(self, directory: str) -> ray.ObjectRef[None]:
         return call(self.handle, TrainerRank.export, directory)
+
+    def offload(self) -> ray.ObjectRef[OffloadReport]:
+        return call(self.handle, TrainerRank.offload)
+
+    def restore(self) -> ray.ObjectRef[OffloadReport]:
+        return call(self.handle, TrainerRank.restore)
 
     def init_sender(
         self, transport: str, bucket_bytes: int, transport_kwargs: Mapping[str, object]

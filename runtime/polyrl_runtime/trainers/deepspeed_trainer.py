@@ -9,6 +9,10 @@ statistics and token count, run the same number of micro-batches (padding with e
 DeepSpeed does one optimizer step (GRPO) or one per micro-batch (PPO, with the proximal logprobs
 taken before the first update). The driver acks the leases after the step, so a rank that dies
 mid-step has its samples redelivered.
+
+On a device pool a rank moves its state to host memory between its phases (`offload`, `restore`:
+trainers/offload.py); while it is offloaded every call that needs its tensors fails with
+`TrainerOffloadedError`.
 """
 
 from __future__ import annotations
@@ -43,12 +47,13 @@ from polyrl_runtime.algorithms.losses import (
     sequence_logprobs_and_entropy,
 )
 from polyrl_runtime.cpusets import pin_from_env
+from polyrl_runtime.device_memory import ParkedMemory
 from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.models import is_hf, model_dir
 from polyrl_runtime.netmap import free_port
-from polyrl_runtime.trainers.api import StepResult
+from polyrl_runtime.trainers.api import OffloadReport, StepResult
 from polyrl_runtime.trainers.batching import micro_batches, pack_rows, row_lengths
 from polyrl_runtime.trainers.build import (
     Built,
@@ -60,6 +65,7 @@ from polyrl_runtime.trainers.build import (
 from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.trainers.export import export_policy, zero_gather
 from polyrl_runtime.trainers.lora import reference_model
+from polyrl_runtime.trainers.offload import TrainerOffloadedError, offload_rank, restore_rank
 from polyrl_runtime.trainers.ops import prepare_ops
 from polyrl_runtime.trainers.publish import published_tensors
 from polyrl_runtime.weights.endpoints import TrainerWeights
@@ -118,6 +124,8 @@ class DeepSpeedTrainer(TrainerWeights):
         self.engine: Any = None
         self._built: Built | None = None
         self._gas = 0
+        self.device = torch.device("cpu")
+        self._offloaded: ParkedMemory | None = None  # the rank's state while in host memory
 
     def address(self) -> tuple[str, int]:
         util: Any = ray.util
@@ -156,6 +164,7 @@ class DeepSpeedTrainer(TrainerWeights):
         )
         self.engine, self.ref = self._built.engine, self._built.ref
         self.model = self.engine.module
+        self.device = device
         self._gas = 1
         log.info(
             "trainer.ready",
@@ -238,6 +247,7 @@ class DeepSpeedTrainer(TrainerWeights):
         )
 
     def train_step(self, step: int, share: int, n_micro: int, global_std: float | None = None) -> StepResult:
+        self._require_resident(f"training step {step}")
         start = time.perf_counter()
         lease = ray.get(self.buffer.pull(self.spec.name, self.name, share, 60.0)) if share else None
         batch: SampleBatch | None = lease.batch if lease is not None else None
@@ -341,16 +351,19 @@ class DeepSpeedTrainer(TrainerWeights):
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
         """What the engines load: parameters only, tied once, Hugging Face names (adapters merged under
         LoRA), gathered bucket by bucket under ZeRO-3 (`publish.published_tensors`)."""
+        self._require_resident("publishing weights")
         module = self.engine.module if self.engine is not None else self.model
         return published_tensors(module, zero_gather(self.spec.trainer.zero_stage))
 
     def gather_for_peers(self) -> None:
         """ZeRO-3, ranks > 0: take part in the bucket gathers rank 0 does to publish weights."""
+        self._require_resident("publishing weights")
         module = self.engine.module if self.engine is not None else self.model
         published_tensors(module, zero_gather(self.spec.trainer.zero_stage), keep=False)
 
     def save(self, directory: str, tag: str) -> None:
         """`directory`: a local path or an object-store URI (each rank stages and uploads its files)."""
+        self._require_resident("saving a checkpoint")
         # LoRA: the frozen base is the model URI's, so only adapters and optimizer state are stored.
         with storage.staged_dir(directory) as local:
             self.engine.save_checkpoint(
@@ -361,6 +374,7 @@ class DeepSpeedTrainer(TrainerWeights):
             )
 
     def load(self, directory: str, tag: str) -> None:
+        self._require_resident("loading a checkpoint")
         self.begin_weight_update()
         with storage.fetched_dir(directory) as local:
             _, client = self.engine.load_checkpoint(
@@ -371,6 +385,7 @@ class DeepSpeedTrainer(TrainerWeights):
     def export(self, directory: str) -> None:
         """Write the policy as a Hugging Face model directory (trainers/export.py). Every rank calls
         it at once (ZeRO-3 gathers are collective); rank 0 writes."""
+        self._require_resident("exporting")
         uri = self.spec.model.uri
         with storage.staged_dir(directory) as local:
             export_policy(
@@ -381,6 +396,32 @@ class DeepSpeedTrainer(TrainerWeights):
                 gather=zero_gather(self.spec.trainer.zero_stage),
                 writer=self.rank == 0,
             )
+
+    # -- device pools ----------------------------------------------------------------------------
+
+    def offload(self) -> OffloadReport:
+        """Move this rank's state to host memory (trainers/offload.py); `restore` brings it back."""
+        if self.engine is None:
+            raise RuntimeError(f"trainer rank {self.name}: nothing to offload before setup")
+        if self._offloaded is not None:
+            raise RuntimeError(f"trainer rank {self.name}: offloaded already")
+        self.begin_weight_update()  # a sender reading these tensors finishes first
+        self._offloaded = parked = offload_rank(self.engine, self.ref, self.device)
+        log.info("trainer.offloaded", rank=self.name, bytes=parked.nbytes, seconds=parked.seconds)
+        return OffloadReport(self.rank, "offload", parked.seconds, parked.host_bytes)
+
+    def restore(self) -> OffloadReport:
+        if self._offloaded is None:
+            raise RuntimeError(f"trainer rank {self.name}: not offloaded, nothing to restore")
+        parked = self._offloaded
+        seconds = restore_rank(parked, self.name)  # on failure it stays offloaded: restore may be retried
+        self._offloaded = None
+        log.info("trainer.restored", rank=self.name, bytes=parked.nbytes, seconds=seconds)
+        return OffloadReport(self.rank, "restore", seconds, parked.nbytes)
+
+    def _require_resident(self, what: str) -> None:
+        if self._offloaded is not None:
+            raise TrainerOffloadedError(self.name, what)
 
     def ping(self) -> str:
         return self.name

@@ -91,6 +91,11 @@ def test_engine_args_fix_the_conventions_and_take_the_users_extras() -> None:
     assert args["worker_extension_cls"] == vllm_api.WORKER_EXTENSION
     assert (args["max_model_len"], args["gpu_memory_utilization"], args["enforce_eager"]) == (4096, 0.6, True)
     assert args["dtype"] == "bfloat16"
+    assert args["enable_sleep_mode"] is False  # only a rollout on a device pool sleeps
+    pooled = vllm_api.engine_args(
+        "/m", gpus=1, dtype="auto", seed=0, trust_remote_code=False, sleep_mode=True
+    )
+    assert pooled["enable_sleep_mode"] is True
 
 
 @pytest.mark.parametrize("key", RESERVED_ENGINE_ARGS)
@@ -102,17 +107,22 @@ def test_engine_args_refuse_keys_the_runtime_owns(key: str) -> None:
         )  # fmt: skip
 
 
-def _spec(engine_args: dict[str, Any] | None, inflight: str = "keep") -> dict[str, Any]:
-    rollout: dict[str, Any] = {"engine": "vllm", "gpus": 2}
+def _spec(
+    engine_args: dict[str, Any] | None, inflight: str = "keep", pool: str | None = None
+) -> dict[str, Any]:
+    rollout: dict[str, Any] = {"engine": "vllm", "pool": pool} if pool else {"engine": "vllm", "gpus": 2}
     if engine_args is not None:
         rollout["engineArgs"] = engine_args
     policy = {"name": "b", "model": {"uri": "builtin://tiny"}, "rollout": rollout, "trainer": {"gpus": 1}}
-    return {
+    spec = {
         "training": {"totalSteps": 1},
         "workflow": {"entrypoint": "m:W"},
         "policies": [{**policy, "name": "a", "rollout": {"engine": "torch", "gpus": 0}}, policy],
         "weightSync": {"inflight": inflight},
     }
+    if pool:
+        spec["pools"] = [{"name": pool, "replicas": {"min": 1, "max": 1}, "gpus": 2}]
+    return spec
 
 
 def test_the_rljob_fields_reach_the_engine() -> None:
@@ -123,8 +133,17 @@ def test_the_rljob_fields_reach_the_engine() -> None:
         "engine_args": {"max_model_len": 2048},
         "inflight": "abort",
         "policy_path": "spec.policies[1].rollout",
+        "sleep_mode": False,
     }
     assert RLJobSpec.model_validate(_spec(None)).weight_sync.inflight == "keep"
+
+
+def test_a_rollout_on_a_device_pool_starts_vllm_in_sleep_mode() -> None:
+    spec = RLJobSpec.model_validate(_spec(None, pool="shared"))
+    opts = vllm_api.actor_options(spec, spec.policies[1])
+    assert (opts["gpus"], opts["sleep_mode"]) == (2, True)  # the pool's GPUs
+    with pytest.raises(ValueError, match=r"engineArgs\.enable_sleep_mode is set by polyrl itself"):
+        RLJobSpec.model_validate(_spec({"enable_sleep_mode": True}, pool="shared"))
 
 
 def test_the_api_refuses_reserved_engine_args_naming_the_field() -> None:

@@ -222,6 +222,11 @@ def test_every_vllm_name_the_adapter_uses_exists_in_the_pinned_release(vllm_src:
         (VllmName("vllm.engine.arg_utils", "AsyncEngineArgs", ("logprob_mode",)), "no keyword argument"),
         (VllmName("vllm.v1.engine.async_llm", "AsyncLLMEngine"), "not found"),
         (VllmName("vllm.outputs", "CompletionOutput.weight_version"), "has no attribute"),
+        # sleep mode: a rename of the methods or of their keywords fails the contract
+        (VllmName("vllm.v1.engine.async_llm", "AsyncLLM.sleep_engine"), "has no attribute"),
+        (VllmName("vllm.v1.engine.async_llm", "AsyncLLM.sleep", ("sleep_level",)), "no keyword argument"),
+        (VllmName("vllm.v1.engine.async_llm", "AsyncLLM.wakeup"), "has no attribute"),
+        (VllmName("vllm.engine.arg_utils", "AsyncEngineArgs", ("enable_sleep",)), "no keyword argument"),
     ],
 )
 def test_the_check_fails_for_renamed_names(vllm_src: Path, name: VllmName, expected: str) -> None:
@@ -306,6 +311,7 @@ def test_the_adapter_reaches_vllm_only_through_the_table(module: object) -> None
         ("tp.all_reduce(x)", "GroupCoordinator.all_reduce"),
         ("model.load_weights(weights=w, strict=True)", "load_weights(strict=)"),
         ("self.model_runner.load_model()", "GPUModelRunner.load_model"),
+        ("self._llm.sleep(level=1, tags=['weights'])", "sleep(tags=)"),
     ],
 )
 def test_the_scan_catches_calls_outside_the_table(snippet: str, expected: str) -> None:
@@ -313,10 +319,18 @@ def test_the_scan_catches_calls_outside_the_table(snippet: str, expected: str) -
     assert found and expected in found[0], found
 
 
-def test_the_rpc_method_the_engine_calls_is_on_the_worker_extension() -> None:
+def test_the_rpc_methods_the_engine_calls_are_on_the_worker_extension() -> None:
     source = Path(str(vllm_engine.__file__)).read_text()
-    assert '"polyrl_receive_version"' in source
-    assert callable(vllm_worker.PolyrlWorkerExtension.polyrl_receive_version)
+    called = {
+        node.args[0].value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and _last(node.func) == "collective_rpc"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+    assert called == {"polyrl_receive_version", "polyrl_device_memory"}
+    assert all(callable(getattr(vllm_worker.PolyrlWorkerExtension, name)) for name in called)
     assert (
         f"{vllm_worker.__name__}.{vllm_worker.PolyrlWorkerExtension.__qualname__}"
     ) == vllm_api.WORKER_EXTENSION

@@ -190,6 +190,46 @@ def test_a_failed_sync_leaves_the_old_version_serving(hf_model: tuple[Path, Any]
         eng._llm.shutdown()
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_gpu_and_wake_up_serves_the_same_tokens(
+    hf_model: tuple[Path, Any], level: int, record_property: Any
+) -> None:
+    """vLLM's sleep mode around what a training phase would be: device memory freed (measured on the
+    worker's GPU), the same seeded tokens after `wake_up`; after level 2 once an update reloaded the
+    weights."""
+    path, model = hf_model
+    eng = _engine(path, sleep_mode=True)
+    sender = make_sender("collective", "p", 1 << 20, num_receivers=1, backend="gloo", host="127.0.0.1")
+    params = SamplingParams(temperature=0.8, max_new_tokens=16, allowed_ids=ALLOWED, seed=3)
+
+    async def go() -> None:
+        await _sync(eng, sender, 0, _weights(model, 0.0))
+        before = await eng.generate([1, 2, 3], params)
+        report = await eng.sleep(level)
+        assert report.freed_bytes > 0
+        waiting = asyncio.create_task(eng.generate([1, 2, 3], params))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # held while asleep
+        woken = await eng.wake_up()
+        assert woken.needs_weights == (level == 2)
+        if level == 2:  # the same weights again, as the next version (a collective sender keeps no copy)
+            assert eng.weight_version() == -1
+            assert (await _sync(eng, sender, 1, _weights(model, 0.0))).applied
+            assert eng.weight_version() == 1
+        assert (await waiting).token_ids.tolist() == before.token_ids.tolist()
+        record_property("level", level)
+        record_property("sleep_s", round(report.seconds, 3))
+        record_property("wake_s", round(woken.seconds, 3))
+        record_property("freed_bytes", report.freed_bytes)
+        record_property("restored_bytes", woken.restored_bytes)
+
+    try:
+        asyncio.run(go())
+    finally:
+        sender.close()
+        eng._llm.shutdown()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 def test_tensor_parallel_engine_syncs_and_matches_one_gpu(hf_model: tuple[Path, Any]) -> None:
     path, model = hf_model
