@@ -1,0 +1,43 @@
+"""A job whose policy is colocated on a device pool trains to Succeeded through the pool's pod: the
+operator renders the pool pod, the runtime's pool node offers both roles' resources, the engine and
+the trainer ranks run on it, and status reports the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import E2E, accounted, selfplay
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+JOB, STEPS, EPISODES, SAMPLES_PER_EPISODE = "pooled", 8, 8, 2
+
+
+def test_a_colocated_policy_trains_through_its_pool_pod(e2e: E2E, namespace: str) -> None:
+    doc = selfplay(JOB, training={"totalSteps": STEPS, "episodesPerStep": EPISODES, "seed": 3})
+    doc["spec"]["pools"] = [{"name": "shared", "gpus": 0, "replicas": {"min": 1, "max": 1}}]
+    agent = doc["spec"]["policies"][0]
+    agent["rollout"] = {"engine": "torch", "pool": "shared"}
+    agent["trainer"] = {"backend": "deepspeed", "zeroStage": 1, "microBatchSize": 16, "pool": "shared"}
+    e2e.start_operator()
+    e2e.apply(doc, namespace)
+    e2e.wait(JOB, namespace, "Ready", timeout=240)  # every pod ready: one Ray cluster formed
+    pods = e2e.pods(namespace)
+    assert set(pods) == {f"{JOB}-coordinator", f"{JOB}-workflow-0", f"{JOB}-pool-shared-0"}, sorted(pods)
+    pool_pod = pods[f"{JOB}-pool-shared-0"]
+    assert pool_pod["metadata"]["labels"]["polyrl.dev/pool"] == "shared"
+    assert pool_pod["metadata"]["annotations"]["polyrl.dev/serves"] == "agent/rollout,agent/trainer"
+    e2e.wait(JOB, namespace, "Succeeded", timeout=600)
+
+    status = e2e.job(JOB, namespace)["status"]
+    assert status["restarts"] == 0, e2e.restarts_report(JOB, namespace)
+    (pool,) = status["pools"]
+    assert (pool["name"], sorted(pool["roles"])) == ("shared", ["agent/rollout", "agent/trainer"]), pool
+    (policy,) = status["policies"]
+    assert (policy["version"], policy["step"]) == (STEPS, STEPS), policy
+    counters = e2e.counters(JOB, namespace)
+    accounted(counters)
+    assert counters["steps"] == {"agent": STEPS}
+    assert counters["buffers"]["agent"]["consumed"] == STEPS * EPISODES * SAMPLES_PER_EPISODE, counters
+    started = [r.name for r in e2e.kubelet.started(namespace)]
+    assert sorted(started) == sorted(pods), started  # nothing restarted or added
