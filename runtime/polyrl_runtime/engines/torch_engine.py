@@ -21,13 +21,9 @@ request has stop strings), `max_new_tokens`, or the model's context limit (`max_
 prompt and reply must fit in it, as the trainer recomputes them as one sequence. A prompt that
 leaves no room is refused before it joins the batch (`PromptTooLongError`).
 
-Sleep and wake (`Engine.sleep`, for device pools): `sleep` stops admitting requests that arrive
-after it (they wait in `_held`), lets the accepted ones finish, frees the KV cache and parks the
-weights (`polyrl_runtime.device_memory`: level 1 copies them to host memory on a GPU and leaves them
-on a CPU engine, whose device is the host; level 2 drops them and resets the version to -1, so the
-next update loads them whatever its version). `wake_up` brings them back; the held requests are then
-served, after level 2 once an update has loaded weights. Sleep, wake and weight updates exclude each
-other (`_control`): an update while asleep is refused (`EngineAsleepError`).
+Sleep and wake (`Engine.sleep`, for device pools) are the `TorchEngineSleep` mixin
+(`engines/torch_sleep.py`). Sleep, wake and weight updates exclude each other (`_control`): an update
+while asleep is refused (`EngineAsleepError`). Tokens are sampled by `engines/sampling.py`.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,20 +40,20 @@ import torch
 
 from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.cpusets import pin_from_env
-from polyrl_runtime.device_memory import ParkedMemory, park_module
+from polyrl_runtime.device_memory import ParkedMemory
 from polyrl_runtime.engines.api import (
     EngineAsleepError,
     EngineStats,
     Generation,
     PromptTooLongError,
     SamplingParams,
-    SleepReport,
-    WakeReport,
-    check_sleep_level,
 )
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.engines.hf_cache import BatchCache, prefill
+from polyrl_runtime.engines.sampling import sample_batch
 from polyrl_runtime.engines.stops import find_stop
+from polyrl_runtime.engines.torch_request import TorchRequest
+from polyrl_runtime.engines.torch_sleep import TorchEngineSleep
 from polyrl_runtime.models import Tokenizer, context_limit, load_model, load_tokenizer
 from polyrl_runtime.models.tiny import KVCache, TinyCausalLM
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
@@ -73,44 +68,7 @@ log = structlog.get_logger(__name__)
 INLINE_STEP_S = 0.01
 
 
-@dataclass(eq=False)  # compared by identity: the running batch finds and removes its own requests
-class _Request:
-    prompt: list[int]
-    params: SamplingParams
-    future: asyncio.Future[Generation]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    cached_weights: int | None = None  # `TensorTarget.updates` when its cache row was computed
-    stop_str: str = ""
-    _bias: torch.Tensor | None = None
-
-    def bias(self, vocab: int) -> torch.Tensor:
-        """[vocab]: 0 for the allowed ids (all when unconstrained), -inf elsewhere; built once."""
-        if self._bias is None:
-            ids = torch.tensor(self.params.allowed_ids, dtype=torch.long)
-            self._bias = torch.zeros(vocab) if not ids.numel() else torch.full((vocab,), float("-inf"))
-            self._bias[ids] = 0.0
-        return self._bias
-
-    def last_token(self) -> int:
-        return self.tokens[-1] if self.tokens else self.prompt[-1]
-
-
-def constrained_logprobs(
-    logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None
-) -> torch.Tensor:
-    """Log-softmax of logits/temperature over `allowed` ids only (the behaviour-logprob convention)."""
-    scaled = logits / max(temperature, 1e-5)
-    if allowed is not None and allowed.numel():
-        bias = torch.full_like(scaled, float("-inf"))
-        bias[..., allowed] = 0.0
-        scaled = scaled + bias
-    return torch.log_softmax(scaled.float(), dim=-1)
-
-
-class TorchEngine(EngineWeights):
+class TorchEngine(EngineWeights, TorchEngineSleep):
     """A rollout engine actor for `engine: torch` (methods are called through Ray)."""
 
     def __init__(
@@ -158,13 +116,13 @@ class TorchEngine(EngineWeights):
         # A Hugging Face model's cache: row i belongs to `_kv_rows[i]` (finished or stale rows are
         # dropped at the next step).
         self._kv = BatchCache.empty(self.device)
-        self._kv_rows: list[_Request] = []
+        self._kv_rows: list[TorchRequest] = []
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else 0
         self._tokenizer: Tokenizer | None = None  # loaded for the first request with stop strings
         self._rng = torch.Generator().manual_seed(seed)
-        self._pending: list[_Request] = []
-        self._active: list[_Request] = []
+        self._pending: list[TorchRequest] = []
+        self._active: list[TorchRequest] = []
         self._wakeup: asyncio.Event | None = None
         self._paused = False
         self._loop_task: asyncio.Task[None] | None = None
@@ -178,7 +136,7 @@ class TorchEngine(EngineWeights):
         self._asleep = 0
         self._draining = False
         self._parked: ParkedMemory | None = None
-        self._held: list[_Request] = []
+        self._held: list[TorchRequest] = []
         self._needs_weights = False
         self._control_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
@@ -211,7 +169,9 @@ class TorchEngine(EngineWeights):
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         held = self._draining or self._asleep or self._needs_weights
-        (self._held if held else self._pending).append(_Request(list(prompt_ids), params, fut, generator=gen))
+        (self._held if held else self._pending).append(
+            TorchRequest(list(prompt_ids), params, fut, generator=gen)
+        )
         self._requests += 1
         wake.set()
         return await fut
@@ -279,7 +239,7 @@ class TorchEngine(EngineWeights):
                         )
                     )
 
-    def _inline(self, batch: list[_Request]) -> bool:
+    def _inline(self, batch: list[TorchRequest]) -> bool:
         """Whether the next step is short enough to run on the event loop: always for the built-in
         models; for a Hugging Face model, a decoding step (no prefill) after one that took less than
         `INLINE_STEP_S`."""
@@ -288,7 +248,7 @@ class TorchEngine(EngineWeights):
         weights = self.target.updates
         return self._last_step_s < INLINE_STEP_S and all(r.cached_weights == weights for r in batch)
 
-    def _retire(self, r: _Request) -> None:
+    def _retire(self, r: TorchRequest) -> None:
         """Drop a finished request; the last row takes its cache row, so live rows stay 0..n-1 (a
         Hugging Face cache drops its row at the next step)."""
         i, last = self._active.index(r), len(self._active) - 1
@@ -302,11 +262,11 @@ class TorchEngine(EngineWeights):
             self._kv, self._kv_rows = BatchCache.empty(self.device), []
 
     @staticmethod
-    def _buckets(batch: list[_Request], trim: int = 0) -> list[list[_Request]]:
+    def _buckets(batch: list[TorchRequest], trim: int = 0) -> list[list[TorchRequest]]:
         """Split by sequence length (a row of a full forward pass costs as much as the longest row),
         so long tails do not make every short sequence pay for their length."""
         rows = sorted(batch, key=lambda r: len(r.prompt) + len(r.tokens))
-        out: list[list[_Request]] = []
+        out: list[list[TorchRequest]] = []
         for r in rows:
             n = len(r.prompt) + len(r.tokens) - trim
             if out and n <= 1.5 * (len(out[-1][0].prompt) + len(out[-1][0].tokens) - trim) + 4:
@@ -315,7 +275,7 @@ class TorchEngine(EngineWeights):
                 out.append([r])
         return out
 
-    def _prefill(self, batch: list[_Request], weights: int) -> None:
+    def _prefill(self, batch: list[TorchRequest], weights: int) -> None:
         """Cache all but the last token of each sequence whose cache row is missing or was computed
         with other weights (the last token is fed by the decoding step that follows)."""
         assert self._cache is not None and isinstance(self.model, TinyCausalLM)
@@ -337,7 +297,7 @@ class TorchEngine(EngineWeights):
             for r in bucket:
                 r.cached_weights = weights
 
-    def _logits(self, batch: list[_Request]) -> tuple[list[_Request], torch.Tensor]:
+    def _logits(self, batch: list[TorchRequest]) -> tuple[list[TorchRequest], torch.Tensor]:
         """Next-token logits of every request of `batch` (in the order returned)."""
         if self._cache is None or not isinstance(self.model, TinyCausalLM):
             return self._hf_logits(batch)
@@ -348,7 +308,7 @@ class TorchEngine(EngineWeights):
         self._forwards += 1
         return batch, self.model.decode(ids, self._cache).float().cpu()
 
-    def _hf_logits(self, batch: list[_Request]) -> tuple[list[_Request], torch.Tensor]:
+    def _hf_logits(self, batch: list[TorchRequest]) -> tuple[list[TorchRequest], torch.Tensor]:
         """`_logits` of a Hugging Face model: rows of finished requests and rows computed with other
         weights leave the cache; the cached rows (all but their last token cached) decode their last
         token in one step; new and stale requests are prefilled whole (bucketed by length), which
@@ -376,7 +336,7 @@ class TorchEngine(EngineWeights):
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         return list(self._kv_rows), logits.float().cpu()
 
-    def _step(self, batch: list[_Request]) -> list[tuple[_Request, str]]:
+    def _step(self, batch: list[TorchRequest]) -> list[tuple[TorchRequest, str]]:
         start, cpu = time.perf_counter(), time.thread_time()
         # Inference mode, not just no_grad: no version counters or view tracking on any tensor op
         # (about a tenth of the tiny Qwen2's decoding step on CPU). The tensors it creates (caches,
@@ -387,7 +347,7 @@ class TorchEngine(EngineWeights):
             # The step's own cost (CPU time: on a busy host the wall time includes waiting to run)
             self._last_step_s = time.thread_time() - cpu
             self._busy_s += time.perf_counter() - start
-            tokens, logprobs = self._sample_batch(batch, logits)
+            tokens, logprobs = sample_batch(batch, logits, self._rng)
         self._tokens += len(batch)
         finished = []
         for r, tok, logprob in zip(batch, tokens, logprobs, strict=True):
@@ -403,67 +363,6 @@ class TorchEngine(EngineWeights):
             elif len(r.tokens) >= p.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
                 finished.append((r, "length"))
         return finished
-
-    def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """One token per row and its behaviour logprob: `constrained_logprobs` of each row, computed
-        for the whole batch at once (per-row tensor calls would cost more than a decoding step)."""
-        temps = [max(r.params.temperature, 1e-5) for r in batch]
-        if all(t == temps[0] for t in temps):  # one temperature: no per-row tensor to build
-            scaled = logits / temps[0]
-        else:
-            scaled = logits / torch.tensor(temps)[:, None]
-        if any(r.params.allowed_ids for r in batch):
-            scaled = scaled + torch.stack([r.bias(logits.shape[-1]) for r in batch])
-        lp = torch.log_softmax(scaled, dim=-1)
-        if all(r.params.temperature == 0 for r in batch):  # all greedy: one max gives both
-            top_lp, top = lp.max(dim=-1)  # the first maximal id, as argmax
-            return top.tolist(), top_lp.tolist()
-        # Plain sampling shares one draw over its rows and greedy rows one argmax. A seeded row (a
-        # seed promises the same tokens whatever else is in the batch) draws its uniform number from
-        # its own generator, then all seeded rows invert their CDFs at once; top-p rows are sampled
-        # one by one.
-        tokens = [0] * len(batch)
-        greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
-        full = [i for i, r in enumerate(batch) if r.params.temperature > 0 and r.params.top_p >= 1.0]
-        plain = [i for i in full if batch[i].generator is None]
-        seeded = [i for i in full if batch[i].generator is not None]
-        if greedy:
-            for i, tok in zip(greedy, lp[greedy].argmax(dim=-1).tolist(), strict=True):
-                tokens[i] = tok
-        if plain:
-            probs = (lp if len(plain) == len(batch) else lp[plain]).exp()
-            drawn = torch.multinomial(probs, 1, generator=self._rng)[:, 0].tolist()
-            for i, tok in zip(plain, drawn, strict=True):
-                tokens[i] = tok
-        if seeded:
-            for i, tok in zip(seeded, self._inverse_cdf(lp[seeded], [batch[i] for i in seeded]), strict=True):
-                tokens[i] = tok
-        for i in sorted(set(range(len(batch))) - set(full) - set(greedy)):
-            tokens[i] = self._sample(lp[i], batch[i].params, batch[i].generator)
-        picked = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-        return tokens, picked
-
-    @staticmethod
-    def _inverse_cdf(lp: torch.Tensor, rows: list[_Request]) -> list[int]:
-        """One token per row of `lp` [n, vocab], each from a uniform number of the row's own
-        generator: the first id whose cumulative probability exceeds it (an id of probability 0 is
-        never drawn). Each row's result depends on its own logits and generator only."""
-        u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])
-        cdf = lp.exp().cumsum(dim=-1)
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-        over = drawn >= lp.shape[-1]  # u * total rounded up to the total: the likeliest id instead
-        drawn[over] = lp[over].argmax(dim=-1)
-        return [int(t) for t in drawn.tolist()]
-
-    def _sample(self, lp: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        if p.temperature == 0:
-            return int(lp.argmax())
-        probs = lp.exp()
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=gen or self._rng))
 
     # -- control -------------------------------------------------------------------------------
 
@@ -520,97 +419,3 @@ class TorchEngine(EngineWeights):
 
     def ping(self) -> str:
         return self.name
-
-    # -- sleep ---------------------------------------------------------------------------------
-
-    def _control(self) -> asyncio.Lock:
-        """The lock that serialises sleep, wake and weight updates (one per event loop)."""
-        loop = asyncio.get_running_loop()
-        if self._control_lock is None or self._control_lock[0] is not loop:
-            self._control_lock = (loop, asyncio.Lock())
-        return self._control_lock[1]
-
-    async def sleep(self, level: int = 1) -> SleepReport:
-        check_sleep_level(self.name, level)
-        async with self._control():
-            if self._asleep:
-                raise EngineAsleepError(self.name, self._asleep, "sleeping again")
-            start = time.perf_counter()
-            self._draining = True
-            try:
-                await self._finish_accepted()
-            except BaseException:
-                self._draining = False
-                self._release_held()
-                raise
-            freed = self._free_kv_cache()
-            on_device = self.device.type != "cpu"  # on a CPU engine the weights are in host memory
-            if level == 1 and not on_device:
-                self._parked = ParkedMemory()
-            else:
-                self._parked = await asyncio.to_thread(
-                    park_module,
-                    self.model,
-                    keep_parameters=level == 1,
-                    device=self.device if on_device else None,
-                )
-            if level == 2:  # no weights: the next update loads them, whatever its version
-                self.target = TensorTarget.from_module(self.model)
-                self._weight_target = self.target
-            self._asleep, self._draining = level, False
-            report = SleepReport(self.name, level, time.perf_counter() - start, freed + self._parked.nbytes)
-        log.info(
-            "engine.asleep",
-            engine=self.name,
-            level=level,
-            freed_bytes=report.freed_bytes,
-            seconds=report.seconds,
-        )
-        return report
-
-    async def _finish_accepted(self) -> None:
-        """Wait until every request accepted before `sleep` has finished (polled: a rare call)."""
-        while self._pending or self._active:
-            if self._paused:
-                n = len(self._pending) + len(self._active)
-                raise RuntimeError(
-                    f"engine {self.name} is paused with {n} requests in flight: resume() it before "
-                    "sleep (sleep lets them finish)"
-                )
-            self._ensure_loop().set()
-            await asyncio.sleep(0.002)
-
-    def _free_kv_cache(self) -> int:
-        """Drop the KV cache (no request is running); the bytes it held."""
-        freed = self._kv.nbytes
-        self._kv, self._kv_rows = BatchCache.empty(self.device), []
-        if self._cache is not None and isinstance(self.model, TinyCausalLM):
-            freed += sum(t.nbytes for t in (*self._cache.k, *self._cache.v, self._cache.lengths))
-            self._cache = self.model.new_cache(0)  # grows again with the batch
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return freed
-
-    async def wake_up(self) -> WakeReport:
-        async with self._control():
-            if not self._asleep or self._parked is None:
-                raise RuntimeError(f"engine {self.name} is awake: nothing to wake")
-            start = time.perf_counter()
-            await asyncio.to_thread(self._parked.restore, f"engine {self.name}")
-            level, restored = self._asleep, self._parked.nbytes
-            self._parked, self._asleep = None, 0
-            self._needs_weights = level == 2
-            if not self._needs_weights:
-                self._release_held()
-            report = WakeReport(self.name, level, time.perf_counter() - start, restored, self._needs_weights)
-        log.info(
-            "engine.awake", engine=self.name, level=level, restored_bytes=restored, seconds=report.seconds
-        )
-        return report
-
-    def _release_held(self) -> None:
-        """Requests that waited for the engine join the queue."""
-        if self._held:
-            self._pending.extend(self._held)
-            self._held.clear()
-            self._ensure_loop().set()

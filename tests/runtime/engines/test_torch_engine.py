@@ -13,7 +13,9 @@ import torch
 
 from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.engines.api import Generation, SamplingParams
-from polyrl_runtime.engines.torch_engine import TorchEngine, _Request, constrained_logprobs
+from polyrl_runtime.engines.sampling import constrained_logprobs, inverse_cdf, sample_batch
+from polyrl_runtime.engines.torch_engine import TorchEngine
+from polyrl_runtime.engines.torch_request import TorchRequest
 from polyrl_runtime.models.tiny import build_tiny
 from polyrl_runtime.weights import make_sender
 
@@ -196,12 +198,12 @@ def test_batched_sampling_logprobs_follow_the_single_row_convention() -> None:
         SamplingParams(top_p=0.5, seed=4),
     ]
 
-    async def requests() -> list[_Request]:
+    async def requests() -> list[TorchRequest]:
         loop = asyncio.get_running_loop()
-        return [_Request([1], p, loop.create_future()) for p in params]
+        return [TorchRequest([1], p, loop.create_future()) for p in params]
 
     batch = asyncio.run(requests())
-    tokens, logprobs = eng._sample_batch(batch, logits)
+    tokens, logprobs = sample_batch(batch, logits, eng._rng)
     assert tokens[0] in (3, 7, 9) and tokens[2] in (1, 2)
     for i, p in enumerate(params):
         allowed = torch.tensor(p.allowed_ids, dtype=torch.long) if p.allowed_ids else None
@@ -256,18 +258,17 @@ def test_repeated_updates_swap_weights_and_each_token_uses_its_versions_weights(
 
 
 def test_seeded_rows_draw_from_their_distribution_and_only_allowed_ids() -> None:
-    eng = _engine()
     probs = torch.tensor([0.0, 0.5, 0.3, 0.0, 0.2])  # ids 0 and 3 are not allowed (probability 0)
     lp = probs.log().expand(4000, -1)
 
-    async def requests() -> list[_Request]:
+    async def requests() -> list[TorchRequest]:
         loop = asyncio.get_running_loop()
-        return [_Request([1], SamplingParams(seed=i), loop.create_future()) for i in range(4000)]
+        return [TorchRequest([1], SamplingParams(seed=i), loop.create_future()) for i in range(4000)]
 
     rows = asyncio.run(requests())
     for r in rows:
         r.generator = torch.Generator().manual_seed(r.params.seed or 0)
-    drawn = torch.tensor(eng._inverse_cdf(lp, rows))
+    drawn = torch.tensor(inverse_cdf(lp, rows))
     counts = torch.bincount(drawn, minlength=5).float() / len(rows)
     assert counts[0] == 0 and counts[3] == 0
     torch.testing.assert_close(counts, probs, atol=0.03, rtol=0)  # 4000 draws: sd below 0.008
@@ -275,4 +276,4 @@ def test_seeded_rows_draw_from_their_distribution_and_only_allowed_ids() -> None
     again = asyncio.run(requests())[:7]
     for r in again:
         r.generator = torch.Generator().manual_seed(r.params.seed or 0)
-    assert eng._inverse_cdf(lp[:7], again) == drawn[:7].tolist()
+    assert inverse_cdf(lp[:7], again) == drawn[:7].tolist()
