@@ -90,17 +90,6 @@ class PoolStatus(ApiModel):
         default_factory=list,
         description="The roles placed on the pool, as policy/role (e.g. solver/rollout).",
     )
-    busy_fraction: float | None = Field(
-        None,
-        ge=0,
-        le=1,
-        description="Fraction of the pool's device time some role used (coordinator's report).",
-    )
-    switches: int | None = Field(
-        None,
-        ge=0,
-        description="Times the pool's devices passed from one role to another (coordinator's report).",
-    )
 
 
 class RLJobStatus(ApiModel):

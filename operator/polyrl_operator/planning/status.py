@@ -69,19 +69,16 @@ def _counts(pods: PodPlan, key: RoleKey, pool: str | None) -> RoleCounts:
     return RoleCounts(desired=pods.desired[key], ready=pods.ready[key], pool=pool)
 
 
-def pool_statuses(job: RLJob, old: RLJobStatus, pods: PodPlan) -> list[PoolStatus] | None:
-    """Each pool's pod counts and the roles placed on it (None for a job without pools). The
-    coordinator's figures (busy fraction, switches) are kept as last written."""
+def pool_statuses(job: RLJob, pods: PodPlan) -> list[PoolStatus] | None:
+    """Each pool's pod counts and the roles placed on it (None for a job without pools)."""
     if not job.spec.pools:
         return None
-    previous = {q.name: q for q in old.pools or []}
     return [
-        (previous.get(slot.pool) or PoolStatus(name=slot.pool)).model_copy(
-            update={
-                "desired": pods.desired[(slot.pool, slot.role)],
-                "ready": pods.ready[(slot.pool, slot.role)],
-                "roles": [str(r) for r in slot.placed],
-            }
+        PoolStatus(
+            name=slot.pool,
+            desired=pods.desired[(slot.pool, slot.role)],
+            ready=pods.ready[(slot.pool, slot.role)],
+            roles=[str(r) for r in slot.placed],
         )
         for slot in role_slots(job)
         if slot.pool is not None
@@ -188,7 +185,7 @@ def finished_status(
     steps = [p.step for p in policies]
     step = (max(steps) if succeeded else min(steps)) if steps else 0
     status = status.model_copy(update={"conditions": conditions, "workflow": RoleCounts()})
-    return _with_policies(status, policies, step, pool_statuses(job, status, no_pods))
+    return _with_policies(status, policies, step, pool_statuses(job, no_pods))
 
 
 def active_status(inputs: StatusInputs) -> RLJobStatus:
@@ -286,7 +283,7 @@ def active_status(inputs: StatusInputs) -> RLJobStatus:
             "message": clip(msg),
         }
     )
-    return _with_policies(status, policies, step, pool_statuses(job, old, pods))
+    return _with_policies(status, policies, step, pool_statuses(job, pods))
 
 
 def transition_events(old: RLJobStatus, new: RLJobStatus) -> tuple[Event, ...]:

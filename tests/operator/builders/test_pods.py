@@ -22,7 +22,7 @@ from polyrl_operator.builders.priority import Priority
 from polyrl_operator.roles import Role
 from polyrl_operator.settings import OperatorSettings, Placement
 from polyrl_testenv.bad_rljobs import REPO
-from polyrl_testenv.manifest_view import MISSING, ViewPath, parts, pod_view, with_set
+from polyrl_testenv.manifest_view import MISSING, ViewPath, parts, pod_view, renamed_job, with_set
 from polyrl_testenv.operator_fixtures import gpu_job, stored_job
 
 Example = Literal["gpu", "cpu"]
@@ -44,16 +44,8 @@ TOKEN_REF = {"secretKeyRef": {"name": "debate-ray-token", "key": "ray-token"}}
 
 def rljob(example: Example, changes: tuple[tuple[str, Any], ...] = ()) -> RLJob:
     """The example job with each dotted path of its spec set (``policies.0.model.uri``, ...)."""
-    body = gpu_job() if example == "gpu" else stored_job()
-    ref = REFS[example]
-    return RLJob.model_validate(
-        {
-            "apiVersion": body["apiVersion"],
-            "kind": body["kind"],
-            "metadata": {"name": ref.name, "namespace": ref.namespace},
-            "spec": with_set(body["spec"], changes),
-        }
-    )
+    body, ref = (gpu_job() if example == "gpu" else stored_job()), REFS[example]
+    return renamed_job(body, ref.name, ref.namespace, changes)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from polyrl_operator.api import RLJob
 from polyrl_operator.builders import JobRef, PodRequest, build_pod
 from polyrl_operator.builders.pods import claims
 from polyrl_operator.settings import OperatorSettings
-from polyrl_testenv.manifest_view import MISSING, ViewPath, parts, pod_view, with_set
+from polyrl_testenv.manifest_view import MISSING, ViewPath, parts, pod_view, renamed_job
 from polyrl_testenv.operator_fixtures import pooled_cpu_job, pooled_gpu_job
 
 Example = Literal["gpu", "cpu"]
@@ -35,16 +35,8 @@ GPUS_8 = {"requests": {"nvidia.com/gpu": 8}, "limits": {"nvidia.com/gpu": 8}}
 
 
 def rljob(example: Example, changes: tuple[tuple[str, Any], ...] = ()) -> RLJob:
-    body = pooled_gpu_job() if example == "gpu" else pooled_cpu_job()
-    ref = REFS[example]
-    return RLJob.model_validate(
-        {
-            "apiVersion": body["apiVersion"],
-            "kind": body["kind"],
-            "metadata": {"name": ref.name, "namespace": ref.namespace},
-            "spec": with_set(body["spec"], changes),
-        }
-    )
+    body, ref = (pooled_gpu_job() if example == "gpu" else pooled_cpu_job()), REFS[example]
+    return renamed_job(body, ref.name, ref.namespace, changes)
 
 
 @dataclass(frozen=True)

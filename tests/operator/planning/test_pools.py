@@ -199,21 +199,3 @@ def test_kueue_admitting_fewer_pool_pods_caps_the_pool() -> None:
     assert result.scaled == (("shared", "pool", 1, 2),)
     podsets = next(m for (kind, _), m in result.desired.items() if kind == "Workload")["spec"]["podSets"]
     assert [(p["name"], p["count"]) for p in podsets][-1] == ("shared-pool", 3)
-
-
-def test_the_coordinator_s_pool_figures_are_kept_while_counts_are_rewritten() -> None:
-    body = pooled_cpu_job()
-    body["status"] = {
-        "pools": [{"name": "shared", "desired": 1, "ready": 0, "busyFraction": 0.7, "switches": 3}],
-    }
-    result = plan(body, observed([]), SETTINGS, T0)
-    assert result.status is not None
-    [pool] = result.status.to_k8s()["pools"]
-    assert pool == {
-        "name": "shared",
-        "desired": 1,
-        "ready": 0,
-        "roles": ROLES,
-        "busyFraction": 0.7,
-        "switches": 3,
-    }

@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from polyrl_operator.api import RLJob
 from polyrl_operator.pod_contract import ENV_PVC_MOUNTS
 
 ViewPath = tuple[str | int, ...]
@@ -96,3 +97,17 @@ def with_set(doc: Mapping[str, Any], changes: Sequence[tuple[str, Any]]) -> dict
         else:
             node[last] = copy.deepcopy(value)
     return out
+
+
+def renamed_job(
+    body: Mapping[str, Any], name: str, namespace: str, changes: Sequence[tuple[str, Any]] = ()
+) -> RLJob:
+    """``body`` as the job ``namespace/name``, each dotted path of its spec set (``with_set``)."""
+    return RLJob.model_validate(
+        {
+            "apiVersion": body["apiVersion"],
+            "kind": body["kind"],
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": with_set(body["spec"], changes),
+        }
+    )
