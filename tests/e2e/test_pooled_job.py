@@ -1,8 +1,11 @@
 """A job whose policy is colocated on a device pool trains to Succeeded through the pool's pod: the
 operator renders the pool pod, the runtime's pool node offers both roles' resources, the engine and
-the trainer ranks run on it, and status reports the pool."""
+the trainer ranks run on it, their weights go through the pod's shared memory (`auto`), and status
+reports the pool."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -19,6 +22,7 @@ def test_a_colocated_policy_trains_through_its_pool_pod(e2e: E2E, namespace: str
     agent = doc["spec"]["policies"][0]
     agent["rollout"] = {"engine": "torch", "pool": "shared"}
     agent["trainer"] = {"backend": "deepspeed", "zeroStage": 1, "microBatchSize": 16, "pool": "shared"}
+    doc["spec"]["weightSync"] = {"transport": "auto", "bucketMB": 16}
     e2e.start_operator()
     e2e.apply(doc, namespace)
     e2e.wait(JOB, namespace, "Ready", timeout=240)  # every pod ready: one Ray cluster formed
@@ -41,3 +45,7 @@ def test_a_colocated_policy_trains_through_its_pool_pod(e2e: E2E, namespace: str
     assert counters["buffers"]["agent"]["consumed"] == STEPS * EPISODES * SAMPLES_PER_EPISODE, counters
     started = [r.name for r in e2e.kubelet.started(namespace)]
     assert sorted(started) == sorted(pods), started  # nothing restarted or added
+    # engine and trainer in one pod: `auto` chose that pod's shared memory, not the object store
+    log = (e2e.kubelet.current(namespace, f"{JOB}-coordinator").directory / "main.log").read_text()  # type: ignore[union-attr]
+    chosen = [json.loads(line) for line in log.splitlines() if '"weights.transports"' in line]
+    assert [c["transports"] for c in chosen] == [{"agent": "shm"}], log[-2000:]

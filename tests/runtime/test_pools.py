@@ -19,6 +19,7 @@ from polyrl_runtime.coordinator.fleet import Fleet, ray_gpus
 from polyrl_runtime.cpusets import ENV, CpuSetError, check_pools, cpu_set_key, parse_cpu_sets
 from polyrl_runtime.local.run import role_pools
 from polyrl_runtime.pods.entry import run_worker
+from polyrl_testenv.operator_fixtures import pooled_cpu_job
 
 DATA = Path(__file__).parent / "data"
 BASE = yaml.safe_load((DATA / "selfplay-tiny.yaml").read_text())
@@ -234,3 +235,20 @@ def test_cpu_sets_are_checked_against_the_jobs_pools(job: RLJob, items: list[str
     with pytest.raises(CpuSetError) as err:
         check_pools(sets, job.spec.pool_names, role_pools(job))
     assert error in str(err.value)
+
+
+def test_auto_picks_shared_memory_for_a_policy_on_one_pod_even_across_pods(tmp_path: Path) -> None:
+    """In pods (`same_host=False`) `auto` is the object store, except for a policy whose engine
+    and trainer share one pod: its weights go through that pod's shared memory."""
+    from polyrl_runtime.coordinator.driver import Driver
+    from polyrl_runtime.coordinator.job_state import DriverOptions
+
+    doc = pooled_cpu_job()
+    doc["spec"]["pools"][0]["replicas"] = {"min": 1, "max": 1}
+    doc["spec"]["weightSync"] = {"transport": "auto"}
+    job = RLJob.model_validate(doc)
+    driver = Driver(job, DriverOptions(tmp_path, tmp_path / "ckpt", same_host=False))
+    assert driver.transports == {"speaker": "shm", "listener": "objectstore"}
+    assert driver.fleet.transports == driver.transports
+    local = Driver(job, DriverOptions(tmp_path, tmp_path / "ckpt", same_host=True))
+    assert set(local.transports.values()) == {"shm"}

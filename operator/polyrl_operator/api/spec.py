@@ -332,6 +332,12 @@ class RLJobSpec(ApiModel):
         gpus = DEFAULT_GPUS if r.gpus is None else r.gpus
         return Placement(None, gpus, r.gpu_type, replicas.min, replicas.max)
 
+    def on_one_pod(self, policy: Policy) -> bool:
+        """Whether the policy's engines and trainer ranks all run in one pod: both on one pool
+        that has a single pod (they share its host memory, so weights need no network)."""
+        r, t = policy.rollout, policy.trainer
+        return r.pool is not None and r.pool == t.pool and self.pool(r.pool).replicas.max == 1
+
     def trainer_placement(self, policy: Policy) -> Placement:
         """The policy's trainer ranks' pods: `replicas` of its own, or its pool's first
         `replicas.min` pods; one rank per GPU (or ranksPerPod, 1 by default, on CPU)."""

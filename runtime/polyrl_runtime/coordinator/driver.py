@@ -92,13 +92,19 @@ class Driver:
         self.runs: dict[str, PolicyRun] = {}  # filled as `_start` starts each policy's trainer
         self.checkpointer = Checkpointer(job, self.store, self.control, self.runs, opts.checkpoint_requests)
         self.metrics = MetricsLog(job, opts)
-        cuda = any(self.spec.trainer_placement(p).gpus > 0 for p in self.spec.policies)
-        self.transport = choose_transport(
-            self.spec.weight_sync.transport, cuda=cuda, same_host=opts.same_host
-        )
+        # `auto` per policy: a policy whose engines and trainer share one pod (`on_one_pod`) has
+        # them on one host, as every policy has under `polyrl run`.
+        self.transports = {
+            p.name: choose_transport(
+                self.spec.weight_sync.transport,
+                cuda=self.spec.trainer_placement(p).gpus > 0,
+                same_host=opts.same_host or self.spec.on_one_pod(p),
+            )
+            for p in self.spec.policies
+        }
         # Starts no actor before `run`; then it starts (and `close` stops) every one.
         self.fleet = Fleet(
-            job, self.transport, place_by_resource=opts.place_by_resource, cpu_sets=opts.cpu_sets
+            job, self.transports, place_by_resource=opts.place_by_resource, cpu_sets=opts.cpu_sets
         )
         self.registry = VersionRegistry()
         self.parts: JobParts | None = None  # once `run` has started the job
@@ -242,14 +248,16 @@ class Driver:
             poll_s=self.opts.poll_s,
             episode_timeout_s=self.opts.episode_timeout_s,
         )
-        transport = self.transport
-        self.control.emit("starting", transport=transport, resume=ref.location if ref else None)
+        transports = self.transports
+        log.info("weights.transports", transports=transports)
+        self.control.emit("starting", transports=transports, resume=ref.location if ref else None)
         # One after the other: both are CPU-bound imports and model builds, so on a machine with few
         # cores running them at once makes neither finish sooner.
         await self._load_models()
         await self._init_trainers(trainers, ref)
-        with phase("first_weights", f"first weight sync to the engines ({transport})"):
-            await asyncio.gather(*(self._reported(n, t.connect(transport)) for n, t in trainers.items()))
+        used = ", ".join(sorted(set(transports.values())))
+        with phase("first_weights", f"first weight sync to the engines ({used})"):
+            await asyncio.gather(*(self._reported(n, t.connect(transports[n])) for n, t in trainers.items()))
         if ref is not None:
             self._restore_counters(ref, producer, buffered_groups(snapshot))
         await self.metrics.open({n: r.step for n, r in self.runs.items()} if ref is not None else {})

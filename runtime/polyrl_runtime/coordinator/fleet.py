@@ -115,7 +115,7 @@ class Fleet:
     def __init__(
         self,
         job: RLJob,
-        transport: str,
+        transports: Mapping[str, str] | str,
         transport_kwargs: Mapping[str, object] | None = None,
         *,
         place_by_resource: bool = True,
@@ -125,7 +125,12 @@ class Fleet:
         self.place_by_resource = place_by_resource
         self.cpu_sets = dict(cpu_sets or {})
         self.spec = job.spec
-        self.transport = transport
+        # Each policy's weight transport (a policy on one pod may use one the others cannot).
+        self.transports = (
+            {p.name: transports for p in self.spec.policies}
+            if isinstance(transports, str)
+            else dict(transports)
+        )
         self.transport_kwargs = dict(transport_kwargs or {})
         self.engines: dict[str, dict[str, EngineSlot]] = {p.name: {} for p in self.spec.policies}
         self.workers: dict[str, WorkerSlot] = {}
@@ -181,7 +186,7 @@ class Fleet:
             name,
             policy.name,
             policy.model.uri,
-            transport=self.transport,
+            transport=self.transports[policy.name],
             transport_kwargs=self.transport_kwargs,
             seed=self.spec.training.seed + next(self._ids),
             dtype=policy.model.dtype,

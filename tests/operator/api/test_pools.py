@@ -109,3 +109,22 @@ def test_trainer_world_is_ranks_on_the_pools_first_pods() -> None:
     assert spec.pool("h100").replicas.max == 4
     with pytest.raises(KeyError, match="no pool 'a100'"):
         spec.pool("a100")
+
+
+@pytest.mark.parametrize(
+    ("max_replicas", "policy", "expected"),
+    [
+        (1, 0, True),  # rollout and trainer on one pool of one pod
+        (3, 0, False),  # engines on the pool's other pods too
+        (1, 1, False),  # the rollout pooled, the trainer on a pod of its own
+    ],
+)
+def test_a_policy_is_on_one_pod_only_when_both_roles_share_a_one_pod_pool(
+    max_replicas: int, policy: int, expected: bool
+) -> None:
+    doc = pooled_cpu_job()
+    doc["spec"]["pools"][0]["replicas"] = {"min": 1, "max": max_replicas}
+    spec = RLJob.model_validate(doc).spec
+    assert spec.on_one_pod(spec.policies[policy]) is expected
+    dedicated = RLJob.model_validate(stored_job()).spec
+    assert not dedicated.on_one_pod(dedicated.policies[policy])
