@@ -6,6 +6,7 @@ reports the pool."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -16,13 +17,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 JOB, STEPS, EPISODES, SAMPLES_PER_EPISODE = "pooled", 8, 8, 2
 
 
-def test_a_colocated_policy_trains_through_its_pool_pod(e2e: E2E, namespace: str) -> None:
-    doc = selfplay(JOB, training={"totalSteps": STEPS, "episodesPerStep": EPISODES, "seed": 3})
+def pooled(steps: int = STEPS) -> dict[str, Any]:
+    """The selfplay job with the agent's rollout and trainer on one pool of one pod (`auto` weights)."""
+    doc = selfplay(JOB, training={"totalSteps": steps, "episodesPerStep": EPISODES, "seed": 3})
     doc["spec"]["pools"] = [{"name": "shared", "gpus": 0, "replicas": {"min": 1, "max": 1}}]
     agent = doc["spec"]["policies"][0]
     agent["rollout"] = {"engine": "torch", "pool": "shared"}
     agent["trainer"] = {"backend": "deepspeed", "zeroStage": 1, "microBatchSize": 16, "pool": "shared"}
     doc["spec"]["weightSync"] = {"transport": "auto", "bucketMB": 16}
+    return doc
+
+
+def test_a_colocated_policy_trains_through_its_pool_pod(e2e: E2E, namespace: str) -> None:
+    doc = pooled()
     e2e.start_operator()
     e2e.apply(doc, namespace)
     e2e.wait(JOB, namespace, "Ready", timeout=240)  # every pod ready: one Ray cluster formed
@@ -49,3 +56,31 @@ def test_a_colocated_policy_trains_through_its_pool_pod(e2e: E2E, namespace: str
     log = (e2e.kubelet.current(namespace, f"{JOB}-coordinator").directory / "main.log").read_text()  # type: ignore[union-attr]
     chosen = [json.loads(line) for line in log.splitlines() if '"weights.transports"' in line]
     assert [c["transports"] for c in chosen] == [{"agent": "shm"}], log[-2000:]
+
+
+def test_a_pool_pod_that_dies_is_replaced_and_its_roles_resume_from_the_checkpoint(
+    e2e: E2E, namespace: str
+) -> None:
+    """The pool pod hosts the trainer: its death restarts the training roles from the last
+    checkpoint (as a trainer pod's does), the pod is created again, and no sample is lost or
+    trained twice."""
+    steps = 16
+    doc = pooled(steps)
+    doc["spec"]["workflow"]["args"]["latency_s"] = 1.0  # steps of >= 0.5 s: the kill lands mid-run
+    e2e.start_operator()
+    e2e.apply(doc, namespace)
+    e2e.eventually(lambda: e2e.step(JOB, namespace) >= 7, timeout=300, what="step 7 (checkpoint at 6)")
+    e2e.kubelet.kill(namespace, f"{JOB}-pool-shared-0")
+    e2e.wait(JOB, namespace, "Succeeded", timeout=400)
+    status = e2e.job(JOB, namespace)["status"]
+    assert status["restarts"] == 1, e2e.restarts_report(JOB, namespace)
+    started = sorted(r.name for r in e2e.kubelet.started(namespace))
+    assert started == sorted(
+        [f"{JOB}-coordinator"] * 2 + [f"{JOB}-pool-shared-0"] * 2 + [f"{JOB}-workflow-0"]
+    )
+    log = (e2e.kubelet.current(namespace, f"{JOB}-coordinator").directory / "main.log").read_text()  # type: ignore[union-attr]
+    assert "job.resumed" in log, log[-2000:]
+    counters = e2e.counters(JOB, namespace)
+    accounted(counters)
+    assert counters["steps"] == {"agent": steps}
+    assert counters["buffers"]["agent"]["consumed"] == steps * EPISODES * SAMPLES_PER_EPISODE, counters

@@ -1,4 +1,4 @@
-"""A seeded sync job reproduces its own per-step metrics on CPU.
+"""A seeded sync job reproduces its own per-step metrics on CPU, and the same on a device pool.
 
 The job is made as sensitive to scheduling as a small job can be: two rollout engines and two
 workflow workers, and replies of varying length (tests/runtime/data/free_replies.py), so which
@@ -46,18 +46,50 @@ def guessing_job(model_dir: Path, seed: int) -> Any:
     )
 
 
-def step_metrics(tmp: Path, model_dir: Path, seed: int) -> list[dict[str, Any]]:
-    driver, summary = run(guessing_job(model_dir, seed), tmp)
+def step_metrics(tmp: Path, job: Any) -> list[dict[str, Any]]:
+    driver, summary = run(job, tmp)
     assert summary.state == "done", summary.message
     return [{k: v for k, v in asdict(r).items() if k not in TIMING} for r in driver.records]
 
 
-@pytest.mark.slow
-def test_seeded_sync_job_reproduces_its_metrics(ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path) -> None:
-    first = step_metrics(tmp_path / "a", tiny_qwen2_dir, seed=5)
-    second = step_metrics(tmp_path / "b", tiny_qwen2_dir, seed=5)
-    assert len(first) == len(second) == 3
+def assert_same_metrics(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> None:
     for a, b in zip(first, second, strict=True):
         assert {k: v for k, v in a.items() if k not in NEAR} == {k: v for k, v in b.items() if k not in NEAR}
         for k in NEAR:
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(a[k])), (a["step"], k, a[k], b[k])
+
+
+@pytest.mark.slow
+def test_seeded_sync_job_reproduces_its_metrics(ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path) -> None:
+    first = step_metrics(tmp_path / "a", guessing_job(tiny_qwen2_dir, seed=5))
+    second = step_metrics(tmp_path / "b", guessing_job(tiny_qwen2_dir, seed=5))
+    assert len(first) == len(second) == 3
+    assert_same_metrics(first, second)
+
+
+POOL_SETS = {"replicas", "gpus", "gpuType", "image", "resources", "env", "podTemplate"}
+
+
+def placed(job: Any, pooled: bool) -> Any:
+    """`job` with one engine and one trainer rank, on pods of their own or on one pool of one pod."""
+    doc = job.model_dump(by_alias=True, exclude_none=True)
+    p = doc["spec"]["policies"][0]
+    if pooled:
+        doc["spec"]["pools"] = [{"name": "shared", "gpus": 0, "replicas": {"min": 1, "max": 1}}]
+        for role in ("rollout", "trainer"):  # the pool sets these
+            p[role] = {k: v for k, v in p[role].items() if k not in POOL_SETS} | {"pool": "shared"}
+    else:
+        p["rollout"]["replicas"] = {"min": 1, "max": 1}
+    return type(job).model_validate(doc)
+
+
+@pytest.mark.slow
+def test_a_policy_on_a_pool_trains_exactly_as_on_pods_of_its_own(
+    ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path
+) -> None:
+    """Placement is not in the maths: same seed, pooled and dedicated, the same step metrics."""
+    job = guessing_job(tiny_qwen2_dir, seed=5)
+    dedicated = step_metrics(tmp_path / "dedicated", placed(job, pooled=False))
+    pooled = step_metrics(tmp_path / "pooled", placed(job, pooled=True))
+    assert len(dedicated) == len(pooled) == 3
+    assert_same_metrics(dedicated, pooled)
