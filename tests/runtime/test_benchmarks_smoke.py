@@ -184,3 +184,13 @@ def test_stability_benchmark_runs() -> None:
     runs = [line for line in out.splitlines() if line.startswith("float32 seed 1 ")]
     assert [line.split()[3] for line in runs] == ["plain:", "polyrl:"], out
     assert "float32: plain" in out and "polyrl" in out and "goal (polyrl >= plain)" in out
+
+
+@pytest.mark.slow
+def test_sharing_benchmark_runs() -> None:
+    out = _run("sharing.py", "--rounds", "1", "--steps", "5", "--episodes", "16")
+    rows = [
+        line for line in out.splitlines() if line.startswith("| colocated") or line.startswith("| dedicated")
+    ]
+    assert len(rows) == 2, out
+    assert "samples per core-second, colocated / dedicated:" in out and "colocated core busy:" in out
