@@ -7,7 +7,6 @@ precision section agree. Pure parts (rank layout, lr factors, config) are table-
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from polyrl_runtime.trainers.build import (
     rank_layout,
 )
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
+from polyrl_testenv.trainer_rank import in_process_rank
 
 CPU = torch.device("cpu")
 
@@ -253,21 +253,6 @@ def test_gradient_checkpointing_on_a_builtin_model_is_reported_unsupported() -> 
     assert enable_gradient_checkpointing(model, _policy("builtin://tiny")) is False
 
 
-def _rank(policy: Policy, total_steps: int) -> DeepSpeedTrainer:
-    """A trainer rank in this process (world 1, on the `gloo` group), as the driver builds it."""
-    rank = DeepSpeedTrainer(
-        "agent-trainer-0",
-        policy.model_dump_json(by_alias=True),
-        0,
-        rank=0,
-        world=1,
-        buffer=None,
-        total_steps=total_steps,
-    )
-    rank.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    return rank
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 def test_ppo_learning_rate_follows_training_steps_and_resumes_from_a_checkpoint(
     gloo: None, hf_uri: str, tmp_path: Path, stage: int
@@ -287,12 +272,12 @@ def test_ppo_learning_rate_follows_training_steps_and_resumes_from_a_checkpoint(
         assert result.lr == pytest.approx(expected[step - 1])
         assert [g["lr"] for g in rank.engine.optimizer.param_groups] == pytest.approx([expected[step - 1]])
 
-    rank = _rank(p, total)
+    rank = in_process_rank(p, total)
     for step in range(1, 5):
         train(rank, step)
     rank.save(str(tmp_path), "s4")
 
-    resumed = _rank(p, total)
+    resumed = in_process_rank(p, total)
     resumed.load(str(tmp_path), "s4")
     assert resumed.version == 4
     for step in (5, 6):

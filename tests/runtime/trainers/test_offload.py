@@ -10,7 +10,6 @@ and 3.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,23 +21,9 @@ from polyrl_operator.api import Policy
 from polyrl_runtime.device_memory import park, unique_storages
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 from polyrl_runtime.trainers.offload import TrainerOffloadedError, object_tensors, rank_storages
+from polyrl_testenv.trainer_rank import in_process_rank
 
 CPU = torch.device("cpu")
-
-
-def _rank(policy: Policy) -> DeepSpeedTrainer:
-    """A trainer rank in this process (world 1, on the `gloo` group), as the driver builds it."""
-    rank = DeepSpeedTrainer(
-        "agent-trainer-0",
-        policy.model_dump_json(by_alias=True),
-        0,
-        rank=0,
-        world=1,
-        buffer=None,
-        total_steps=4,
-    )
-    rank.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    return rank
 
 
 def _train(rank: DeepSpeedTrainer, offset: int) -> None:
@@ -103,7 +88,7 @@ def test_an_offload_round_trip_changes_no_bit_and_the_next_step_is_the_same(
 ) -> None:
     policy = hf_policy(tiny_qwen2_dir, stage)
     policy = policy.model_copy(update={"algorithm": policy.algorithm.model_copy(update={"kl_coef": kl_coef})})
-    pooled, dedicated = _rank(policy), _rank(policy)
+    pooled, dedicated = in_process_rank(policy), in_process_rank(policy)
     assert (pooled.ref is not None) == (kl_coef > 0)
     for rank in (pooled, dedicated):
         _train(rank, 0)
@@ -140,7 +125,7 @@ def test_an_offload_round_trip_changes_no_bit_and_the_next_step_is_the_same(
 def test_an_offloaded_rank_refuses_what_needs_its_tensors(
     gloo: None, hf_policy: Callable[[Path, int], Policy], tiny_qwen2_dir: Path, tmp_path: Path
 ) -> None:
-    rank = _rank(hf_policy(tiny_qwen2_dir, 0))
+    rank = in_process_rank(hf_policy(tiny_qwen2_dir, 0))
     with pytest.raises(RuntimeError, match="not offloaded"):
         rank.restore()
     rank.offload()
