@@ -1,4 +1,5 @@
-"""Device sharing on CPU: one policy in sync mode, colocated on one core against dedicated cores.
+"""Device sharing on CPU: one policy colocated on one core against dedicated cores, and two and four
+policies on one pool of two cores against the same policies with dedicated roles on the same cores.
 
 The same job (the built-in tiny policy playing both sides of the signalling game, sync mode) runs in
 two layouts, each pinned with `polyrl run`'s CPU sets:
@@ -15,7 +16,18 @@ and experience buffer included: run it on an otherwise idle machine). The rounds
 layouts; the ratio colocated / dedicated is taken within each round and the table gives medians.
 Goal (issue 28): samples per core-second colocated >= 1.8x dedicated, colocated core busy >= 0.9.
 
-    .venv/bin/python benchmarks/sharing.py [--steps 24] [--episodes 32] [--rounds 3]
+The second part runs N tiny policies on the guessing task (sync mode, one agent per policy each
+episode) in two layouts on the same two cores:
+
+  pooled     every rollout and trainer on one pool (`--cpus pool:shared=0-1`): the pool scheduler
+             gives the cores to the engines, then to each trainer in turn (coordinator/pool_scheduler.py);
+  dedicated  the rollouts and the workflow worker on one core, the trainers on the other.
+
+It prints the wall time of the same steady-state steps in each layout (goal: pooled / dedicated
+<= 1.0) and the pooled layout's switch time (engines asleep and awake, trainers restored and
+offloaded) as a fraction of that wall time (goal <= 0.05).
+
+    .venv/bin/python benchmarks/sharing.py [--steps 24] [--episodes 32] [--rounds 3] [--policies 2,4]
 """
 
 from __future__ import annotations
@@ -28,13 +40,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from _jobs import TINY_POLICY, run_job, start_ray, stop_ray
+from _jobs import TINY_POLICY, run_job, split_cpus, start_ray, stop_ray, tiny_job
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime.cpusets import POOL_PREFIX, format_cpus
 
 GOAL_PER_CORE = 1.8
 GOAL_BUSY = 0.9
+GOAL_POOLED_WALL = 1.0
+GOAL_SWITCH = 0.05
 WARM_STEPS = 3  # the first steps include actor start-up and first compiles
 
 
@@ -116,11 +130,86 @@ def measure(layout: str, sets: dict[str, frozenset[int]], steps: int, episodes: 
     return Run((s1 - s0) / (t1 - t0), len(held), busy, sum(succ[-3:]) / max(len(succ[-3:]), 1))
 
 
+def many_job(layout: str, n: int, steps: int, episodes: int) -> RLJob:
+    """N tiny policies on the guessing task, sync; `pooled`: every role of every policy on one pool."""
+    names = [f"agent{i}" for i in range(n)]
+    workflow = {"entrypoint": "polyrl_runtime.workflows.guessing:Guessing", "args": {"agents": names}}
+    job = tiny_job(f"share{n}-{layout}", names, workflow, steps=steps, episodes=episodes, seed=7, mode="sync")
+    if layout == "dedicated":
+        return job
+    doc = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc["spec"]["pools"] = [{"name": "shared", "gpus": 0}]
+    for p in doc["spec"]["policies"]:
+        p["rollout"] = {"engine": "torch", "pool": "shared"}
+        p["trainer"] = {"zeroStage": 1, "microBatchSize": 64, "pool": "shared"}
+    return RLJob.model_validate(doc)
+
+
+@dataclass(frozen=True)
+class ManyRun:
+    wall_s: float  # the steady-state steps: from every policy's WARM_STEPS-th step to the last
+    samples_per_s: float
+    switch_s: float
+
+
+def measure_many(
+    layout: str, n: int, sets: dict[str, frozenset[int]], steps: int, episodes: int
+) -> ManyRun | str:
+    recs: list[tuple[float, Any]] = []
+    summary = run_job(
+        many_job(layout, n, steps, episodes), lambda r: recs.append((time.monotonic(), r)), cpu_sets=sets
+    )
+    if summary.state != "done":
+        return f"{summary.state}: {summary.message}"
+    start = max(t for t, r in recs if r.step == WARM_STEPS)
+    steady = [(t, r) for t, r in recs if t > start]
+    wall = recs[-1][0] - start
+    samples = sum(r.samples for _, r in steady)
+    return ManyRun(wall, samples / wall, sum(r.pool_switch_s or 0.0 for _, r in steady))
+
+
+def many_policies(counts: list[int], cpus: list[int], args: argparse.Namespace) -> None:
+    sets = {
+        "pooled": {f"{POOL_PREFIX}shared": frozenset(cpus[:2]), "workflow": frozenset(cpus[:2])},
+        "dedicated": split_cpus(),
+    }
+    print("\n| policies | layout | cores (--cpus) | steady wall s | samples/s | switch s / wall |")
+    print("|---|---|---|---|---|---|")
+    verdicts = []
+    for n in counts:
+        runs: dict[str, list[ManyRun]] = {name: [] for name in sets}
+        for _ in range(args.rounds):
+            for name, layout_sets in sets.items():
+                got = measure_many(name, n, layout_sets, args.steps, args.episodes)
+                if isinstance(got, str):
+                    raise SystemExit(f"{n} policies, {name}: {got}")
+                runs[name].append(got)
+        for name, rs in runs.items():
+            where = " ".join(f"{key}={format_cpus(c)}" for key, c in sets[name].items())
+            print(
+                f"| {n} | {name} | {where} | {statistics.median(r.wall_s for r in rs):.1f} | "
+                f"{statistics.median(r.samples_per_s for r in rs):.1f} | "
+                f"{statistics.median(r.switch_s / r.wall_s for r in rs):.3f} |"
+            )
+        ratio = statistics.median(
+            p.wall_s / d.wall_s for p, d in zip(runs["pooled"], runs["dedicated"], strict=True)
+        )
+        switch = statistics.median(r.switch_s / r.wall_s for r in runs["pooled"])
+        verdicts.append(
+            f"{n} policies: pooled / dedicated wall {ratio:.2f}x (goal <= {GOAL_POOLED_WALL}: "
+            f"{'met' if ratio <= GOAL_POOLED_WALL else 'NOT met'}), pooled switch time {switch:.3f} of "
+            f"the wall (goal <= {GOAL_SWITCH}: {'met' if switch <= GOAL_SWITCH else 'NOT met'})"
+        )
+    print()
+    print("\n".join(verdicts))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--episodes", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--policies", default="2,4", help="policy counts of the second part ('' skips it)")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -142,7 +231,7 @@ def main() -> int:
                 f"{got.per_core_s:6.1f} per core-s, busy {busy}, final success {got.final_success:.2f}",
                 flush=True,
             )
-    stop_ray()
+    counts = [int(c) for c in args.policies.split(",") if c]
     ratios = [c.per_core_s / d.per_core_s for c, d in zip(runs["colocated"], runs["dedicated"], strict=True)]
     print(
         f"\ncpus={len(cpus)} steps={args.steps} episodes/step={args.episodes} rounds={args.rounds} (medians)"
@@ -168,6 +257,9 @@ def main() -> int:
         f"colocated core busy: {coloc_busy:.2f} (goal >= {GOAL_BUSY}: "
         f"{'met' if coloc_busy >= GOAL_BUSY else 'NOT met'})"
     )
+    if counts:
+        many_policies(counts, cpus, args)
+    stop_ray()
     return 0
 
 

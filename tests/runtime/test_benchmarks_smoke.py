@@ -150,9 +150,11 @@ def test_hf_trainer_benchmark_runs() -> None:
 
 @pytest.mark.slow
 def test_vs_trl_benchmark_runs() -> None:
+    # Its pooled layout: the same code path as the dedicated one but for the job's pools and goals.
     out = _run(
-        "vs_trl.py", "--steps", "3", "--prompts", "2", "--group", "4", "--max-new-tokens", "4", "--tail", "1"
-    )
+        "vs_trl.py", "--steps", "3", "--prompts", "2", "--group", "4", "--max-new-tokens", "4", "--tail", "1",
+        "--mode", "sync", "--pool",
+    )  # fmt: skip
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     cases = ["one policy", "two policies, one after the other", "two policies, side by side"]
     # Throughput (one policy, then two against two TRL runs one after the other and side by side),
@@ -163,6 +165,7 @@ def test_vs_trl_benchmark_runs() -> None:
         ratio = float(r[4].strip().removesuffix("x"))
         assert ratio > 0, r  # both sides trained and were timed
         assert r[-2].strip() in ("met", "not met")
+    assert "roles on one device pool" in out and "1.0x, CPU <= 1.1x TRL's, reward >= TRL" in out
     cores = len(os.sched_getaffinity(0)) + 0.5  # busy cores: CPU time over wall time, rounded
     for r in cost:
         assert float(r[2]) > 0 and float(r[3]) > 0, r  # both sides' processes were measured
@@ -188,9 +191,12 @@ def test_stability_benchmark_runs() -> None:
 
 @pytest.mark.slow
 def test_sharing_benchmark_runs() -> None:
-    out = _run("sharing.py", "--rounds", "1", "--steps", "5", "--episodes", "16")
+    out = _run("sharing.py", "--rounds", "1", "--steps", "5", "--episodes", "16", "--policies", "2")
     rows = [
         line for line in out.splitlines() if line.startswith("| colocated") or line.startswith("| dedicated")
     ]
     assert len(rows) == 2, out
     assert "samples per core-second, colocated / dedicated:" in out and "colocated core busy:" in out
+    many = [line for line in out.splitlines() if line.startswith(("| 2 | pooled", "| 2 | dedicated"))]
+    assert len(many) == 2, out
+    assert "2 policies: pooled / dedicated wall" in out and "pooled switch time" in out

@@ -252,3 +252,23 @@ def test_auto_picks_shared_memory_for_a_policy_on_one_pod_even_across_pods(tmp_p
     assert driver.fleet.transports == driver.transports
     local = Driver(job, DriverOptions(tmp_path, tmp_path / "ckpt", same_host=True))
     assert set(local.transports.values()) == {"shm"}
+
+
+def test_auto_picks_device_memory_for_a_policy_colocated_on_a_gpu_pool(tmp_path: Path) -> None:
+    """A GPU trainer whose torch rollout shares its pool of one pod updates its engines through CUDA
+    IPC; on a pool of several pods (engines off the trainer's host) or with vLLM it does not."""
+    from polyrl_runtime.coordinator.driver import Driver
+    from polyrl_runtime.coordinator.job_state import DriverOptions
+
+    def transports(max_replicas: int, engine: str) -> dict[str, str]:
+        doc = pooled_cpu_job()
+        doc["spec"]["pools"][0]["gpus"] = 1
+        doc["spec"]["pools"][0]["replicas"] = {"min": 1, "max": max_replicas}
+        doc["spec"]["policies"][0]["rollout"]["engine"] = engine
+        doc["spec"]["weightSync"] = {"transport": "auto"}
+        job = RLJob.model_validate(doc)
+        return Driver(job, DriverOptions(tmp_path, tmp_path / "ckpt", same_host=False)).transports
+
+    assert transports(1, "torch") == {"speaker": "cudaipc", "listener": "objectstore"}
+    assert transports(3, "torch") == {"speaker": "collective", "listener": "objectstore"}
+    assert transports(1, "vllm") == {"speaker": "collective", "listener": "objectstore"}

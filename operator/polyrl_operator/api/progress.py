@@ -81,6 +81,32 @@ class CheckpointProgress(_Wire):
     in_progress: bool = False
 
 
+class PoolProgress(_Wire):
+    """One device pool whose devices take turns (a pool hosting a trainer, spec.pools): what they did
+    since the coordinator started. A pool hosting only engines never switches and is not listed."""
+
+    name: str = Field(..., description="Pool name (spec.pools[].name).")
+    busy_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the time a trainer's turn held the pool or its engines had episodes "
+        "to generate.",
+    )
+    switches: int = Field(
+        0, ge=0, description="Changes of holder: engines to a trainer, trainer to trainer, back."
+    )
+    switch_seconds: float = Field(
+        0.0, ge=0.0, description="Seconds spent sleeping, waking, offloading and restoring roles."
+    )
+    resident_seconds: dict[str, float] = Field(
+        default_factory=dict, description="Per policy: seconds its trainer held the pool."
+    )
+    turns: dict[str, int] = Field(
+        default_factory=dict, description="Per policy: training turns its trainer took."
+    )
+
+
 class Progress(_Wire):
     """The whole ``GET /progress`` document."""
 
@@ -101,9 +127,15 @@ class Progress(_Wire):
     policies: list[PolicyProgress] = Field(default_factory=list)
     workflow: WorkflowProgress = Field(default_factory=WorkflowProgress)
     checkpoint: CheckpointProgress = Field(default_factory=CheckpointProgress)
+    pools: list[PoolProgress] = Field(
+        default_factory=list, description="The pools whose devices take turns (none without pools)."
+    )
 
     def policy(self, name: str) -> PolicyProgress | None:
         return next((p for p in self.policies if p.name == name), None)
+
+    def pool(self, name: str) -> PoolProgress | None:
+        return next((q for q in self.pools if q.name == name), None)
 
 
 class CheckpointRequest(_Wire):

@@ -52,7 +52,7 @@ class Workflow(RoleOverrides):
 
 # `auto` and the transports the runtime registers (polyrl_runtime/weights/registry.py takes its list
 # from here).
-TransportName = Literal["auto", "objectstore", "shm", "collective"]
+TransportName = Literal["auto", "objectstore", "shm", "collective", "cudaipc"]
 
 
 class WeightSync(ApiModel):
@@ -61,7 +61,8 @@ class WeightSync(ApiModel):
     transport: TransportName = Field(
         "auto",
         description="auto picks the best available; objectstore (Ray, works everywhere), shm (same host), "
-        "collective (gloo on CPU, NCCL on GPU).",
+        "collective (gloo on CPU, NCCL on GPU), cudaipc (GPU trainer and its rollout on one pool: engines "
+        "copy the trainer's GPU memory through CUDA IPC, no network; auto picks it there).",
     )
     bucket_mb: int = Field(256, ge=1, le=16384, alias="bucketMB", description="Flattened bucket size in MiB.")
     inflight: Literal["keep", "wait", "abort"] = Field(
@@ -224,6 +225,46 @@ class RLJobSpec(ApiModel):
                 for p in s.policies
             ),
             field=".policies",
+        ),
+        Rule(
+            cel="self.policies.all(p, !has(p.rollout.pool) || !has(p.trainer.pool) || "
+            "p.rollout.pool == p.trainer.pool || "
+            "!self.policies.exists(o, has(o.trainer.pool) && o.trainer.pool == p.rollout.pool))",
+            message="a policy whose trainer is on one pool may run its rollout on another pool only if no "
+            "trainer runs there: each pool's training turns would wait for the other's",
+            check=lambda s: all(
+                p.rollout.pool is None
+                or p.trainer.pool in (None, p.rollout.pool)
+                or all(o.trainer.pool != p.rollout.pool for o in s.policies)
+                for p in s.policies
+            ),
+            field=".policies",
+        ),
+        Rule(
+            cel="!has(self.weightSync) || self.weightSync.transport != 'cudaipc' || self.policies.all(p, "
+            "p.rollout.engine != 'vllm' && has(p.rollout.pool) && has(p.trainer.pool) && "
+            "p.rollout.pool == p.trainer.pool && has(self.pools) && "
+            "self.pools.exists(q, q.name == p.rollout.pool && q.replicas.max == 1))",
+            message="cudaipc needs every policy's torch rollout and its trainer on one pool of one pod "
+            "(replicas.max 1): engines copy the trainer's GPU memory, so they must share its host",
+            check=lambda s: (
+                s.weight_sync.transport != "cudaipc"
+                or all(p.rollout.engine != "vllm" and s.on_one_pod(p) for p in s.policies)
+            ),
+            field=".weightSync.transport",
+        ),
+        Rule(
+            cel="!has(self.weightSync) || self.weightSync.transport != 'cudaipc' || !has(self.pools) || "
+            "self.policies.all(p, !has(p.trainer.pool) || "
+            "self.pools.all(q, q.name != p.trainer.pool || q.gpus >= 1))",
+            message="cudaipc shares the trainer's CUDA memory: a pool that runs a trainer must have gpus >= 1",
+            check=lambda s: (
+                s.weight_sync.transport != "cudaipc"
+                or all(
+                    p.trainer.pool not in s.pool_names or s.pool_gpus(p.trainer.pool) >= 1 for p in s.policies
+                )
+            ),
+            field=".weightSync.transport",
         ),
     )
 

@@ -81,7 +81,7 @@ class PolicyStatus(ApiModel):
 
 
 class PoolStatus(ApiModel):
-    """One device pool: its pods and the roles placed on it."""
+    """One device pool: its pods, the roles placed on it and how its devices were shared."""
 
     name: str = Field(..., description="Pool name (spec.pools[].name).")
     desired: int = Field(0, ge=0, description="Pool pods the operator wants (the autoscaler's decision).")
@@ -89,6 +89,19 @@ class PoolStatus(ApiModel):
     roles: list[str] = Field(
         default_factory=list,
         description="The roles placed on the pool, as policy/role (e.g. solver/rollout).",
+    )
+    busy_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Fraction of the time a trainer's turn held the pool or its engines had episodes "
+        "to generate, since the coordinator started; unset on a pool that hosts no trainer.",
+    )
+    switches: int | None = Field(
+        None,
+        ge=0,
+        description="Changes of the pool's holder (engines to a trainer, trainer to trainer, back) "
+        "since the coordinator started; unset on a pool that hosts no trainer.",
     )
 
 

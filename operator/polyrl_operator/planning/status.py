@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from polyrl_operator.api import PolicyStatus, PoolStatus, RLJob, RLJobStatus, RoleCounts, Staleness
-from polyrl_operator.api.progress import EvalProgress, Progress
+from polyrl_operator.api.progress import EvalProgress, PoolProgress, Progress
 from polyrl_operator.api.status import ConditionType, EvalStatus, Phase
 from polyrl_operator.planning.conditions import Setting, clip, get_condition, rfc3339, set_conditions
 from polyrl_operator.planning.lifecycle import Verdict
@@ -69,20 +69,34 @@ def _counts(pods: PodPlan, key: RoleKey, pool: str | None) -> RoleCounts:
     return RoleCounts(desired=pods.desired[key], ready=pods.ready[key], pool=pool)
 
 
-def pool_statuses(job: RLJob, pods: PodPlan) -> list[PoolStatus] | None:
-    """Each pool's pod counts and the roles placed on it (None for a job without pools)."""
+def pool_statuses(
+    job: RLJob, old: RLJobStatus, progress: Progress | None, pods: PodPlan
+) -> list[PoolStatus] | None:
+    """Each pool's pod counts, the roles placed on it and its busy fraction and switches (from the
+    report, else as last written; unset on a pool the coordinator does not schedule, one that hosts
+    no trainer). None for a job without pools."""
     if not job.spec.pools:
         return None
-    return [
-        PoolStatus(
-            name=slot.pool,
-            desired=pods.desired[(slot.pool, slot.role)],
-            ready=pods.ready[(slot.pool, slot.role)],
-            roles=[str(r) for r in slot.placed],
+    previous = {q.name: q for q in old.pools or []}
+    out = []
+    for slot in role_slots(job):
+        if slot.pool is None:
+            continue
+        reported = progress.pool(slot.pool) if progress is not None else None
+        usage: PoolProgress | PoolStatus | None = (
+            reported if reported is not None else previous.get(slot.pool)
         )
-        for slot in role_slots(job)
-        if slot.pool is not None
-    ]
+        out.append(
+            PoolStatus(
+                name=slot.pool,
+                desired=pods.desired[(slot.pool, slot.role)],
+                ready=pods.ready[(slot.pool, slot.role)],
+                roles=[str(r) for r in slot.placed],
+                busy_fraction=usage.busy_fraction if usage is not None else None,
+                switches=usage.switches if usage is not None else None,
+            )
+        )
+    return out
 
 
 def pool_summary(pools: list[PoolStatus] | None) -> str | None:
@@ -185,7 +199,7 @@ def finished_status(
     steps = [p.step for p in policies]
     step = (max(steps) if succeeded else min(steps)) if steps else 0
     status = status.model_copy(update={"conditions": conditions, "workflow": RoleCounts()})
-    return _with_policies(status, policies, step, pool_statuses(job, no_pods))
+    return _with_policies(status, policies, step, pool_statuses(job, status, progress, no_pods))
 
 
 def active_status(inputs: StatusInputs) -> RLJobStatus:
@@ -283,7 +297,7 @@ def active_status(inputs: StatusInputs) -> RLJobStatus:
             "message": clip(msg),
         }
     )
-    return _with_policies(status, policies, step, pool_statuses(job, pods))
+    return _with_policies(status, policies, step, pool_statuses(job, old, inputs.progress, pods))
 
 
 def transition_events(old: RLJobStatus, new: RLJobStatus) -> tuple[Event, ...]:

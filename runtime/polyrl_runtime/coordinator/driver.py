@@ -24,6 +24,7 @@ client (polyrl_runtime/actors.py); `PolicyTrainer.train_step` (training.py) make
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +44,13 @@ from polyrl_runtime.coordinator.fleet_supervisor import FleetSupervisor
 from polyrl_runtime.coordinator.job_state import DriverOptions, JobControl, PolicyRun, State
 from polyrl_runtime.coordinator.metrics.log import MetricsLog
 from polyrl_runtime.coordinator.metrics.records import RewardWindow, StepRecord
+from polyrl_runtime.coordinator.pool_scheduler import device_pools
 from polyrl_runtime.coordinator.producer import EpisodeProducer, ProducerLimits
 from polyrl_runtime.coordinator.report import (
     JobSnapshot,
     RunSummary,
     policy_snapshot,
+    pool_snapshots,
     progress_report,
     run_summary,
     worker_views,
@@ -90,15 +93,25 @@ class Driver:
         self.state: State = "starting"
         self.message, self.retryable, self.interrupted = "", True, False
         self.runs: dict[str, PolicyRun] = {}  # filled as `_start` starts each policy's trainer
-        self.checkpointer = Checkpointer(job, self.store, self.control, self.runs, opts.checkpoint_requests)
+        # Read at each turn: engines come and go, and the ranks exist once `_start` has run.
+        self.pools = device_pools(
+            self.spec,
+            engines=lambda p: [s.actor for s in self.fleet.live_engines(p).values()],
+            ranks=lambda p: self.runs[p].ranks,
+        )
+        self.checkpointer = Checkpointer(
+            job, self.store, self.control, self.runs, opts.checkpoint_requests, pools=self.pools
+        )
         self.metrics = MetricsLog(job, opts)
         # `auto` per policy: a policy whose engines and trainer share one pod (`on_one_pod`) has
-        # them on one host, as every policy has under `polyrl run`.
+        # them on one host, as every policy has under `polyrl run`, and on GPUs its torch engines
+        # read the trainer's device memory (vLLM receives through NCCL only).
         self.transports = {
             p.name: choose_transport(
                 self.spec.weight_sync.transport,
                 cuda=self.spec.trainer_placement(p).gpus > 0,
                 same_host=opts.same_host or self.spec.on_one_pod(p),
+                colocated=self.spec.on_one_pod(p) and p.rollout.engine != "vllm",
             )
             for p in self.spec.policies
         }
@@ -127,6 +140,10 @@ class Driver:
             side = [
                 guarded(parts.producer.run(self.control.stop), "episode producer"),
                 guarded(parts.supervisor.loop(), "housekeeping"),
+                *(
+                    guarded(s.watch(lambda: parts.producer.in_flight > 0, self.control.stop), f"pool {n}")
+                    for n, s in self.pools.schedulers.items()
+                ),
             ]
             await self._until_done_or_stopped(trainers)
             await self._wind_down(trainers, side)
@@ -235,6 +252,7 @@ class Driver:
             registry=self.registry,
             record=self.metrics.add,
             evaluator=evaluator,
+            pools=self.pools,
         )
         limits = StepLimits(self.group_size, self.opts.stall_timeout_s)
         trainers = {n: PolicyTrainer(self.job, run, shared, limits) for n, run in self.runs.items()}
@@ -258,6 +276,7 @@ class Driver:
         used = ", ".join(sorted(set(transports.values())))
         with phase("first_weights", f"first weight sync to the engines ({used})"):
             await asyncio.gather(*(self._reported(n, t.connect(transports[n])) for n, t in trainers.items()))
+        await self.pools.park_trainers()  # pooled trainers wait for their turns in host memory
         if ref is not None:
             self._restore_counters(ref, producer, buffered_groups(snapshot))
         await self.metrics.open({n: r.step for n, r in self.runs.items()} if ref is not None else {})
@@ -389,6 +408,7 @@ class Driver:
             episodes=producer.episodes_ok if producer is not None else 0,
             failed=dict(producer.failures) if producer is not None else {},
             elapsed_s=self.elapsed(),
+            pools=pool_snapshots(self.pools.usage(), time.monotonic()),  # the schedulers' clock
         )
 
     def progress(self) -> Progress:

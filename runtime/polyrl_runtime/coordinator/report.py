@@ -5,6 +5,7 @@ Both are built from a `JobSnapshot`, a typed copy of the job's state the driver 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from polyrl_operator.api.progress import (
     CheckpointProgress,
     EvalProgress,
     PolicyProgress,
+    PoolProgress,
     Progress,
     StalenessStats,
     Worker,
@@ -22,6 +24,7 @@ from polyrl_operator.api.progress import (
 from polyrl_runtime.actors import Actor
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.metrics.records import SeriesEnds, StepRecord
+from polyrl_runtime.coordinator.pool_scheduler import PoolUsage
 from polyrl_runtime.experience.client import BufferClient
 
 if TYPE_CHECKING:  # the driver's modules import torch; `polyrl run` loads them while Ray starts
@@ -43,6 +46,18 @@ class PolicySnapshot:
 
 
 @dataclass(frozen=True)
+class PoolSnapshot:
+    """A scheduled pool's usage (`PoolUsage`) at the moment of the snapshot."""
+
+    name: str
+    busy_fraction: float
+    switches: int
+    switch_s: float
+    resident_s: dict[str, float]  # per policy: seconds its trainer held the pool
+    turns: dict[str, int]  # per policy: training turns
+
+
+@dataclass(frozen=True)
 class JobSnapshot:
     state: State
     message: str
@@ -57,6 +72,7 @@ class JobSnapshot:
     episodes: int  # episodes finished
     failed: dict[str, int]  # failed episodes by reason
     elapsed_s: float
+    pools: list[PoolSnapshot] = field(default_factory=list)  # the scheduled pools, in spec order
 
 
 def _worker(s: Slot[Actor], version: int | None = None) -> Worker:
@@ -88,6 +104,21 @@ def worker_views(fleet: Fleet) -> list[Worker]:
     return [_worker(w) for w in fleet.workers.values() if not w.dead]
 
 
+def pool_snapshots(usage: Mapping[str, PoolUsage], now: float) -> list[PoolSnapshot]:
+    """Each scheduled pool's usage, its busy fraction as of `now` (the schedulers' clock)."""
+    return [
+        PoolSnapshot(
+            name=name,
+            busy_fraction=u.busy_fraction(now),
+            switches=u.switches,
+            switch_s=u.switch_s,
+            resident_s=dict(u.trainer_s),
+            turns=dict(u.turns),
+        )
+        for name, u in usage.items()
+    ]
+
+
 def progress_report(s: JobSnapshot) -> Progress:
     """The `/progress` document (schema in polyrl_operator.api.progress)."""
     return Progress(
@@ -113,6 +144,17 @@ def progress_report(s: JobSnapshot) -> Progress:
         checkpoint=CheckpointProgress(
             last_step=s.last_ckpt_step, last_request_id=s.last_request_id, in_progress=s.ckpt_in_progress
         ),
+        pools=[
+            PoolProgress(
+                name=q.name,
+                busy_fraction=q.busy_fraction,
+                switches=q.switches,
+                switch_seconds=q.switch_s,
+                resident_seconds=q.resident_s,
+                turns=q.turns,
+            )
+            for q in s.pools
+        ],
     )
 
 

@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import structlog
@@ -26,6 +26,7 @@ from polyrl_runtime.coordinator.evaluation import Evaluator
 from polyrl_runtime.coordinator.fleet import Fleet, Slot
 from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
 from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
+from polyrl_runtime.coordinator.pool_scheduler import DevicePools
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.experience.client import BufferClient
@@ -72,6 +73,7 @@ class TrainingParts:
     registry: VersionRegistry
     record: Callable[[StepRecord], Awaitable[None]]  # where each step's record goes (metrics/log.py)
     evaluator: Evaluator | None
+    pools: DevicePools  # turns on the device pools the policies' roles share
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class PolicyTrainer:
         self.policy = next(p for p in job.spec.policies if p.name == run.name)
         self.buffer, self.fleet, self.producer = parts.buffer, parts.fleet, parts.producer
         self.checkpointer, self.registry, self.record = parts.checkpointer, parts.registry, parts.record
+        self.pools = parts.pools
         self.stall_timeout_s, self.group_size = limits.stall_timeout_s, limits.group_size
         self.episodes_per_step = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps
@@ -230,11 +233,14 @@ class PolicyTrainer:
         """One training step on `n` buffered samples, every cross-process hop in order."""
         run, version = self.run, self.run.step + 1
         t0 = time.perf_counter()
-        # Each rank pulls its share from the buffer under a lease and takes the optimizer step.
-        results = await self._train_ranks(version, n)
-        await self.buffer.ack([r.lease_id for r in results if r.lease_id is not None])
-        t1 = time.perf_counter()
-        await self.sync_weights(version)  # rank 0 publishes, every engine of the policy loads it
+        # On a device pool, the step and the update are one turn: the trainer holds the devices.
+        async with self.pools.training(run.name) as turn:
+            # Each rank pulls its share from the buffer under a lease and takes the optimizer step.
+            results = await self._train_ranks(version, n)
+            await self.buffer.ack([r.lease_id for r in results if r.lease_id is not None])
+            t1 = time.perf_counter()
+            async with self.pools.delivery(run.name, turn):
+                await self.sync_weights(version)  # rank 0 publishes, every engine of the policy loads it
         if self.spec.effective_max_staleness == 0:
             # Sync: no episode can start before `advance`, so once the producer has accounted for
             # those in flight, the window holds exactly this step's episodes, whatever the timing.
@@ -246,7 +252,8 @@ class PolicyTrainer:
         rewards = run.window.take()  # before any await: no episode the new credit starts is in it
         stats = run.stats = (await self.buffer.stats())[run.name]
         run.staleness = (stats.staleness_mean, stats.staleness_max)
-        return self._record(version, results, rewards, stats, train_s=t1 - t0, sync_s=sync_s, started=t0)
+        rec = self._record(version, results, rewards, stats, train_s=t1 - t0, sync_s=sync_s, started=t0)
+        return rec if turn is None else replace(rec, **asdict(self.pools.turn_metrics(turn)))
 
     async def _train_ranks(self, version: int, n: int) -> list[StepResult]:
         """Every rank's part of the step: the samples split evenly, the same micro-batch count."""

@@ -22,6 +22,7 @@ import structlog
 
 from polyrl_runtime.actors import actor_gone
 from polyrl_runtime.weights.api import SyncReport, WeightManifest, WeightSyncError
+from polyrl_runtime.weights.registry import get_transport
 from polyrl_runtime.weights.sides import EngineWeights, TrainerWeights
 from polyrl_runtime.weights.versions import VersionRegistry
 
@@ -89,6 +90,7 @@ class PolicyWeightSync:
         self.transport = transport
         self.admit_timeout_s = admit_timeout_s
         self._collective = transport == "collective"
+        self._keeps_latest = get_transport(transport).keeps_latest
         self._lock = threading.Lock()
         # Signalled after every sync, and by close(): engines waiting to be brought in by a publish.
         self._synced = threading.Condition(self._lock)
@@ -229,6 +231,11 @@ class PolicyWeightSync:
                 return self._await_next_sync(name)
             self.registry.publish(resent)
             return self._deliver(resent, self.engines)
+        if not self._keeps_latest:  # served from the trainer's tensors, until they change
+            current: WeightManifest | None = ray.get(self.trainer.resend_weights())
+            if current is None:
+                return self._await_next_sync(name)
+            return self._deliver(current, {name: engine})
         latest = self.registry.latest(self.policy)
         assert latest is not None
         return self._deliver(latest, {name: engine})

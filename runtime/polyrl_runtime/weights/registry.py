@@ -1,7 +1,7 @@
 """Transports by name (the `spec.weightSync.transport` enum) and the `auto` choice.
 
 Extension point: `register_transport(name, sender_factory, receiver_factory)` adds a transport (for
-example a later `delta` or a CUDA-IPC one) without touching the callers, which only ever name it.
+example a later `delta` one) without touching the callers, which only ever name it.
 """
 
 from __future__ import annotations
@@ -32,17 +32,26 @@ class Transport:
     # The sender opens a process group of fixed size for each sync, so it is told how many receivers
     # join (`num_receivers`); a store-based sender serves any number of receivers.
     sized_group: bool = False
+    # The sender keeps a copy of the latest version of its own (a store, a segment), which an engine
+    # that joins later loads; False: it serves the trainer's tensors only until they change, and a
+    # late joiner waits for the next publish.
+    keeps_latest: bool = True
 
 
 _REGISTRY: dict[str, Transport] = {}
 
 
 def register_transport(
-    name: str, sender: SenderFactory, receiver: ReceiverFactory, *, sized_group: bool = False
+    name: str,
+    sender: SenderFactory,
+    receiver: ReceiverFactory,
+    *,
+    sized_group: bool = False,
+    keeps_latest: bool = True,
 ) -> None:
     if name == "auto":
         raise ValueError("'auto' is a choice among transports, not a transport")
-    _REGISTRY[name] = Transport(name, sender, receiver, sized_group)
+    _REGISTRY[name] = Transport(name, sender, receiver, sized_group, keeps_latest)
 
 
 def get_transport(name: str) -> Transport:
@@ -56,16 +65,23 @@ def registered() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def choose_transport(requested: str, *, cuda: bool, same_host: bool, ray_available: bool = True) -> str:
+def choose_transport(
+    requested: str, *, cuda: bool, same_host: bool, ray_available: bool = True, colocated: bool = False
+) -> str:
     """Resolve `auto` to the best transport for where the trainer and its engines are.
 
-    GPU weights go through NCCL (`collective`): anything else copies them through host memory. On CPU,
-    engines on the trainer's host serve from one shared segment (`shm`, the cheapest: one host copy);
-    across hosts Ray's object store works everywhere; without Ray, gloo (`collective`) does.
+    GPU weights of a colocated policy (`colocated`: its rollout and trainer on one device pool, so its
+    engines run on the trainer's GPU host) are copied device to device from the trainer's memory
+    (`cudaipc`: no network, and NCCL refuses two ranks on one GPU). Other GPU weights go through NCCL
+    (`collective`): anything else copies them through host memory. On CPU, engines on the trainer's
+    host serve from one shared segment (`shm`, the cheapest: one host copy); across hosts Ray's object
+    store works everywhere; without Ray, gloo (`collective`) does.
     """
     if requested != "auto":
         get_transport(requested)
         return requested
+    if cuda and colocated:
+        return "cudaipc"
     if cuda:
         return "collective"
     if same_host:
@@ -102,11 +118,14 @@ def _objectstore_receiver(*args: Any, **kwargs: Any) -> WeightReceiver:
 def _register_builtins() -> None:
     from polyrl_runtime.weights.collective import TRANSPORT as COLLECTIVE
     from polyrl_runtime.weights.collective import CollectiveReceiver, CollectiveSender
+    from polyrl_runtime.weights.cudaipc import TRANSPORT as CUDAIPC
+    from polyrl_runtime.weights.cudaipc import CudaIpcReceiver, CudaIpcSender
     from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
 
     register_transport(DEFAULT_TRANSPORT, _objectstore_sender, _objectstore_receiver)
     register_transport("shm", ShmSender, ShmReceiver)
-    register_transport(COLLECTIVE, CollectiveSender, CollectiveReceiver, sized_group=True)
+    register_transport(COLLECTIVE, CollectiveSender, CollectiveReceiver, sized_group=True, keeps_latest=False)
+    register_transport(CUDAIPC, CudaIpcSender, CudaIpcReceiver, keeps_latest=False)
 
 
 _register_builtins()

@@ -112,7 +112,7 @@ def test_trainer_world_is_ranks_on_the_pools_first_pods() -> None:
 
 
 @pytest.mark.parametrize(
-    ("max_replicas", "policy", "expected"),
+    ("max_replicas", "policy", "on_one_pod"),
     [
         (1, 0, True),  # rollout and trainer on one pool of one pod
         (3, 0, False),  # engines on the pool's other pods too
@@ -120,11 +120,25 @@ def test_trainer_world_is_ranks_on_the_pools_first_pods() -> None:
     ],
 )
 def test_a_policy_is_on_one_pod_only_when_both_roles_share_a_one_pod_pool(
-    max_replicas: int, policy: int, expected: bool
+    max_replicas: int, policy: int, on_one_pod: bool
 ) -> None:
     doc = pooled_cpu_job()
     doc["spec"]["pools"][0]["replicas"] = {"min": 1, "max": max_replicas}
     spec = RLJob.model_validate(doc).spec
-    assert spec.on_one_pod(spec.policies[policy]) is expected
+    assert spec.on_one_pod(spec.policies[policy]) is on_one_pod
     dedicated = RLJob.model_validate(stored_job()).spec
     assert not dedicated.on_one_pod(dedicated.policies[policy])
+
+
+def test_cudaipc_is_valid_when_every_policy_is_colocated_on_a_gpu_pool_of_one_pod() -> None:
+    doc = pooled_cpu_job()
+    doc["spec"]["pools"][0]["gpus"] = 1
+    doc["spec"]["pools"][0]["replicas"] = {"min": 1, "max": 1}
+    listener = doc["spec"]["policies"][1]["trainer"]
+    for key in ("replicas", "gpus", "resources"):
+        listener.pop(key, None)
+    listener["pool"] = "shared"
+    doc["spec"]["weightSync"]["transport"] = "cudaipc"
+    spec = RLJob.model_validate(doc).spec
+    assert spec.weight_sync.transport == "cudaipc"
+    assert all(spec.on_one_pod(p) and spec.trainer_placement(p).gpus == 1 for p in spec.policies)

@@ -17,6 +17,7 @@ def test_recorded_progress_samples_parse(sample: str) -> None:
 
 
 def test_progress_without_the_field_still_parses() -> None:
-    """An older coordinator's document (no `evaluation`) is read as before."""
+    """An older coordinator's document (no `evaluation`, no `pools`) is read as before."""
     doc = {"schemaVersion": 1, "state": "running", "policies": [{"name": "agent", "step": 2}]}
-    assert Progress.model_validate(doc).policies[0].evaluation is None
+    parsed = Progress.model_validate(doc)
+    assert parsed.policies[0].evaluation is None and parsed.pools == []

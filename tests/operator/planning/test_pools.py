@@ -5,7 +5,8 @@ trainer keeping a pod of its own. The test plays the API server, the kubelet and
 What it holds: the pool's pods replace the pooled roles' own; the pool scales on the backlog of all
 the rollouts placed on it, drains a pod before deleting it (every engine on it drained); a failed
 pool pod that hosts a trainer restarts the job, one past replicas.min is replaced alone; status
-reports each pool and counts each pooled role on its pool's pods.
+reports each pool, counts each pooled role on its pool's pods and shows the busy fraction and
+switches the coordinator reports.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from polyrl_testenv.operator_fixtures import (
     observed,
     pod_status,
     pooled_cpu_job,
+    progress,
     stored_job,
     with_status,
 )
@@ -121,6 +123,21 @@ def test_ready_pool_pods_count_for_every_role_placed_on_them() -> None:
     assert status["phase"] == "Running"
     assert (status["pools"][0]["ready"], status["poolSummary"]) == (1, "shared:1/1")
     assert status["policies"][0]["trainer"] == {"desired": 1, "ready": 1, "pool": "shared"}
+
+
+def test_status_shows_the_pool_s_busy_fraction_and_switches_from_the_report() -> None:
+    body, children = running()
+    result = plan(body, observed(children, progress("pooled")), SETTINGS, later(1))
+    assert result.status is not None
+    [shared] = result.status.to_k8s()["pools"]
+    assert (shared["busyFraction"], shared["switches"]) == (0.87, 16)
+    assert result.status.pool_summary == "shared:1/1"  # the column shows pods only
+
+    # A reconcile without a report keeps what the last one said.
+    again = plan(with_status(body, result), observed(children), SETTINGS, later(2))
+    assert again.status is not None
+    [kept] = again.status.to_k8s()["pools"]
+    assert (kept["busyFraction"], kept["switches"]) == (0.87, 16)
 
 
 def test_the_pool_scales_out_on_the_backlog_of_all_its_rollouts() -> None:

@@ -1,6 +1,7 @@
-"""The RLJob status per policy (``polyrl_operator.planning.status``) carries the coordinator's
-latest evaluation pass (spec.evaluation): taken from /progress when there, kept as last written when
-a report has none."""
+"""What the RLJob status (``polyrl_operator.planning.status``) takes from the coordinator's report:
+each policy's latest evaluation pass (spec.evaluation) and each scheduled pool's busy fraction and
+switches; taken from /progress when there, kept as last written when a report has none, unset on a
+pool that hosts no trainer."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 import yaml
 
 from polyrl_operator.api import RLJob, RLJobStatus
-from polyrl_operator.api.progress import EvalProgress, PolicyProgress, Progress
-from polyrl_operator.api.status import EvalStatus, PolicyStatus
+from polyrl_operator.api.progress import EvalProgress, PolicyProgress, PoolProgress, Progress
+from polyrl_operator.api.status import EvalStatus, PolicyStatus, PoolStatus
 from polyrl_operator.planning.pods import empty_pod_plan
-from polyrl_operator.planning.status import policy_statuses
+from polyrl_operator.planning.status import policy_statuses, pool_statuses
 from polyrl_testenv.bad_rljobs import REPO
+from polyrl_testenv.operator_fixtures import pooled_cpu_job
 
 JOB = RLJob.model_validate(
     yaml.safe_load((REPO / "tests" / "runtime" / "data" / "selfplay-tiny.yaml").read_text())
@@ -44,3 +46,43 @@ def test_policy_status_carries_the_latest_eval_pass(
     [status] = policy_statuses(JOB, old, progress, empty_pod_plan(JOB))
     wire = status.model_dump(by_alias=True, exclude_none=True, mode="json").get("evaluation")
     assert wire == expected
+
+
+def _two_pools() -> RLJob:
+    """The pooled CPU example (pool ``shared``: the speaker's trainer and rollout) with the
+    listener's rollout on a second pool, ``engines``, which hosts no trainer."""
+    body = pooled_cpu_job()
+    spec = body["spec"]
+    spec["pools"].append({**spec["pools"][0], "name": "engines"})
+    spec["policies"][1]["rollout"]["pool"] = "engines"
+    return RLJob.model_validate(body)
+
+
+POOLED = _two_pools()
+USED = PoolProgress(name="shared", busy_fraction=0.8, switches=12, switch_seconds=3.0, turns={"speaker": 6})
+
+
+@pytest.mark.parametrize(
+    ("old_usage", "report", "expected"),
+    [
+        (None, Progress(state="running", pools=[USED]), {"busyFraction": 0.8, "switches": 12}),
+        ((0.5, 6), Progress(state="running", pools=[USED]), {"busyFraction": 0.8, "switches": 12}),
+        ((0.5, 6), None, {"busyFraction": 0.5, "switches": 6}),  # no report: kept
+        ((0.5, 6), Progress(state="running"), {"busyFraction": 0.5, "switches": 6}),  # an older coordinator
+        (None, Progress(state="starting"), {}),  # nothing reported yet
+        (None, None, {}),
+    ],
+    ids=["reported", "updated", "no-report", "report-without-pools", "none-yet", "nothing"],
+)
+def test_pool_status_carries_the_busy_fraction_and_switches(
+    old_usage: tuple[float, int] | None, report: Progress | None, expected: dict[str, Any]
+) -> None:
+    old_shared = PoolStatus(name="shared")
+    if old_usage is not None:
+        old_shared = old_shared.model_copy(update={"busy_fraction": old_usage[0], "switches": old_usage[1]})
+    old = RLJobStatus(pools=[old_shared, PoolStatus(name="engines")])
+    pools = pool_statuses(POOLED, old, report, empty_pod_plan(POOLED))
+    assert pools is not None
+    wire = {q.name: q.model_dump(by_alias=True, exclude_none=True, mode="json") for q in pools}
+    assert {k: v for k, v in wire["shared"].items() if k in ("busyFraction", "switches")} == expected
+    assert wire["engines"] == {"name": "engines", "desired": 0, "ready": 0, "roles": ["listener/rollout"]}

@@ -67,6 +67,7 @@ def test_seeded_sync_job_reproduces_its_metrics(ray_local: Any, tiny_qwen2_dir: 
     assert_same_metrics(first, second)
 
 
+POOL_FIELDS = ("pool", "pool_resident_s", "pool_switch_s", "pool_switches_total", "pool_busy_fraction")
 POOL_SETS = {"replicas", "gpus", "gpuType", "image", "resources", "env", "podTemplate"}
 
 
@@ -87,9 +88,18 @@ def placed(job: Any, pooled: bool) -> Any:
 def test_a_policy_on_a_pool_trains_exactly_as_on_pods_of_its_own(
     ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path
 ) -> None:
-    """Placement is not in the maths: same seed, pooled and dedicated, the same step metrics."""
+    """Placement is not in the maths: same seed, pooled and dedicated, the same step metrics. On the
+    pool each step is a turn (engine asleep, trainer restored, offloaded again): the round trips of
+    the trainer's state through host memory change no bit of what it computes."""
     job = guessing_job(tiny_qwen2_dir, seed=5)
     dedicated = step_metrics(tmp_path / "dedicated", placed(job, pooled=False))
     pooled = step_metrics(tmp_path / "pooled", placed(job, pooled=True))
     assert len(dedicated) == len(pooled) == 3
+    turns = [{k: row.pop(k) for k in POOL_FIELDS} for row in pooled]
+    assert all(row.pop(k) is None for row in dedicated for k in POOL_FIELDS)
     assert_same_metrics(dedicated, pooled)
+    assert [t["pool"] for t in turns] == ["shared"] * 3
+    # Each turn: engines -> trainer -> engines; switching took some of the time the turn held the pool.
+    assert [t["pool_switches_total"] for t in turns] == [2, 4, 6]
+    assert all(0 < t["pool_switch_s"] < t["pool_resident_s"] for t in turns)
+    assert all(0 < t["pool_busy_fraction"] <= 1 for t in turns)

@@ -31,21 +31,29 @@ def test_every_transport_the_api_offers_is_registered() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cuda", "same_host", "ray_available", "expected"),
+    ("cuda", "same_host", "ray_available", "colocated", "expected"),
     [
-        (True, True, True, "collective"),
-        (True, False, True, "collective"),
-        (False, True, True, "shm"),
-        (False, False, True, "objectstore"),
-        (False, False, False, "collective"),
+        (True, True, True, False, "collective"),
+        (True, False, True, False, "collective"),
+        (True, True, True, True, "cudaipc"),  # rollout and trainer on one GPU pool
+        (True, False, True, True, "cudaipc"),  # ... of several pods
+        (False, True, True, True, "shm"),  # a colocated policy on a CPU pool
+        (False, True, True, False, "shm"),
+        (False, False, True, False, "objectstore"),
+        (False, False, False, False, "collective"),
     ],
 )
-def test_auto(cuda: bool, same_host: bool, ray_available: bool, expected: str) -> None:
-    assert choose_transport("auto", cuda=cuda, same_host=same_host, ray_available=ray_available) == expected
+def test_auto(cuda: bool, same_host: bool, ray_available: bool, colocated: bool, expected: str) -> None:
+    chosen = choose_transport(
+        "auto", cuda=cuda, same_host=same_host, ray_available=ray_available, colocated=colocated
+    )
+    assert chosen == expected
 
 
 def test_explicit_choice_is_kept_and_unknown_rejected() -> None:
     assert choose_transport("objectstore", cuda=True, same_host=True) == "objectstore"
+    assert choose_transport("cudaipc", cuda=True, same_host=False) == "cudaipc"
+    assert choose_transport("collective", cuda=True, same_host=True, colocated=True) == "collective"
     with pytest.raises(KeyError, match="nccl2"):
         choose_transport("nccl2", cuda=True, same_host=True)
     with pytest.raises(ValueError):

@@ -117,6 +117,42 @@ def _ranks_per_pod_not_pool_gpus(doc: Doc) -> None:
     doc["spec"]["policies"][0]["trainer"]["ranksPerPod"] = 3
 
 
+def _cudaipc_apart(doc: Doc) -> None:
+    """GPU trainers, their rollouts on a GPU pool without them: cudaipc cannot reach the trainers."""
+    _on_pool(doc, (0, "rollout"), (1, "rollout"), gpus=1)
+    for policy in doc["spec"]["policies"]:
+        policy["trainer"]["gpus"] = 1
+    doc["spec"]["weightSync"]["transport"] = "cudaipc"
+
+
+def _cudaipc_on_cpu_pool(doc: Doc) -> None:
+    """Every policy colocated, on a CPU pool of one pod: no CUDA memory to share."""
+    _on_pool(
+        doc, (0, "rollout"), (0, "trainer"), (1, "rollout"), (1, "trainer"), replicas={"min": 1, "max": 1}
+    )
+    doc["spec"]["weightSync"]["transport"] = "cudaipc"
+
+
+def _cudaipc_across_pods(doc: Doc) -> None:
+    """Every policy colocated on a GPU pool of up to two pods: engines on the second pod are off
+    the trainer's host."""
+    _on_pool(doc, (0, "rollout"), (0, "trainer"), (1, "rollout"), (1, "trainer"), gpus=1)
+    doc["spec"]["weightSync"]["transport"] = "cudaipc"
+
+
+def _rollout_on_anothers_training_pool(doc: Doc) -> None:
+    """Two pools that each host a trainer, and a policy with its trainer on one and its rollout on
+    the other."""
+    _on_pool(doc, (0, "rollout"), (0, "trainer"))
+    doc["spec"]["pools"].append({"name": "second", "gpus": 0})
+    listener = doc["spec"]["policies"][1]
+    for role in ("rollout", "trainer"):
+        for key in ("replicas", "gpus", "gpuType", "resources"):
+            listener[role].pop(key, None)
+    listener["trainer"]["pool"] = "second"
+    listener["rollout"]["pool"] = "shared"
+
+
 def _dup_pool(doc: Doc) -> None:
     _on_pool(doc, (0, "rollout"))
     doc["spec"]["pools"].append(dict(doc["spec"]["pools"][0]))
@@ -182,10 +218,35 @@ POOL_CASES: tuple[BadCase, ...] = (
         "spec.policies",
         ("spec.policies", "ranksPerPod must equal the pool's gpus"),
     ),
+    BadCase(
+        "cudaipc-rollout-and-trainer-apart",
+        _cudaipc_apart,
+        "spec.weightSync.transport",
+        ("spec.weightSync.transport", "cudaipc needs every policy's torch rollout and its trainer"),
+    ),
+    BadCase(
+        "cudaipc-across-pool-pods",
+        _cudaipc_across_pods,
+        "spec.weightSync.transport",
+        ("spec.weightSync.transport", "on one pool of one pod"),
+    ),
+    BadCase(
+        "cudaipc-trainer-without-gpus",
+        _cudaipc_on_cpu_pool,
+        "spec.weightSync.transport",
+        ("spec.weightSync.transport", "a pool that runs a trainer must have gpus >= 1"),
+    ),
+    BadCase(
+        "rollout-on-another-trainers-pool",
+        _rollout_on_anothers_training_pool,
+        "spec.policies",
+        ("spec.policies", "only if no trainer runs there"),
+    ),
     BadCase("duplicate-pool-names", _dup_pool, "spec.pools", ("spec.pools[1]", "Duplicate")),
     BadCase("pool-pod-names-too-long", _long_pool_names, "spec.pools", ("spec.pools", "63 characters")),
 )
-"""One case per pool rule of the API (spec.pools and the roles' pool field)."""
+"""One case per pool rule of the API (spec.pools, the roles' pool field and the transport that needs
+one)."""
 
 
 BAD_CASES: tuple[BadCase, ...] = (

@@ -16,6 +16,7 @@ from polyrl_operator.api import RLJob
 from polyrl_runtime import storage
 from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
+from polyrl_runtime.coordinator.pool_scheduler import DevicePools
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.export import export_due, export_location
 
@@ -32,8 +33,11 @@ class Checkpointer:
         control: JobControl,
         runs: dict[str, PolicyRun],
         requests: Callable[[], str | None] | None,
+        *,
+        pools: DevicePools,
     ) -> None:
         self.job, self.store, self.control, self.runs = job, store, control, runs
+        self.pools = pools  # a pooled trainer saves and exports on its devices, in a turn
         self._requests = requests
         self.total = job.spec.training.total_steps
         self.last_ckpt: CheckpointRef | None = None
@@ -69,7 +73,8 @@ class Checkpointer:
         if not export_due(run.step, self.total, self.job.spec.checkpoint.export_every):
             return
         location = export_location(self.store.root, run.step, run.name)
-        await asyncio.gather(*(r.export(location) for r in run.ranks))
+        async with self.pools.resident(run.name):
+            await asyncio.gather(*(r.export(location) for r in run.ranks))
         self.control.emit("export", policy=run.name, step=run.step, path=location)
 
     async def maybe_checkpoint(self) -> None:
@@ -110,7 +115,8 @@ class Checkpointer:
         tmp = self.store.begin(min(steps.values()))
         for n, run in self.runs.items():
             d = storage.join(tmp, "trainers", n)  # each rank uploads its part there
-            await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))
+            async with self.pools.resident(n):
+                await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))
         # The counters before the snapshot: the data position must not run ahead of it (datafeed.py).
         counters = self._counters()
         snap = await buffer.snapshot()

@@ -61,6 +61,14 @@ class StepRecord:
     # The eval pass at this step (coordinator/evaluation.py), when one ran: mean reward and pass@k.
     eval_reward_mean: float | None = None
     eval_pass_at_k: float | None = None
+    # A trainer on a device pool (coordinator/pool_scheduler.py): the pool, how long this step's
+    # turn held it and, of that, the seconds spent switching (sleep, wake, offload, restore); the
+    # pool's holder changes so far and the fraction of its time it was busy.
+    pool: str | None = None
+    pool_resident_s: float | None = None
+    pool_switch_s: float | None = None
+    pool_switches_total: int | None = None
+    pool_busy_fraction: float | None = None
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
