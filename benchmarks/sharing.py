@@ -134,7 +134,16 @@ def many_job(layout: str, n: int, steps: int, episodes: int) -> RLJob:
     """N tiny policies on the guessing task, sync; `pooled`: every role of every policy on one pool."""
     names = [f"agent{i}" for i in range(n)]
     workflow = {"entrypoint": "polyrl_runtime.workflows.guessing:Guessing", "args": {"agents": names}}
-    job = tiny_job(f"share{n}-{layout}", names, workflow, steps=steps, episodes=episodes, seed=7, mode="sync")
+    job = tiny_job(
+        f"share{n}-{layout}",
+        names,
+        workflow,
+        steps=steps,
+        episodes=episodes,
+        seed=7,
+        mode="sync",
+        staleness=0,
+    )
     if layout == "dedicated":
         return job
     doc = job.model_dump(mode="json", by_alias=True, exclude_none=True)
