@@ -82,8 +82,8 @@ class CheckpointProgress(_Wire):
 
 
 class PoolProgress(_Wire):
-    """One device pool whose devices take turns (a pool hosting a trainer, spec.pools): what they did
-    since the coordinator started. A pool hosting only engines never switches and is not listed."""
+    """One device pool whose devices take turns (a GPU pool hosting a trainer, spec.pools): what they
+    did since the coordinator started. Other pools never switch and are not listed."""
 
     name: str = Field(..., description="Pool name (spec.pools[].name).")
     busy_fraction: float = Field(

@@ -95,13 +95,14 @@ class PoolStatus(ApiModel):
         ge=0,
         le=1,
         description="Fraction of the time a trainer's turn held the pool or its engines had episodes "
-        "to generate, since the coordinator started; unset on a pool that hosts no trainer.",
+        "to generate, since the coordinator started; unset on a pool that takes no turns (no trainer, "
+        "or no GPUs).",
     )
     switches: int | None = Field(
         None,
         ge=0,
         description="Changes of the pool's holder (engines to a trainer, trainer to trainer, back) "
-        "since the coordinator started; unset on a pool that hosts no trainer.",
+        "since the coordinator started; unset on a pool that takes no turns (no trainer, or no GPUs).",
     )
 
 

@@ -26,6 +26,13 @@ way: an engine asleep refuses updates.
 
 A pool with no trainer on it needs no scheduling (its engines never sleep), and roles on dedicated
 pods are never scheduled: `DevicePools` answers for them with contexts that do nothing.
+
+**Only GPU pools take turns.** A pool without GPUs is a set of cores its roles share, which the
+operating system schedules: its memory is the host's, where offloading would copy a trainer's state
+into the same memory, an idle engine holds no core, and exclusive turns would leave cores idle that
+another policy's trainer could use. (Measured with `benchmarks/sharing.py`'s tiny policies on two
+cores: switching memory cost about 20 ms a turn, a fifth of a step, and turns without it left four
+pooled policies 4% slower than dedicated roles.)
 """
 
 from __future__ import annotations
@@ -369,6 +376,10 @@ def device_pools(
     engines: Callable[[str], Sequence[PooledEngine]],
     ranks: Callable[[str], Sequence[PooledRank]],
 ) -> DevicePools:
-    """A scheduler for each pool that hosts a trainer (`PoolRoles.scheduled`)."""
-    schedulers = {r.pool: PoolScheduler(r, engines, ranks) for r in pool_roles(spec) if r.scheduled}
+    """A scheduler for each GPU pool that hosts a trainer (`PoolRoles.scheduled`)."""
+    schedulers = {
+        r.pool: PoolScheduler(r, engines, ranks)
+        for r in pool_roles(spec)
+        if r.scheduled and spec.pool(r.pool).gpus > 0
+    }
     return DevicePools(schedulers, spec)

@@ -8,10 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from polyrl_operator.api import RLJob
+from polyrl_runtime.coordinator import driver as driver_module
 from polyrl_runtime.coordinator.driver import Driver, DriverOptions
+from polyrl_runtime.coordinator.pool_scheduler import DevicePools, PoolScheduler, pool_roles
 from polyrl_runtime.coordinator.report import RunSummary
 
 DATA = Path(__file__).parent.parent / "data"
@@ -64,3 +67,16 @@ async def until(task: asyncio.Task[Any], ready: Callable[[], bool], what: str) -
     while not ready():
         still_running(task, what)
         await asyncio.sleep(0.05)
+
+
+def cpu_pools_take_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drivers built from here on schedule every pool that hosts a trainer as a GPU pool is (engines
+    asleep, trainers offloaded between turns), CPU pools included: the GPU pools' switching through
+    the actors' real Ray calls, on a machine without GPUs."""
+
+    def every_pool(spec: Any, engines: Any, ranks: Any) -> DevicePools:
+        return DevicePools(
+            {r.pool: PoolScheduler(r, engines, ranks) for r in pool_roles(spec) if r.scheduled}, spec
+        )
+
+    monkeypatch.setattr(driver_module, "device_pools", every_pool)

@@ -227,8 +227,8 @@ async def test_a_checkpoint_turn_restores_without_counting_a_step() -> None:
     assert s.usage.turns == {} and devices.awake == {"a-0"} and not devices.resident
 
 
-def _job(*pooled: tuple[str, str, str]) -> RLJob:
-    """BASE with policies a, b, c; `pooled` places (policy, role, pool) on CPU pools."""
+def _job(*pooled: tuple[str, str, str], gpus: int = 0) -> RLJob:
+    """BASE with policies a, b, c; `pooled` places (policy, role, pool) on pools of `gpus` GPUs."""
     pols = [policy(n) for n in "abc"]
     pools: dict[str, dict[str, object]] = {}
     for name, role, pool in pooled:
@@ -236,7 +236,7 @@ def _job(*pooled: tuple[str, str, str]) -> RLJob:
         p[role] = {k: v for k, v in p[role].items() if k not in ("replicas", "gpus", "gpuType")} | {
             "pool": pool
         }
-        pools[pool] = {"name": pool, "gpus": 0}
+        pools[pool] = {"name": pool, "gpus": gpus}
     spec = {**BASE["spec"], "policies": pols, "pools": list(pools.values()) or None}
     return RLJob.model_validate({**BASE, "spec": {k: v for k, v in spec.items() if v is not None}})
 
@@ -258,10 +258,13 @@ def _job(*pooled: tuple[str, str, str]) -> RLJob:
     ids=["no-pools", "engines-only", "colocated-and-a-trainer", "a-trainer-pool-and-an-engine-pool"],
 )
 def test_pool_roles(pooled: tuple[tuple[str, str, str], ...], expected: list[PoolRoles]) -> None:
-    spec = _job(*pooled).spec
+    spec = _job(*pooled, gpus=1).spec
     assert pool_roles(spec) == expected
     pools = device_pools(spec, lambda p: [], lambda p: [])
     assert sorted(pools.schedulers) == sorted(r.pool for r in expected if r.trainers)
+    # The same layout on CPU pools: sets of cores the OS schedules, never turns.
+    assert pool_roles(_job(*pooled).spec) == expected
+    assert device_pools(_job(*pooled).spec, lambda p: [], lambda p: []).schedulers == {}
 
 
 async def test_roles_on_dedicated_pods_and_engine_only_pools_are_never_scheduled() -> None:

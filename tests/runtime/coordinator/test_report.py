@@ -94,7 +94,7 @@ def _job() -> RLJob:
         for key in ("replicas", "gpus", "gpuType"):
             settings.pop(key, None)
         settings["pool"] = pool
-    pools = [{"name": "t", "gpus": 0}, {"name": "g", "gpus": 0}]
+    pools = [{"name": "t", "gpus": 1}, {"name": "g", "gpus": 1}]
     return RLJob.model_validate({**BASE, "spec": {**BASE["spec"], "policies": pols, "pools": pools}})
 
 

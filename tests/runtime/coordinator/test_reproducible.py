@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from driver_harness import make_job, policy, run
+from driver_harness import cpu_pools_take_turns, make_job, policy, run
 
 # Wall-clock figures differ between runs by nature; everything else must not.
 TIMING = {"train_s", "sync_s", "elapsed_s", "samples_per_s"}
@@ -86,11 +86,14 @@ def placed(job: Any, pooled: bool) -> Any:
 
 @pytest.mark.slow
 def test_a_policy_on_a_pool_trains_exactly_as_on_pods_of_its_own(
-    ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path
+    ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Placement is not in the maths: same seed, pooled and dedicated, the same step metrics. On the
-    pool each step is a turn (engine asleep, trainer restored, offloaded again): the round trips of
-    the trainer's state through host memory change no bit of what it computes."""
+    pool each step is a turn, here switching memory as a GPU pool does (engine asleep, trainer
+    restored, offloaded again, through the actors' Ray calls): the round trips of the trainer's
+    state through host memory change no bit of what it computes."""
+
+    cpu_pools_take_turns(monkeypatch)
     job = guessing_job(tiny_qwen2_dir, seed=5)
     dedicated = step_metrics(tmp_path / "dedicated", placed(job, pooled=False))
     pooled = step_metrics(tmp_path / "pooled", placed(job, pooled=True))
