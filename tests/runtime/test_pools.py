@@ -255,8 +255,8 @@ def test_auto_picks_shared_memory_for_a_policy_on_one_pod_even_across_pods(tmp_p
 
 
 def test_auto_picks_device_memory_for_a_policy_colocated_on_a_gpu_pool(tmp_path: Path) -> None:
-    """A GPU trainer whose torch rollout shares its pool of one pod updates its engines through CUDA
-    IPC; on a pool of several pods (engines off the trainer's host) or with vLLM it does not."""
+    """A GPU trainer whose rollout (torch or vLLM) shares its pool of one pod updates its engines
+    through CUDA IPC; on a pool of several pods (engines off the trainer's host) it does not."""
     from polyrl_runtime.coordinator.driver import Driver
     from polyrl_runtime.coordinator.job_state import DriverOptions
 
@@ -271,4 +271,5 @@ def test_auto_picks_device_memory_for_a_policy_colocated_on_a_gpu_pool(tmp_path:
 
     assert transports(1, "torch") == {"speaker": "cudaipc", "listener": "objectstore"}
     assert transports(3, "torch") == {"speaker": "collective", "listener": "objectstore"}
-    assert transports(1, "vllm") == {"speaker": "collective", "listener": "objectstore"}
+    assert transports(1, "vllm") == {"speaker": "cudaipc", "listener": "objectstore"}
+    assert transports(3, "vllm") == {"speaker": "collective", "listener": "objectstore"}

@@ -242,15 +242,12 @@ class RLJobSpec(ApiModel):
         ),
         Rule(
             cel="!has(self.weightSync) || self.weightSync.transport != 'cudaipc' || self.policies.all(p, "
-            "p.rollout.engine != 'vllm' && has(p.rollout.pool) && has(p.trainer.pool) && "
+            "has(p.rollout.pool) && has(p.trainer.pool) && "
             "p.rollout.pool == p.trainer.pool && has(self.pools) && "
             "self.pools.exists(q, q.name == p.rollout.pool && q.replicas.max == 1))",
-            message="cudaipc needs every policy's torch rollout and its trainer on one pool of one pod "
+            message="cudaipc needs every policy's rollout and its trainer on one pool of one pod "
             "(replicas.max 1): engines copy the trainer's GPU memory, so they must share its host",
-            check=lambda s: (
-                s.weight_sync.transport != "cudaipc"
-                or all(p.rollout.engine != "vllm" and s.on_one_pod(p) for p in s.policies)
-            ),
+            check=lambda s: s.weight_sync.transport != "cudaipc" or all(s.on_one_pod(p) for p in s.policies),
             field=".weightSync.transport",
         ),
         Rule(

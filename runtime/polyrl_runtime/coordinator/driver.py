@@ -104,14 +104,14 @@ class Driver:
         )
         self.metrics = MetricsLog(job, opts)
         # `auto` per policy: a policy whose engines and trainer share one pod (`on_one_pod`) has
-        # them on one host, as every policy has under `polyrl run`, and on GPUs its torch engines
-        # read the trainer's device memory (vLLM receives through NCCL only).
+        # them on one host, as every policy has under `polyrl run`, and on GPUs its engines (torch
+        # or vLLM) read the trainer's device memory.
         self.transports = {
             p.name: choose_transport(
                 self.spec.weight_sync.transport,
                 cuda=self.spec.trainer_placement(p).gpus > 0,
                 same_host=opts.same_host or self.spec.on_one_pod(p),
-                colocated=self.spec.on_one_pod(p) and p.rollout.engine != "vllm",
+                colocated=self.spec.on_one_pod(p),
             )
             for p in self.spec.policies
         }

@@ -5,11 +5,13 @@ Same actor interface as the torch engine (`engines.api`). The engine is built fr
 with `logprobs_mode="processed_logprobs"`, so each token's behaviour logprob is the log-softmax of
 logits / temperature over the allowed tokens, what the trainer's loss recomputes. Prefix caching is on.
 
-A weight sync (`receive_weights`, one manifest from the trainer's collective sender):
+A weight sync (`receive_weights`, one manifest from the trainer's `collective` sender, or its `cudaipc`
+sender when the rollout shares the trainer's pool of one pod):
 1. pause the scheduler between two steps, as `spec.weightSync.inflight` says: `keep` freezes running
    requests, `wait` lets them finish on the old weights, `abort` ends them (re-issued here after);
 2. every worker receives the version straight into the served parameters (`vllm_worker.py`, called
-   by name through `collective_rpc`);
+   by name through `collective_rpc`): from the trainer's broadcasts, or from the trainer's GPU memory
+   through CUDA IPC;
 3. reset the prefix cache, preempting kept requests so their KV is recomputed by the new weights;
 4. label the version in vLLM (`update_weight_version`), which records on each output token the
    version that sampled it (`CompletionOutput.weight_versions`), then resume.
@@ -19,8 +21,9 @@ Sleep and wake (`Engine.sleep`, for rollouts on a device pool, which start with 
 the requests it has finish (pause mode `wait`), then offloads the weights to host memory and discards
 the KV cache (level 1) or discards both (level 2); `wake_up` reverses it. After level 2 the version is
 -1 and requests wait until the next update has loaded weights (applied whatever its version). A
-weight update while asleep takes part in the broadcast without loading it (the sender and the other
-engines go on) and fails with `EngineAsleepError`. The bytes a sleep frees are measured on the
+weight update while asleep fails with `EngineAsleepError`; a collective one first takes part in the
+broadcast without loading it (the sender and the other engines go on), a cudaipc one has nothing to
+drain. The bytes a sleep frees are measured on the
 workers' GPUs (`polyrl_device_memory`: every process's use of the device).
 
 New requests wait while a sync runs. A failure before any tensor reached the model resumes on the old
@@ -60,8 +63,14 @@ from polyrl_runtime.models import model_dir
 from polyrl_runtime.weights.api import SyncReport, VersionError, WeightManifest, WeightSyncError, make_report
 from polyrl_runtime.weights.collective import TRANSPORT as COLLECTIVE
 from polyrl_runtime.weights.collective import GroupAddress
+from polyrl_runtime.weights.cudaipc import LAYOUT_ALIGN as CUDAIPC_ALIGN
+from polyrl_runtime.weights.cudaipc import TRANSPORT as CUDAIPC
+from polyrl_runtime.weights.cudaipc_handle import CudaIpcHandle, handle_args
 
 log = structlog.get_logger(__name__)
+
+# The transports whose protocol the worker extension (vllm_worker.py) receives.
+TRANSPORTS = (COLLECTIVE, CUDAIPC)
 
 
 class VllmEngine:
@@ -83,11 +92,11 @@ class VllmEngine:
         sleep_mode: bool = False,
     ) -> None:
         self.name, self.policy = name, policy
-        # The worker extension (vllm_worker.py) is a receiver of the collective transport's protocol.
-        if transport != COLLECTIVE:
+        if transport not in TRANSPORTS:
             raise ValueError(
-                f"{name}: engine vllm receives weights through the {COLLECTIVE} transport (NCCL); "
-                f"spec.weightSync.transport is {transport!r}: set it to {COLLECTIVE} or auto"
+                f"{name}: engine vllm receives weights through {COLLECTIVE} (NCCL) or {CUDAIPC} (a rollout "
+                f"on its trainer's pool of one pod); spec.weightSync.transport is {transport!r}: set it to "
+                "one of those, or auto"
             )
         if inflight not in vllm_api.INFLIGHT_MODES:
             raise ValueError(
@@ -187,13 +196,13 @@ class VllmEngine:
     async def receive_weights(self, manifest: WeightManifest) -> SyncReport:
         if self._retired:
             raise WeightSyncError(f"{self.name}: retired ({self._retired})")
-        if not isinstance(manifest.handle, GroupAddress):
+        if not isinstance(manifest.handle, GroupAddress | CudaIpcHandle):
             raise WeightSyncError(
-                f"{self.name}: manifest of transport {manifest.transport!r}, not {COLLECTIVE}"
+                f"{self.name}: manifest of transport {manifest.transport!r}, not {COLLECTIVE} or {CUDAIPC}"
             )
         async with self._sync_lock:
             if self._asleep:
-                await self._rpc(manifest, apply=False)  # take part: the sender and peers go on
+                await self._rpc(manifest, apply=False)  # collective: take part, the sender and peers go on
                 raise EngineAsleepError(
                     self.name, self._asleep, f"a weight update (version {manifest.version})"
                 )
@@ -202,7 +211,7 @@ class VllmEngine:
     async def _receive(self, manifest: WeightManifest) -> SyncReport:
         start = time.perf_counter()
         if manifest.version < self._version:
-            # Still drain the broadcast: leaving would hang the sender and the other engines.
+            # Still drain a broadcast: leaving would hang the sender and the other engines.
             await self._rpc(manifest, apply=False)
             raise VersionError(
                 f"{manifest.policy}: update to version {manifest.version} is older than {self.name}'s "
@@ -247,20 +256,40 @@ class VllmEngine:
         return make_report(manifest, start, pause, applied=True)
 
     async def _rpc(self, manifest: WeightManifest, *, apply: bool) -> int:
-        """Run the worker extension on every worker; the number of tensors loaded, or raise."""
+        """Run the worker extension on every worker; the number of tensors loaded, or raise.
+        `apply=False`: take part in a broadcast without loading it (a cudaipc version waits for no
+        one: nothing to do)."""
+        ipc = isinstance(manifest.handle, CudaIpcHandle)
+        if ipc and not apply:
+            return 0
         log.info("vllm.receiving", engine=self.name, version=manifest.version, bytes=manifest.nbytes)
-        results = await self._llm.collective_rpc(
-            "polyrl_receive_version",
-            timeout=self._timeout_s + 60.0,
-            kwargs={
-                "address": address_args(manifest.handle),
-                "layout": layout_args(manifest.layout),
-                "timeout_s": self._timeout_s,
-                "apply": apply,
-            },
-        )
+        if ipc:
+            results = await self._llm.collective_rpc(
+                "polyrl_receive_ipc",
+                timeout=self._timeout_s + 60.0,
+                kwargs={
+                    "policy": manifest.policy,
+                    "version": manifest.version,
+                    "handle": handle_args(manifest.handle),
+                    "layout": layout_args(manifest.layout, CUDAIPC_ALIGN),
+                    "timeout_s": self._timeout_s,
+                },
+            )
+        else:
+            results = await self._llm.collective_rpc(
+                "polyrl_receive_version",
+                timeout=self._timeout_s + 60.0,
+                kwargs={
+                    "address": address_args(manifest.handle),
+                    "layout": layout_args(manifest.layout),
+                    "timeout_s": self._timeout_s,
+                    "apply": apply,
+                },
+            )
         errors = [r for r in results if r.get("error")]
-        if any(r.get("written") for r in errors):
+        # Mixed when any worker wrote and any failed: TP ranks that read the trainer's memory each on
+        # their own (cudaipc) may part ways.
+        if errors and any(r.get("written") for r in results):
             raise WeightsMixedError(f"{manifest.policy} version {manifest.version}: {errors[0]['error']}")
         if errors:
             raise WeightSyncError(f"{manifest.policy} version {manifest.version}: {errors[0]['error']}")

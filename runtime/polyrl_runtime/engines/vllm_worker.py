@@ -1,5 +1,5 @@
-"""The vLLM worker extension: weight versions from the job's collective transport, streamed into the
-served model bucket by bucket.
+"""The vLLM worker extension: weight versions from the job's collective or cudaipc transport, handed
+to the served model bucket by bucket.
 
 vLLM mixes `PolyrlWorkerExtension` into every GPU worker (`worker_extension_cls`); the engine actor
 calls its methods by name through `AsyncLLM.collective_rpc`, with plain arguments only (numbers,
@@ -20,15 +20,24 @@ buffer); each complete tensor joins a batch handed to the model's `load_weights`
 trainer's (Hugging Face) names onto vLLM's fused and sharded parameters, once about a bucket is ready.
 So the extra GPU memory is about one bucket plus the largest tensor, never a staging copy of the model.
 
-Invariant: nothing is written into the served parameters before every rank has joined and the layout
-checked; once `load_weights` has run, a failure leaves the model mixed, which the caller learns from
-`WeightsWritten` (the engine then retires itself, see `vllm_engine.py`).
+A `cudaipc` version (a rollout colocated with its trainer: one pool of one pod) is read where the
+trainer holds it: every worker maps the trainer's storages itself through `CudaIpcReceiver.read` (the
+engine's workers are processes of the trainer's pod, so on its host, where CUDA IPC works), holds the
+trainer's guard shared meanwhile, and hands views of the trainer's tensors to `load_weights` about a
+bucket at a time: no buffer, no staging copy, and no piece crosses the TP group (each rank's
+`load_weights` takes the full tensors and keeps its shard, as with the collective path).
+
+Invariant: nothing is written into the served parameters before every rank has joined (collective) or
+the layout is checked against the handle and the version found still served (cudaipc); once
+`load_weights` has run, a failure leaves the model mixed, which the caller learns from `WeightsWritten`
+(the engine then retires itself, see `vllm_engine.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +46,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from polyrl_runtime.engines import vllm_api
-from polyrl_runtime.weights.api import WeightSyncError
+from polyrl_runtime.weights.api import WeightManifest, WeightSyncError
 from polyrl_runtime.weights.buckets import BucketLayout, TensorSpec, byte_view, plan_buckets
 from polyrl_runtime.weights.collective import (
     CHUNK,
@@ -50,6 +59,9 @@ from polyrl_runtime.weights.collective import (
     rank_key,
     wait_work,
 )
+from polyrl_runtime.weights.cudaipc import TRANSPORT as CUDAIPC
+from polyrl_runtime.weights.cudaipc import CudaIpcReceiver, MappedVersion
+from polyrl_runtime.weights.cudaipc_handle import handle_from_args
 from polyrl_runtime.weights.staging import ALIGN
 
 log = structlog.get_logger(__name__)
@@ -63,11 +75,14 @@ class WeightsWritten(WeightSyncError):
     """A sync failed after some tensors went into the served model: its weights are mixed."""
 
 
-def layout_args(layout: BucketLayout) -> dict[str, Any]:
-    """A layout as plain values for `collective_rpc` (vLLM's RPC carries no custom classes)."""
+def layout_args(layout: BucketLayout, align: int = ALIGN) -> dict[str, Any]:
+    """A layout as plain values for `collective_rpc` (vLLM's RPC carries no custom classes). `align`:
+    the one the sender planned it with (`ALIGN` for the collective transport's, `LAYOUT_ALIGN` for
+    cudaipc's)."""
     return {
         "digest": layout.wire[0],
         "bucket_bytes": layout.bucket_bytes,
+        "align": align,
         "specs": [(s.name, list(s.shape), str(s.dtype).removeprefix("torch.")) for s in layout.specs],
     }
 
@@ -81,7 +96,7 @@ def layout_from_args(args: dict[str, Any]) -> BucketLayout:
         if not isinstance(dt, torch.dtype):
             raise WeightSyncError(f"tensor {name!r}: unknown dtype {dtype!r}")
         specs.append(TensorSpec(name, tuple(int(d) for d in shape), dt))
-    layout = plan_buckets(specs, int(args["bucket_bytes"]), ALIGN)
+    layout = plan_buckets(specs, int(args["bucket_bytes"]), int(args["align"]))
     if layout.wire[0] != args["digest"]:
         raise WeightSyncError("the rebuilt bucket layout differs from the sender's (digest mismatch)")
     return layout
@@ -102,8 +117,8 @@ class _Assembly:
     """Per-tensor buffers filled piece by piece; complete tensors go to `load` about a bucket at a time."""
 
     layout: BucketLayout
-    device: torch.device
     load: Load
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     got: dict[int, int] = field(default_factory=dict)
     ready: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -122,13 +137,17 @@ class _Assembly:
 
     def landed(self, index: int, nbytes: int) -> None:
         self.got[index] += nbytes
-        spec = self.layout.specs[index]
-        if self.got[index] == spec.nbytes:
-            self.ready.append((spec.name, self.buffers.pop(index)))
-            self.ready_bytes += spec.nbytes
+        if self.got[index] == self.layout.specs[index].nbytes:
             del self.got[index]
-            if self.ready_bytes >= self.layout.bucket_bytes:
-                self.flush()
+            self.add(index, self.buffers.pop(index))
+
+    def add(self, index: int, tensor: torch.Tensor) -> None:
+        """Tensor `index` of the layout is complete: it goes with the next batch."""
+        spec = self.layout.specs[index]
+        self.ready.append((spec.name, tensor))
+        self.ready_bytes += spec.nbytes
+        if self.ready_bytes >= self.layout.bucket_bytes:
+            self.flush()
 
     def flush(self) -> None:
         if self.ready:
@@ -151,9 +170,9 @@ def stream_version(
     `receive(piece)` fills a byte tensor from the sender (TP rank 0; None on the other ranks, which
     get every piece from `forward`). Raises `WeightsWritten` when a failure comes after a `load`.
     """
-    asm = _Assembly(layout, device, load)
+    asm = _Assembly(layout, load, device)
     scratch = torch.empty(0, dtype=torch.uint8, device=device)
-    try:
+    with _written_if_loaded(asm):
         for op in broadcast_ops(layout):
             if op.direct:
                 seg = op.segments[0]
@@ -174,6 +193,30 @@ def stream_version(
                     byte_view(asm.buffer(seg.tensor))[seg.src_offset : seg.src_offset + seg.nbytes].copy_(src)
                 asm.landed(seg.tensor, seg.nbytes)
         asm.flush()
+    if asm.buffers:
+        missing = sorted(layout.specs[i].name for i in asm.buffers)
+        raise WeightsWritten(f"tensors incomplete after the last broadcast: {missing[:5]}")
+    return asm.load_calls
+
+
+def load_mapped(mapped: MappedVersion, load: Load, devices: Iterable[torch.device]) -> int:
+    """Hand a cudaipc version's tensors, views of the trainer's memory, to `load` about a bucket at a
+    time, then check the trainer served them throughout (`devices`: where `load` writes); returns
+    `load` calls. Raises `WeightsWritten` when a failure comes after a `load`."""
+    asm = _Assembly(mapped.manifest.layout, load)
+    with _written_if_loaded(asm):
+        for index in range(len(mapped.manifest.layout.specs)):
+            asm.add(index, mapped.tensor(index))
+        asm.flush()
+        mapped.finish(devices)
+    return asm.load_calls
+
+
+@contextlib.contextmanager
+def _written_if_loaded(asm: _Assembly) -> Iterator[None]:
+    """A failure as a `WeightSyncError`: `WeightsWritten` once a `load` has begun."""
+    try:
+        yield
     except WeightSyncError as e:
         if asm.touched:
             raise WeightsWritten(f"{e} (after {asm.loaded_tensors} tensors were loaded)") from e
@@ -184,10 +227,6 @@ def stream_version(
                 f"{type(e).__name__}: {e} (after {asm.loaded_tensors} tensors were loaded)"
             ) from e
         raise WeightSyncError(f"{type(e).__name__}: {e}") from e
-    if asm.buffers:
-        missing = sorted(layout.specs[i].name for i in asm.buffers)
-        raise WeightsWritten(f"tensors incomplete after the last broadcast: {missing[:5]}")
-    return asm.load_calls
 
 
 @dataclass
@@ -256,6 +295,54 @@ def covered(loaded: Iterable[str], params: Sequence[str]) -> list[str]:
     return [p for p in params if p not in done]
 
 
+@dataclass
+class ModelLoad:
+    """`load` into the served model for one version: batches go to its `load_weights`, which maps the
+    trainer's names onto vLLM's parameters and reports the ones it loaded."""
+
+    model: Any
+    apply: bool = True
+    loaded: set[str] = field(default_factory=set)
+    reported: bool = True  # every load_weights call returned the names it loaded
+    calls: int = 0
+
+    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        if not self.apply:
+            return
+        self.calls += 1
+        names = self.model.load_weights(weights=batch)
+        if names is None:
+            self.reported = False
+        else:
+            self.loaded.update(names)
+
+    def check_covered(self) -> None:
+        """Every served parameter was loaded (when `load_weights` says which it loads)."""
+        if not (self.apply and self.reported):
+            return
+        missing = covered(self.loaded, [n for n, _ in self.model.named_parameters()])
+        if missing:
+            error = WeightsWritten if self.calls else WeightSyncError
+            raise error(
+                f"the update did not cover {len(missing)} served parameters, e.g. {missing[:3]} "
+                "(the trainer's tensor names do not match this model)"
+            )
+
+
+def _as_result(receive: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A receive's outcome as values, `written` saying whether it touched the served weights (vLLM's
+    RPC would carry an exception only as text): the engine learns a model is mixed when any worker
+    failed and any worker, that one or another TP rank, wrote."""
+    try:
+        return receive()
+    except WeightsWritten as e:
+        log.error("vllm.weights.mixed", error=str(e))
+        return {"error": str(e), "written": True}
+    except Exception as e:
+        log.warning("vllm.weights.failed", error=str(e))
+        return {"error": f"{type(e).__name__}: {e}", "written": False}
+
+
 class PolyrlWorkerExtension:
     """Mixed into vLLM's GPU worker; every method is called on all workers by `collective_rpc`.
 
@@ -267,17 +354,9 @@ class PolyrlWorkerExtension:
     def polyrl_receive_version(
         self, address: dict[str, Any], layout: dict[str, Any], timeout_s: float = 600.0, apply: bool = True
     ) -> dict[str, Any]:
-        """Receive one version (`apply=False`: take part in the broadcast, load nothing). Errors come
-        back as values, `written` saying whether the served weights were touched: vLLM's RPC would
-        carry an exception only as text."""
-        try:
-            return self._polyrl_receive(address, layout, timeout_s, apply)
-        except WeightsWritten as e:
-            log.error("vllm.weights.mixed", error=str(e))
-            return {"error": str(e), "written": True}
-        except Exception as e:
-            log.warning("vllm.weights.failed", error=str(e))
-            return {"error": f"{type(e).__name__}: {e}", "written": False}
+        """Receive one version of the collective transport (`apply=False`: take part in the
+        broadcast, load nothing); errors come back as values (`_as_result`)."""
+        return _as_result(lambda: self._polyrl_receive(address, layout, timeout_s, apply))
 
     def _polyrl_receive(
         self, address: dict[str, Any], layout: dict[str, Any], timeout_s: float, apply: bool
@@ -289,20 +368,8 @@ class PolyrlWorkerExtension:
             self._polyrl_member = state
         addr = GroupAddress(**address)
         plan = layout_from_args(layout)
-        model = self.model_runner.get_model()
+        load = ModelLoad(self.model_runner.get_model(), apply)
         device = torch.device("cuda", torch.cuda.current_device())
-        loaded: set[str] = set()
-        reported = [True]  # whether every load_weights call returned the names it loaded
-
-        def load(batch: list[tuple[str, torch.Tensor]]) -> None:
-            if not apply:
-                return
-            names = model.load_weights(weights=batch)
-            if names is None:
-                reported[0] = False
-            else:
-                loaded.update(names)
-
         receive = state.receiver(addr) if tp.rank_in_group == 0 else None
         forward: Forward | None = None
         if tp.world_size > 1:
@@ -312,14 +379,43 @@ class PolyrlWorkerExtension:
 
         calls = stream_version(plan, receive, load, device, forward)
         torch.cuda.synchronize(device)
-        check = apply and reported[0]
-        missing = covered(loaded, [n for n, _ in model.named_parameters()]) if check else []
-        if missing:
-            raise WeightsWritten(
-                f"the update did not cover {len(missing)} served parameters, e.g. {missing[:3]} "
-                "(the trainer's tensor names do not match this model)"
-            )
-        return {"load_calls": calls, "tensors": len(plan.specs) if apply else 0, "rank": tp.rank_in_group}
+        load.check_covered()
+        return {
+            "load_calls": calls,
+            "tensors": len(plan.specs) if apply else 0,
+            "written": load.calls > 0,
+            "rank": tp.rank_in_group,
+        }
+
+    def polyrl_receive_ipc(
+        self,
+        policy: str,
+        version: int,
+        handle: dict[str, Any],
+        layout: dict[str, Any],
+        timeout_s: float = 600.0,
+    ) -> dict[str, Any]:
+        """Load one version of the cudaipc transport from the trainer's memory (`handle_args`,
+        `layout_args`); `timeout_s` bounds the wait for the trainer's guard. Errors come back as values
+        (`_as_result`)."""
+        return _as_result(lambda: self._polyrl_receive_ipc(policy, version, handle, layout, timeout_s))
+
+    def _polyrl_receive_ipc(
+        self, policy: str, version: int, handle: dict[str, Any], layout: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        plan = layout_from_args(layout)
+        manifest = WeightManifest(policy, int(version), CUDAIPC, plan, handle_from_args(handle))
+        receiver: CudaIpcReceiver | None = getattr(self, "_polyrl_ipc", None)
+        if receiver is None:
+            receiver = self._polyrl_ipc = CudaIpcReceiver(timeout_s)
+        receiver.timeout_s = timeout_s
+        load = ModelLoad(self.model_runner.get_model())
+        # Where load_weights writes: this worker's device (none on a machine without CUDA).
+        devices = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
+        with receiver.read(manifest) as mapped:
+            calls = load_mapped(mapped, load, devices)
+        load.check_covered()
+        return {"load_calls": calls, "tensors": len(plan.specs), "written": load.calls > 0}
 
     def polyrl_device_memory(self) -> dict[str, int]:
         """Bytes in use on this worker's GPU, by every process on it (what a sleep frees shows here;

@@ -33,6 +33,11 @@ freed at once, whether no engine, one or several mapped it.
 An engine in the trainer's own process (CUDA refuses to open an IPC handle where it was made) reads
 the sender's tensors directly: the handle names its process and sender.
 
+The handle itself and torch's IPC calls are in `cudaipc_handle.py`. `CudaIpcReceiver.read` is an
+engine's side of the protocol, whatever it does with the bytes: `receive` copies them into a
+`WeightTarget`, and the vLLM worker extension (`engines/vllm_worker.py`) hands views of them to the
+model's `load_weights`.
+
 The guard file and torch's IPC reference counters live in /dev/shm: engines and trainer must share it
 (processes of one pod do).
 """
@@ -40,19 +45,17 @@ The guard file and torch's IPC reference counters live in /dev/shm: engines and 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import structlog
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from polyrl_runtime.weights.api import (
     SyncReport,
@@ -65,47 +68,23 @@ from polyrl_runtime.weights.api import (
     make_report,
 )
 from polyrl_runtime.weights.buckets import Bucket, Pair, byte_view, layout_for
+from polyrl_runtime.weights.cudaipc_handle import (
+    CudaIpcHandle,
+    StorageShare,
+    map_storages,
+    share_storage,
+    this_process,
+)
 from polyrl_runtime.weights.serve_guard import NOT_SERVED, CounterSink, ServeGuard, guard_dir
 
 log = structlog.get_logger(__name__)
 
 TRANSPORT = "cudaipc"
+# The sender's layouts (`layout_for`'s align): nothing is staged, so nothing needs padding.
+LAYOUT_ALIGN = 1
 
-# Positions in the arguments of torch's `rebuild_cuda_tensor` (what `reduce_tensor` returns).
-_ARGS = 15
-_DEVICE, _REF_COUNTER, _REF_COUNTER_OFFSET, _EVENT_SYNC = 6, 11, 12, 14
-
-# Tells a receiver whether a handle comes from its own process; the pid keeps a forked child apart.
-_BOOT = uuid.uuid4().hex
 # This process's live senders by id, for receivers in the same process.
 _SENDERS: weakref.WeakValueDictionary[str, CudaIpcSender] = weakref.WeakValueDictionary()
-
-
-def _process() -> str:
-    return f"{os.getpid()}-{_BOOT}"
-
-
-@dataclass(frozen=True)
-class CudaIpcHandle:
-    device_uuid: str
-    """The sender's GPU (`torch.cuda.get_device_properties(...).uuid`); "" when nothing has bytes."""
-    process: str
-    sender: str
-    guard: str
-    """Path of the sender's `ServeGuard`."""
-    storages: tuple[tuple[Any, ...], ...]
-    """`rebuild_cuda_tensor` arguments of each shared storage, as a flat uint8 tensor."""
-    locations: tuple[tuple[int, int], ...]
-    """Per tensor in layout order: (index into `storages`, byte offset); (-1, 0) for no bytes."""
-
-
-@dataclass(frozen=True)
-class _Share:
-    """A storage shared for one version: the alias torch registered, and its consumer count."""
-
-    alias: object
-    ref_counter: bytes
-    ref_counter_offset: int
 
 
 def _publish_device(policy: str, tensors: Mapping[str, torch.Tensor]) -> torch.device | None:
@@ -126,36 +105,6 @@ def _publish_device(policy: str, tensors: Mapping[str, torch.Tensor]) -> torch.d
     return next(iter(devices), None)
 
 
-def _share_storage(
-    policy: str, name: str, storage: torch.UntypedStorage, sink: CounterSink
-) -> tuple[tuple[Any, ...], _Share]:
-    """CUDA IPC arguments of `storage` as one flat uint8 tensor, shared through a non-owning alias;
-    engines return their counts to `sink` (see the module doc)."""
-    alias = torch._C._construct_storage_from_data_pointer(
-        storage.data_ptr(), storage.device, storage.nbytes()
-    )
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(alias)
-    try:
-        rebuild, args = reduce_tensor(flat)  # type: ignore[no-untyped-call]
-    except RuntimeError as e:
-        raise WeightSyncError(
-            f"{policy}: cannot share the memory of tensor {name!r} through CUDA IPC: {e}"
-        ) from e
-    if rebuild is not rebuild_cuda_tensor or len(args) != _ARGS:
-        raise WeightSyncError(f"{policy}: this torch shares CUDA tensors in a form cudaipc does not know")
-    share = _Share(alias, args[_REF_COUNTER], int(args[_REF_COUNTER_OFFSET]))
-    # The sender synchronizes its device before the manifest exists, so engines need not wait on
-    # torch's interprocess event (each wait would open, and keep, an event handle in the engine).
-    for_engines = (
-        *args[:_REF_COUNTER],
-        sink.shm_name,
-        0,
-        *args[_REF_COUNTER_OFFSET + 1 : _EVENT_SYNC],
-        False,
-    )
-    return for_engines, share
-
-
 class CudaIpcSender(WeightSender):
     transport: ClassVar[str] = TRANSPORT
 
@@ -170,7 +119,7 @@ class CudaIpcSender(WeightSender):
         self._remove_files = weakref.finalize(self, _remove_files, self._guard, self._sink)
         # The published tensors (contiguous, layout order) and their shares, while they hold `latest`.
         self._source: list[torch.Tensor] | None = None
-        self._shares: list[_Share] = []
+        self._shares: list[StorageShare] = []
         # publish / resend / release_source run on different threads of a trainer actor.
         self._lock = threading.Lock()
         _SENDERS[self.id] = self
@@ -179,7 +128,7 @@ class CudaIpcSender(WeightSender):
         with self._lock:
             self._check_version(version)
             device = _publish_device(self.policy, tensors)
-            layout = layout_for(tensors, self.bucket_bytes)
+            layout = layout_for(tensors, self.bucket_bytes, LAYOUT_ALIGN)
             ordered = [tensors[s.name].detach().contiguous() for s in layout.specs]
             with self._exclusive():
                 self._drop_source()
@@ -194,7 +143,7 @@ class CudaIpcSender(WeightSender):
                     i = index.get(storage.data_ptr())
                     if i is None:
                         assert self._sink is not None  # CUDA tensors: CUDA is available
-                        args, share = _share_storage(self.policy, spec.name, storage, self._sink)
+                        args, share = share_storage(self.policy, spec.name, storage, self._sink.shm_name)
                         i = index[storage.data_ptr()] = len(storages)
                         storages.append(args)
                         self._shares.append(share)
@@ -203,7 +152,7 @@ class CudaIpcSender(WeightSender):
                     torch.cuda.synchronize(device)  # engines read finished data
                 uuid_ = str(torch.cuda.get_device_properties(device).uuid) if device is not None else ""
                 handle = CudaIpcHandle(
-                    uuid_, _process(), self.id, self._guard.path, tuple(storages), tuple(locations)
+                    uuid_, this_process(), self.id, self._guard.path, tuple(storages), tuple(locations)
                 )
                 self._source = ordered
                 self.latest = WeightManifest(self.policy, version, self.transport, layout, handle=handle)
@@ -271,34 +220,45 @@ def _remove_files(guard: ServeGuard, sink: CounterSink | None) -> None:
         sink.destroy()
 
 
-def _mapped(policy: str, handle: CudaIpcHandle, device: int) -> list[torch.Tensor]:
-    """Each shared storage as a flat uint8 tensor on local device `device` (an IPC mapping each)."""
-    out: list[torch.Tensor] = []
-    for args in handle.storages:
-        local = list(args)
-        local[_DEVICE] = device  # the trainer's index of the GPU may differ from this process's
-        try:
-            out.append(rebuild_cuda_tensor(*local))  # type: ignore[no-untyped-call]
-        except RuntimeError as e:
-            raise WeightSyncError(
-                f"{policy}: cannot map the trainer's GPU memory through CUDA IPC: {e}"
-            ) from e
-    return out
+@dataclass(eq=False)
+class MappedVersion:
+    """One version's tensors in the trainer's memory, readable inside `CudaIpcReceiver.read` only."""
 
+    manifest: WeightManifest
+    sources: list[tuple[torch.Tensor, int] | None]
+    """Per tensor in layout order: (the trainer's storage as flat uint8, byte offset); None: no bytes."""
+    guard: ServeGuard
 
-def _bucket_pairs(
-    bucket: Bucket, dsts: Sequence[torch.Tensor], sources: Sequence[tuple[torch.Tensor, int] | None]
-) -> list[Pair]:
-    """(engine bytes, trainer bytes) of each segment of `bucket`."""
-    pairs = []
-    for seg in bucket.segments:
-        src = sources[seg.tensor]
-        assert src is not None  # a tensor without bytes has no segment
+    def pairs(self, bucket: Bucket, dsts: Sequence[torch.Tensor]) -> list[Pair]:
+        """(engine bytes, trainer bytes) of each segment of `bucket`, into `dsts` (layout order)."""
+        pairs = []
+        for seg in bucket.segments:
+            src = self.sources[seg.tensor]
+            assert src is not None  # a tensor without bytes has no segment
+            flat, offset = src
+            start = offset + seg.src_offset
+            dst = byte_view(dsts[seg.tensor])[seg.src_offset : seg.src_offset + seg.nbytes]
+            pairs.append((dst, flat[start : start + seg.nbytes]))
+        return pairs
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """Tensor `index` of the layout as the trainer holds it: a view of its memory, no copy."""
+        spec = self.manifest.layout.specs[index]
+        src = self.sources[index]
+        if src is None:
+            return torch.empty(spec.shape, dtype=spec.dtype)
         flat, offset = src
-        start = offset + seg.src_offset
-        dst = byte_view(dsts[seg.tensor])[seg.src_offset : seg.src_offset + seg.nbytes]
-        pairs.append((dst, flat[start : start + seg.nbytes]))
-    return pairs
+        return flat[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+    def finish(self, devices: Iterable[torch.device]) -> None:
+        """After the reader's copies out of the trainer's memory (written on `devices`): wait for them,
+        then check the trainer still serves the version; `WeightSyncError` if not (the copies may be
+        torn)."""
+        waited = {*devices, *(flat.device for flat, _ in filter(None, self.sources))}
+        for d in waited:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+        _check_served(self.manifest, self.guard.served(), copied=True)
 
 
 class CudaIpcReceiver(WeightReceiver):
@@ -308,7 +268,7 @@ class CudaIpcReceiver(WeightReceiver):
         self.timeout_s = timeout_s
         self._guard: ServeGuard | None = None
         self._devices: dict[str, int] | None = None
-        # One receive at a time: a flock is the open file's, so two readers here would share one.
+        # One read at a time: a flock is the open file's, so two readers here would share one.
         self._lock = threading.Lock()
 
     def receive(self, manifest: WeightManifest, target: WeightTarget) -> SyncReport:
@@ -316,9 +276,26 @@ class CudaIpcReceiver(WeightReceiver):
         check_manifest(manifest, target)
         if manifest.version == target.version:
             return make_report(manifest, start, 0.0, applied=False)
+        with self.read(manifest) as mapped:
+            pause = _copy_into(target, mapped)
+        return make_report(manifest, start, pause, applied=True)
+
+    @contextlib.contextmanager
+    def read(self, manifest: WeightManifest) -> Iterator[MappedVersion]:
+        """The version's tensors in the trainer's memory, while the guard is held shared.
+
+        Refused with `WeightSyncError` before anything is read: an engine off the trainer's GPU host,
+        a guard gone or held past `timeout_s`, a version no longer served, a handle that does not fit
+        the layout. Every mapping goes before the guard is released (the sender may free that memory
+        after), so the block must keep no view of the trainer's memory past its end."""
         handle: CudaIpcHandle = manifest.handle
+        if len(handle.locations) != len(manifest.layout.specs):
+            raise WeightSyncError(
+                f"{manifest.policy}: the cudaipc handle places {len(handle.locations)} tensors, the "
+                f"layout has {len(manifest.layout.specs)}"
+            )
         with self._lock:
-            local = handle.process == _process()
+            local = handle.process == this_process()
             device = -1 if local or not handle.storages else self._device(manifest.policy, handle.device_uuid)
             guard = self._open_guard(manifest.policy, handle.guard)
             if not guard.acquire(exclusive=False, timeout_s=self.timeout_s):
@@ -327,48 +304,19 @@ class CudaIpcReceiver(WeightReceiver):
                     "the engine keeps its current weights"
                 )
             try:
-                pause = self._apply(manifest, target, guard, local, device)
+                _check_served(manifest, guard.served(), copied=False)
+                mapped = MappedVersion(manifest, _sources(manifest, local, device), guard)
+                try:
+                    yield mapped
+                finally:
+                    mapped.sources.clear()
             except BaseException as e:
-                # The frames of a failure hold the trainer's memory mapped; the sender may free that
-                # memory once the guard is released.
-                traceback.clear_frames(e.__traceback__)
+                # The finished frames a failure passed through hold views of the trainer's memory;
+                # the sender may free that memory once the guard is released.
+                _clear_frames(e)
                 raise
             finally:
                 guard.release()
-        return make_report(manifest, start, pause, applied=True)
-
-    def _apply(
-        self, manifest: WeightManifest, target: WeightTarget, guard: ServeGuard, local: bool, device: int
-    ) -> float:
-        """Copy the version in, under the guard held shared; every mapping is dropped on return."""
-        handle: CudaIpcHandle = manifest.handle
-        _check_served(manifest, guard.served(), copied=False)
-        sources: list[tuple[torch.Tensor, int] | None]
-        if local:
-            sources = [(byte_view(t), 0) if t.numel() else None for t in _local_source(manifest, handle)]
-        else:
-            mapped = _mapped(manifest.policy, handle, device)
-            sources = [None if i < 0 else (mapped[i], off) for i, off in handle.locations]
-            del mapped
-        own = target.named_tensors()
-        dsts = [own[s.name] for s in manifest.layout.specs]
-        devices = {t.device for t in dsts if t.device.type == "cuda"}
-        devices |= {flat.device for flat, _ in filter(None, sources)}
-        buckets = [_bucket_pairs(b, dsts, sources) for b in manifest.layout.buckets]
-        try:
-            pause_start = time.perf_counter()
-            with target.paused(manifest.version):
-                for pairs in buckets:
-                    for dst, src in pairs:
-                        dst.copy_(src)
-                for d in devices:
-                    torch.cuda.synchronize(d)
-                _check_served(manifest, guard.served(), copied=True)
-            return time.perf_counter() - pause_start
-        finally:
-            # The mappings go before the guard is released: the sender may free that memory after.
-            buckets.clear()
-            sources.clear()
 
     def _device(self, policy: str, device_uuid: str) -> int:
         if self._devices is None:
@@ -404,6 +352,53 @@ class CudaIpcReceiver(WeightReceiver):
             if self._guard is not None:
                 self._guard.close()
                 self._guard = None
+
+
+def _copy_into(target: WeightTarget, mapped: MappedVersion) -> float:
+    """Copy the version into `target` inside its pause; returns the pause."""
+    manifest = mapped.manifest
+    own = target.named_tensors()
+    dsts = [own[s.name] for s in manifest.layout.specs]
+    buckets = [mapped.pairs(b, dsts) for b in manifest.layout.buckets]
+    try:
+        pause_start = time.perf_counter()
+        with target.paused(manifest.version):
+            for pairs in buckets:
+                for dst, src in pairs:
+                    dst.copy_(src)
+            mapped.finish(t.device for t in dsts)
+        return time.perf_counter() - pause_start
+    finally:
+        buckets.clear()  # views of the trainer's memory
+
+
+def _sources(manifest: WeightManifest, local: bool, device: int) -> list[tuple[torch.Tensor, int] | None]:
+    """Each tensor's bytes in the trainer's memory (flat uint8, byte offset), checked to lie inside it."""
+    handle: CudaIpcHandle = manifest.handle
+    sources: list[tuple[torch.Tensor, int] | None]
+    if local:
+        sources = [(byte_view(t), 0) if t.numel() else None for t in _local_source(manifest, handle)]
+    else:
+        mapped = map_storages(manifest.policy, handle, device)
+        sources = [None if i < 0 else (mapped[i], off) for i, off in handle.locations]
+    for spec, src in zip(manifest.layout.specs, sources, strict=True):
+        flat, offset = src if src is not None else (None, 0)
+        if spec.nbytes and (flat is None or offset < 0 or offset + spec.nbytes > flat.numel()):
+            raise WeightSyncError(
+                f"{manifest.policy}: tensor {spec.name!r} ({spec.nbytes} bytes) does not lie in the "
+                "trainer's memory the cudaipc handle names: the handle is not this layout's"
+            )
+    return sources
+
+
+def _clear_frames(e: BaseException) -> None:
+    """Clear the finished frames of `e`'s traceback and of every exception it chains to."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        traceback.clear_frames(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__
 
 
 def _local_source(manifest: WeightManifest, handle: CudaIpcHandle) -> list[torch.Tensor]:

@@ -142,3 +142,6 @@ def test_cudaipc_is_valid_when_every_policy_is_colocated_on_a_gpu_pool_of_one_po
     spec = RLJob.model_validate(doc).spec
     assert spec.weight_sync.transport == "cudaipc"
     assert all(spec.on_one_pod(p) and spec.trainer_placement(p).gpus == 1 for p in spec.policies)
+    for policy in doc["spec"]["policies"]:  # vLLM engines read the trainer's memory as torch ones do
+        policy["rollout"]["engine"] = "vllm"
+    assert RLJob.model_validate(doc).spec.weight_sync.transport == "cudaipc"

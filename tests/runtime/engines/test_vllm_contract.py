@@ -329,7 +329,7 @@ def test_the_rpc_methods_the_engine_calls_are_on_the_worker_extension() -> None:
         and node.args
         and isinstance(node.args[0], ast.Constant)
     }
-    assert called == {"polyrl_receive_version", "polyrl_device_memory"}
+    assert called == {"polyrl_receive_version", "polyrl_receive_ipc", "polyrl_device_memory"}
     assert all(callable(getattr(vllm_worker.PolyrlWorkerExtension, name)) for name in called)
     assert (
         f"{vllm_worker.__name__}.{vllm_worker.PolyrlWorkerExtension.__qualname__}"
