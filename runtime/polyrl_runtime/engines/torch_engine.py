@@ -40,7 +40,7 @@ import torch
 
 from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.cpusets import pin_from_env
-from polyrl_runtime.device_memory import ParkedMemory
+from polyrl_runtime.device_memory import HostBuffers, ParkedMemory
 from polyrl_runtime.engines.api import (
     EngineAsleepError,
     EngineStats,
@@ -136,6 +136,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
         self._asleep = 0
         self._draining = False
         self._parked: ParkedMemory | None = None
+        self._host_buffers = HostBuffers()  # pinned once, reused by every sleep
         self._held: list[TorchRequest] = []
         self._needs_weights = False
         self._control_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None

@@ -16,7 +16,7 @@ import time
 import structlog
 import torch
 
-from polyrl_runtime.device_memory import ParkedMemory, park_module
+from polyrl_runtime.device_memory import HostBuffers, ParkedMemory, park_module
 from polyrl_runtime.engines.api import EngineAsleepError, SleepReport, WakeReport, check_sleep_level
 from polyrl_runtime.engines.hf_cache import BatchCache
 from polyrl_runtime.engines.torch_request import TorchRequest
@@ -45,6 +45,7 @@ class TorchEngineSleep:
     _asleep: int
     _draining: bool
     _parked: ParkedMemory | None
+    _host_buffers: HostBuffers
     _held: list[TorchRequest]
     _needs_weights: bool
     _control_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None
@@ -82,6 +83,7 @@ class TorchEngineSleep:
                     self.model,
                     keep_parameters=level == 1,
                     device=self.device if on_device else None,
+                    buffers=self._host_buffers,
                 )
             if level == 2:  # no weights: the next update loads them, whatever its version
                 self.target = TensorTarget.from_module(self.model)

@@ -47,7 +47,7 @@ from polyrl_runtime.algorithms.losses import (
     sequence_logprobs_and_entropy,
 )
 from polyrl_runtime.cpusets import pin_from_env
-from polyrl_runtime.device_memory import ParkedMemory
+from polyrl_runtime.device_memory import HostBuffers, ParkedMemory
 from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.types import Sample
@@ -126,6 +126,7 @@ class DeepSpeedTrainer(TrainerWeights):
         self._gas = 0
         self.device = torch.device("cpu")
         self._offloaded: ParkedMemory | None = None  # the rank's state while in host memory
+        self._host_buffers = HostBuffers()  # pinned once, reused by every offload
 
     def address(self) -> tuple[str, int]:
         util: Any = ray.util
@@ -406,7 +407,7 @@ class DeepSpeedTrainer(TrainerWeights):
         if self._offloaded is not None:
             raise RuntimeError(f"trainer rank {self.name}: offloaded already")
         self.begin_weight_update()  # a sender reading these tensors finishes first
-        self._offloaded = parked = offload_rank(self.engine, self.ref, self.device)
+        self._offloaded = parked = offload_rank(self.engine, self.ref, self.device, self._host_buffers)
         log.info("trainer.offloaded", rank=self.name, bytes=parked.nbytes, seconds=parked.seconds)
         return OffloadReport(self.rank, "offload", parked.seconds, parked.host_bytes)
 

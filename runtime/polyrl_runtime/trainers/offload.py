@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from polyrl_runtime.device_memory import ParkedMemory, park, unique_storages
+from polyrl_runtime.device_memory import HostBuffers, ParkedMemory, park, unique_storages
 
 # How deep the walk follows containers inside an optimizer object (DeepSpeed nests at most
 # dict -> list -> list of tensors).
@@ -126,12 +126,14 @@ def own_module_memory(module: Any) -> int:
     return sum(s.nbytes() for s in copies.values())
 
 
-def offload_rank(engine: Any, ref: Any, device: torch.device) -> ParkedMemory:
-    """Copy the rank's state on `device` to host memory and release it there (`restore_rank` brings
-    it back)."""
+def offload_rank(
+    engine: Any, ref: Any, device: torch.device, buffers: HostBuffers | None = None
+) -> ParkedMemory:
+    """Copy the rank's state on `device` to host memory (`buffers`' when given: a rank that offloads
+    every turn reuses them) and release it there (`restore_rank` brings it back)."""
     for module in (engine, ref):
         own_module_memory(module)
-    return park(keep=rank_storages(engine, ref, device))
+    return park(keep=rank_storages(engine, ref, device), buffers=buffers)
 
 
 def restore_rank(parked: ParkedMemory, rank: str) -> float:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from polyrl_operator.api import Policy
-from polyrl_runtime.device_memory import park, unique_storages
+from polyrl_runtime.device_memory import HostBuffers, park, unique_storages
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 from polyrl_runtime.trainers.offload import TrainerOffloadedError, object_tensors, rank_storages
 from polyrl_testenv.trainer_rank import in_process_rank
@@ -165,3 +165,19 @@ def test_parking_drops_storages_not_owned_by_torch_and_restores_views_of_one_buf
     assert (dropped.nbytes, dropped.host_bytes) == (48, 0)
     dropped.restore("test")
     assert flat.untyped_storage().nbytes() == 48  # room again; its bytes are for the owner to write
+
+
+def test_an_owner_that_parks_again_reuses_its_host_buffers() -> None:
+    """The host copies go back to the owner's `HostBuffers` on restore and carry the next park: after
+    the first, no park allocates, and every round trip still changes no bit."""
+    a, b = torch.arange(1000, dtype=torch.float32), torch.arange(7, dtype=torch.int64)
+    expected = [a.clone(), b.clone()]
+    buffers = HostBuffers()
+    for turn in range(3):
+        parked = park(keep=unique_storages([a, b]), buffers=buffers)
+        assert buffers.allocated == 2 and buffers.held_bytes == 0  # in use while parked
+        parked.restore("test")
+        assert buffers.held_bytes == 4000 + 56  # back for the next park
+        assert torch.equal(a, expected[0]) and torch.equal(b, expected[1]), turn
+        a += 1  # the owner trains between turns: the next park copies the new bytes
+        expected[0] += 1
