@@ -82,8 +82,8 @@ class PoolRoles:
 
     @property
     def scheduled(self) -> bool:
-        """Whether roles take turns on it: only trainers free devices that engines use, and the
-        other way round."""
+        """Whether it hosts a trainer, the one role whose memory a turn moves; `device_pools`
+        schedules such a pool when it has GPUs (a CPU pool's roles share its cores)."""
         return bool(self.trainers)
 
 
@@ -172,6 +172,10 @@ class PoolScheduler:
         self._current = Turn(self, "")  # the turn switches are counted to (none yet)
 
     # -- what the coordinator calls ------------------------------------------------------------
+
+    def now(self) -> float:
+        """The scheduler's clock, which its usage figures are measured on."""
+        return self._clock()
 
     async def park_trainers(self) -> None:
         """Offload every trainer on the pool: the state between turns (after start-up)."""
@@ -358,13 +362,14 @@ class DevicePools:
 
     def turn_metrics(self, turn: Turn) -> TurnMetrics:
         """What a step that ran in `turn` reports of its pool (`StepRecord`'s pool fields)."""
-        usage = self.schedulers[turn.pool].usage
+        scheduler = self.schedulers[turn.pool]
+        usage = scheduler.usage
         return TurnMetrics(
             pool=turn.pool,
             pool_resident_s=turn.resident_s,
             pool_switch_s=turn.switch_s,
             pool_switches_total=usage.switches,
-            pool_busy_fraction=usage.busy_fraction(time.monotonic()),
+            pool_busy_fraction=usage.busy_fraction(scheduler.now()),
         )
 
     def usage(self) -> dict[str, PoolUsage]:
