@@ -68,6 +68,25 @@ def test_deepspeed_is_imported_without_mlflow_which_stays_importable() -> None:
     assert imported_after(code, ("deepspeed",)) == {"deepspeed": True}
 
 
+def test_a_deepspeed_engine_is_built_without_the_muon_optimizer() -> None:
+    """Muon's module compiles its kernels with torch.compile, which imports TorchInductor (about 2 s
+    of CPU per trainer rank as it builds its engine); polyrl's optimizer is AdamW, which ZeRO accepts
+    without it."""
+    code = """
+    import os, torch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("polyrl_runtime.netmap").netmap.free_port()),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from polyrl_runtime.trainers.deepspeed_import import import_deepspeed, initialize
+    import_deepspeed().init_distributed(dist_backend="gloo")
+    model = torch.nn.Linear(4, 4)
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 1}}
+    engine, *_ = initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    assert type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer"
+    """
+    watch = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+    assert imported_after(code, watch) == dict.fromkeys(watch, False)
+
+
 def test_skipped_imports_raise_import_error_and_are_restored() -> None:
     name = "json.tool"  # a real module this process has not imported
     sys.modules.pop(name, None)
