@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -50,7 +51,15 @@ from polyrl_runtime.config import (
     set_env_defaults,
 )
 from polyrl_runtime.pods.cluster_waits import head_attempt, split_address, wait_for_head, watch_start
-from polyrl_runtime.pods.ray_node import head_args, node_ports, ray_started, ray_temp_dir, start_ray, stop_ray
+from polyrl_runtime.pods.ray_node import (
+    RayHead,
+    head_args,
+    node_ports,
+    ray_started,
+    ray_temp_dir,
+    start_ray,
+    stop_ray,
+)
 from polyrl_runtime.waiting import Attempt, Wait, WaitTimeout, wait_until
 from polyrl_runtime.workflows.preflight import entry_point_problems
 
@@ -92,18 +101,17 @@ def run_coordinator(
         return asyncio.run(_coordinate(job, env, out_dir, None, http))
     ray_port = netmap.listen_port(contract.PORT_RAY_GCS) if ray_port is None else ray_port
     dashboard = netmap.listen_port(contract.PORT_RAY_DASHBOARD) if job.spec.coordinator.dashboard else None
-    head = start_ray(
-        head_args(ray_port, netmap.listen_port(contract.PORT_RAY_CLIENT), dashboard_port=dashboard),
-        out_dir / "ray-head.log",
-    )
+    args = head_args(ray_port, netmap.listen_port(contract.PORT_RAY_CLIENT), dashboard_port=dashboard)
+    head = RayHead(partial(start_ray, args, out_dir / "ray-head.log"), ray_port, out_dir / "ray-head.log")
+    head.start()  # it boots while this process imports the driver
     try:
-        return asyncio.run(_coordinate(job, env, out_dir, ray_port, http))
+        return asyncio.run(_coordinate(job, env, out_dir, head, http))
     except WaitTimeout as e:
-        log.error("coordinator.head_failed", error=str(e), ray_log=str(out_dir / "ray-head.log"))
+        log.error("coordinator.head_failed", error=str(e), ray_log=str(head.log_path))
         sys.stderr.write(f"error: {e}\n")
         return 1
     finally:
-        stop_ray(head)
+        head.stop()
 
 
 async def _connect(address: str, temp_dir: str, deadline_s: float = 120.0) -> None:
@@ -121,8 +129,8 @@ async def _connect(address: str, temp_dir: str, deadline_s: float = 120.0) -> No
     )
 
 
-async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int | None, http_port: int) -> int:
-    """Run the driver and serve /progress; `ray_port` None: no Ray head was started (the job's code
+async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, head: RayHead | None, http_port: int) -> int:
+    """Run the driver and serve /progress; `head` None: no Ray head was started (the job's code
     does not import), and the driver reports that failure without connecting to one."""
     import ray
 
@@ -148,10 +156,11 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, ray_port: int | No
     loop.add_signal_handler(signal.SIGINT, driver.stop, "interrupted")
     start_deadline = float(os.environ.get("POLYRL_START_TIMEOUT_S", "1800"))
     try:
-        if ray_port is None:
+        if head is None:
             summary = await driver.run()  # fails at its first step, which makes no Ray call
         else:
-            await _connect(f"127.0.0.1:{ray_port}", ray_temp_dir(ray_port))
+            await head.up()
+            await _connect(f"127.0.0.1:{head.port}", ray_temp_dir(head.port))
             run = asyncio.create_task(driver.run())
             watch = asyncio.create_task(watch_start(driver, job, start_deadline))
             await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -2,21 +2,31 @@
 
 The Ray processes are children of a `ray start --block` process that we own: stopping it (SIGTERM)
 stops exactly this node's Ray, never other Ray clusters on the machine.
+
+The coordinator's head is a `RayHead`: started again when it exits, or when its GCS does not accept
+connections within `HEAD_START_S`, up to `HEAD_STARTS` starts. Ray's GCS can abort as it starts (Ray
+2.60: "pure virtual method called" in gcs_server.err); its `ray start --block` then notices only 60 s
+later, and a driver that calls `ray.init` against the dead GCS retries inside Ray, past any
+deadline of ours. So the coordinator calls `ray.init` only once the GCS accepts connections.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
 from polyrl_runtime import netmap
+from polyrl_runtime.waiting import Wait, WaitTimeout
 
 log = structlog.get_logger(__name__)
 
@@ -100,3 +110,76 @@ def ray_started(log_path: Path, offset: int) -> bool:
             return b"Ray runtime started" in f.read()
     except OSError:
         return False
+
+
+HEAD_STARTS = 3
+HEAD_START_S = 30.0
+
+
+def accepts_connections(port: int, timeout: float = 1.0) -> bool:
+    """Whether something on this host accepts TCP connections on `port` now."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class RayHead:
+    """The coordinator's Ray head: `launch()` starts one `ray start --head --block` (logging to
+    `log_path`, its GCS on `port`); `up()` waits for its GCS and starts it again when it failed."""
+
+    def __init__(
+        self,
+        launch: Callable[[], subprocess.Popen[bytes]],
+        port: int,
+        log_path: Path,
+        *,
+        starts: int = HEAD_STARTS,
+        start_s: float = HEAD_START_S,
+    ) -> None:
+        self.launch, self.port, self.log_path = launch, port, log_path
+        self.max_starts, self.start_s = starts, start_s
+        self.starts = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = self.launch()
+        self.starts += 1
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_ray(self.proc)
+
+    async def up(self, poll_s: float = 0.5) -> None:
+        """Until the head's GCS accepts connections (starting the head first if it is not started).
+        A head that exits, or whose GCS stays closed for `start_s`, is stopped and started again;
+        WaitTimeout, naming the head's log, once `starts` starts have failed."""
+        if self.proc is None:
+            self.start()
+        while True:
+            assert self.proc is not None
+            wait = Wait(
+                f"this pod's Ray head (GCS port {self.port}, start {self.starts} of {self.max_starts})",
+                self.start_s,
+                fields={"ray_log": str(self.log_path)},
+            )
+            while self.proc.poll() is None and not wait.expired():
+                if await asyncio.to_thread(accepts_connections, self.port):
+                    wait.done()
+                    return
+                wait.tick("its GCS does not accept connections yet")
+                await asyncio.sleep(poll_s)
+            code = self.proc.poll()
+            why = (
+                f"exited with code {code}"
+                if code is not None
+                else f"its GCS accepted no connection within {self.start_s:g} s"
+            )
+            if self.starts >= self.max_starts:
+                raise WaitTimeout(
+                    f"the Ray head failed {self.starts} starts, the last one {why}; see {self.log_path}"
+                )
+            log.warning("ray.head_restart", reason=why, start=self.starts + 1, ray_log=str(self.log_path))
+            self.stop()
+            self.start()
