@@ -32,7 +32,7 @@ import torch
 
 from polyrl_operator.api import Algorithm, Policy
 from polyrl_runtime.models import is_hf, load_model, resolve_dtype
-from polyrl_runtime.trainers.deepspeed_import import import_deepspeed, initialize
+from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.trainers.lora import apply_lora
 
 log = structlog.get_logger(__name__)
@@ -206,7 +206,7 @@ def build_reference(
         p.requires_grad_(False)
     if not _zero3(config):
         return ref
-    engine, *_ = initialize(model=ref, config=config)
+    engine, *_ = import_deepspeed().initialize(model=ref, config=config)
     engine.eval()
     return engine
 
@@ -223,7 +223,7 @@ def build_trainer(policy: Policy, *, seed: int, cuda: bool, device: torch.device
     model = apply_lora(model, policy)  # unchanged without algorithm.lora; else only adapters train
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=policy.algorithm.lr, weight_decay=0.0)
-    engine, *_ = initialize(model=model, optimizer=optimizer, config=config)
+    engine, *_ = import_deepspeed().initialize(model=model, optimizer=optimizer, config=config)
     set_learning_rate(engine.optimizer, learning_rate(0, policy.algorithm, total_steps))
     ref = build_reference(policy, seed, cuda, device, config)
     return Built(engine=engine, ref=ref, config=config, hf_config=hf_config)

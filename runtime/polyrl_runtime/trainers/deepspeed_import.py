@@ -1,4 +1,4 @@
-"""DeepSpeed, imported without mlflow, and its engines built without Muon.
+"""DeepSpeed, imported without mlflow, and its Muon optimizer without compiling it.
 
 `import deepspeed` imports mlflow, when it is installed, for its autotuner's result logging
 (`deepspeed.autotuning.autotuner`): about 1.1 s of CPU in every trainer process as it starts
@@ -10,23 +10,24 @@ raise ImportError, so DeepSpeed takes its own path for a package that is not ins
 exists only while DeepSpeed imports: the rest of the process imports mlflow as usual, and a module
 already imported is left as it is.
 
-`deepspeed.initialize` imports DeepSpeed's Muon optimizer, when ZeRO is on, only to add its class
-to the optimizers ZeRO accepts (`deepspeed.runtime.zero.utils.is_zero_supported_optimizer`, also
-under `try`/`except ImportError`). That module decorates its kernels with `torch.compile`, which
-imports TorchInductor: about 2 s of CPU in every trainer rank as it builds its engine. polyrl's
-optimizer is torch AdamW, so `initialize` builds engines with that module marked as not
-importable, in the same way.
+DeepSpeed imports its Muon optimizer's module whenever it builds a ZeRO engine or reduces gradients
+(`deepspeed.runtime.zero.stage3`, `stage_1_and_2.average_tensor`: only to ask whether the optimizer
+is Muon). The module decorates its kernels with `torch.compile`, which imports TorchInductor: about
+2 s of CPU in every trainer rank, during its first build or its first step. polyrl's optimizer is
+torch AdamW, never Muon: `import_deepspeed` imports that module once with `torch.compile` as the
+identity, so its kernels stay plain functions and every later import finds it loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 SKIPPED_ON_IMPORT = ("mlflow",)
-SKIPPED_ON_INITIALIZE = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+UNCOMPILED_ON_IMPORT = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 
 
 @contextlib.contextmanager
@@ -43,15 +44,29 @@ def skipped_imports(names: tuple[str, ...]) -> Iterator[None]:
                 del sys.modules[n]
 
 
+@contextlib.contextmanager
+def uncompiled() -> Iterator[None]:
+    """While inside, `torch.compile` returns the function it is given (as a decorator too)."""
+    import torch
+
+    def identity(model: Any = None, **_: Any) -> Any:
+        return model if model is not None else (lambda fn: fn)
+
+    compile_ = torch.compile
+    torch.compile = identity
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+
+
 def import_deepspeed() -> Any:
-    """The `deepspeed` module (imported once per process, without mlflow)."""
+    """The `deepspeed` module (imported once per process, without mlflow, its Muon optimizer
+    uncompiled)."""
     with skipped_imports(SKIPPED_ON_IMPORT):
         import deepspeed
+    if not all(name in sys.modules for name in UNCOMPILED_ON_IMPORT):
+        with uncompiled():
+            for name in UNCOMPILED_ON_IMPORT:
+                importlib.import_module(name)
     return deepspeed
-
-
-def initialize(**kwargs: Any) -> tuple[Any, ...]:
-    """`deepspeed.initialize(**kwargs)`, without importing the Muon optimizer (see above)."""
-    deepspeed = import_deepspeed()
-    with skipped_imports(SKIPPED_ON_INITIALIZE):
-        return tuple(deepspeed.initialize(**kwargs))
