@@ -12,6 +12,7 @@ signal handling, so the loop wakes at once), through `signal.signal` before and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -22,11 +23,25 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells and other CLIs report for Ct
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def _kill_started_processes() -> None:
+    """Kill every process this one started: Ray's, with the job's actors. Ray's raylet and workers
+    share the driver's fate, but its dashboard and runtime-env agents outlive it by about a minute."""
+    import psutil  # type: ignore[import-untyped]
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
 def _exit_now(message: str) -> None:
-    # os.write and os._exit: safe in a signal handler, and nothing else (Ray's shutdown, the result
-    # files) runs once the user asked to stop at once. The Ray processes this one started die with
-    # it (Ray starts them to share its fate).
+    # os.write and os._exit: nothing else (Ray's shutdown, the result files) runs once the user asked
+    # to stop at once.
     os.write(2, (message + "\n").encode())
+    _kill_started_processes()
     os._exit(EXIT_INTERRUPTED)
 
 
