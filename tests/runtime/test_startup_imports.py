@@ -47,6 +47,23 @@ def test_light_processes_do_not_import_torch_or_sympy(code: str) -> None:
     assert imported_after(code, HEAVY) == dict.fromkeys(HEAVY, False)
 
 
+def test_an_engine_imports_transformers_only_for_a_hugging_face_model(tiny_qwen2_dir: object) -> None:
+    code = f"""
+    import asyncio, sys
+    from polyrl_runtime.engines.api import SamplingParams
+    from polyrl_runtime.engines.torch_engine import TorchEngine
+
+    def serve(uri):
+        engine = TorchEngine("e0", "p", uri)
+        asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2)))
+        return "transformers" in sys.modules
+
+    assert not serve("builtin://tiny")
+    assert serve("file://{tiny_qwen2_dir}")
+    """
+    assert imported_after(code, ("transformers",)) == {"transformers": True}
+
+
 def test_the_math_reward_imports_math_verify_when_first_used() -> None:
     code = """
     from polyrl_runtime.rewards.builtins import math_answer

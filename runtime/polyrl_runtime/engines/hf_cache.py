@@ -11,10 +11,13 @@ Rows join by `prefill` (the whole sequence in one forward pass, which also gives
 logits) and `concat` (both batches padded on the left to the wider width), and leave by `select`,
 which also drops the leading columns no remaining row uses; each copies the cache once, between two
 steps. Between joins and leaves a step writes its column in place into buffers with spare columns
-(`_GrowingLayer`), where transformers' `DynamicLayer` would copy the whole cache at every step, and
+(`hf_layers.GrowingLayer`), where transformers' `DynamicLayer` would copy the whole cache at every step, and
 touches no other per-row state: the padding is constant while the rows are. Every layer keeps full
 keys/values, also for models with sliding-window layers (their masks come from the model config, so
 the result is the same; only the memory is not bounded by the window).
+
+transformers is imported when a batch is first cached, not with this module: an engine of a built-in
+plain-torch model never needs it (about 1 s of CPU in each engine process).
 """
 
 from __future__ import annotations
@@ -22,21 +25,26 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from polyrl_runtime.device_memory import storage_bytes, unique_storages
 
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from transformers.cache_utils import DynamicLayer
+
+    from polyrl_runtime.engines.hf_layers import GrowingLayer
+
     out = []
     for layer in cache.layers:
         # Only layers that keep every column: others (a window that drops old columns, linear-
         # attention states) are not position-aligned, so rows cannot be padded or joined.
-        if not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, _GrowingLayer):
+        if not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, GrowingLayer):
             raise TypeError(f"the torch engine caches attention layers only, not {type(layer).__name__}")
         if layer.keys is None or layer.values is None or not layer.is_initialized:
             raise ValueError("a cache layer was never filled")
@@ -44,41 +52,13 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' __init_subclass__
-    """A `DynamicLayer` whose keys/values are views of buffers with spare columns: a decoding step
-    writes its column in place (amortised O(1) per token) where `DynamicLayer` copies the whole
-    cache (`torch.cat`) at every step."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.lazy_initialization(keys, values)
-        self._kbuf, self._vbuf, self._len = keys, values, int(keys.shape[-2])
-        self.keys, self.values = keys, values
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self._len + int(key_states.shape[-2])
-        if end > self._kbuf.shape[-2]:
-            self._kbuf = _grown(self._kbuf, self._len, end)
-            self._vbuf = _grown(self._vbuf, self._len, end)
-        self._kbuf[:, :, self._len : end] = key_states
-        self._vbuf[:, :, self._len : end] = value_states
-        self._len = end
-        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
-        return self.keys, self.values
-
-
-def _grown(buf: torch.Tensor, used: int, need: int) -> torch.Tensor:
-    rows, heads, cap, dim = buf.shape
-    out = buf.new_empty(rows, heads, max(2 * cap, need, 16), dim)
-    out[:, :, :used] = buf[:, :, :used]
-    return out
-
-
 def _cache_of(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    from transformers import DynamicCache
+
+    from polyrl_runtime.engines.hf_layers import GrowingLayer
+
     cache = DynamicCache()
-    cache.layers = [_GrowingLayer(k, v) for k, v in kv]
+    cache.layers = [GrowingLayer(k, v) for k, v in kv]
     return cache
 
 
@@ -207,6 +187,8 @@ def prefill(
 ) -> tuple[BatchCache, torch.Tensor]:
     """Cache every token of each (non-empty) sequence, left-padded into one forward pass; returns
     the cache and each row's next-token logits ([rows, vocab])."""
+    from transformers import DynamicCache
+
     if not seqs or not all(seqs):
         raise ValueError("prefill needs at least one sequence and no empty one")
     device = next(model.parameters()).device
