@@ -63,7 +63,11 @@ def node_ports() -> list[str]:
 
 def start_ray(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [_ray_bin(), "start", "--block", "--disable-usage-stats", *args]
+    # No log monitor: it pushes the node's actor logs to drivers that ask for them, and the job's
+    # only driver (the coordinator) connects with log_to_driver=False; it would poll the node's log
+    # files ten times a second for nobody (about 1% of a core on an idle node, more as workers add
+    # log files). The logs stay in the node's session directory.
+    cmd = [_ray_bin(), "start", "--block", "--disable-usage-stats", "--include-log-monitor=false", *args]
     log.info("ray.start", cmd=" ".join(cmd))
     # unbuffered: the worker reads "Ray runtime started" from this log to know it joined
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -4,6 +4,7 @@ the job asks for it. The worker tests run the real `polyrl-runtime worker` proce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from polyrl_runtime.pods.cluster_waits import missing_resources, split_address
@@ -180,7 +182,7 @@ def test_a_worker_resolves_the_head_again_on_every_try(tmp_path: Path) -> None:
 
 
 @pytest.mark.ray  # starts a Ray head with its dashboard
-def test_the_head_serves_the_ray_dashboard_when_asked(
+def test_the_head_serves_the_ray_dashboard_when_asked_and_runs_no_log_monitor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert "--include-dashboard=false" in head_args(1, 2, dashboard_port=None)
@@ -202,5 +204,20 @@ def test_the_head_serves_the_ray_dashboard_when_asked(
         assert version is not None, (tmp_path / "head.log").read_text()[-3000:]
         status, body = version
         assert status == 200 and body["ray_version"]
+        # `ray start` starts the log monitor (when it does) before the raylet
+        commands = _commands_below(head.pid)
+        while not any("raylet" in c for c in commands) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            commands = _commands_below(head.pid)
+        assert any("raylet" in c for c in commands), commands
+        assert not any("log_monitor.py" in c for c in commands), commands
     finally:
         stop_ray(head)
+
+
+def _commands_below(pid: int) -> list[str]:
+    commands = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            commands.append(" ".join(child.cmdline()))
+    return commands
