@@ -1,0 +1,187 @@
+"""Several LoRA adapters on one base (`engines/lora_bank.py`), checked against peft holding the same
+adapters: each row of a mixed batch gets what peft gives with that row's adapter set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+
+from polyrl_runtime.engines.lora_bank import AdapterLoadError, LoraBank
+
+PREFIX = "base_model.model."
+# Ranks, scalings and target modules differ between adapters, and "third" adapts only up_proj.
+CONFIGS = {
+    "solver": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "verifier": LoraConfig(r=8, lora_alpha=12, target_modules="all-linear"),
+    "third": LoraConfig(r=2, lora_alpha=2, target_modules=["up_proj"]),
+}
+
+
+def _base(model_dir: Path) -> torch.nn.Module:
+    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def _peft(model_dir: Path, seed: int = 0) -> PeftModel:
+    names = list(CONFIGS)
+    model = get_peft_model(_base(model_dir), CONFIGS[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, CONFIGS[name])
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if ".lora_" in key:  # peft starts B at zero: draw both, so every adapter changes outputs
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def _tensors(model: PeftModel, adapter: str) -> dict[str, torch.Tensor]:
+    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    return {k.removeprefix(PREFIX): v.clone() for k, v in state.items()}
+
+
+def _scaling(adapter: str) -> float:
+    cfg = CONFIGS[adapter]
+    return float(cfg.lora_alpha) / float(cfg.r)
+
+
+def _bank(model_dir: Path, reference: PeftModel) -> LoraBank:
+    bank = LoraBank(_base(model_dir))
+    for adapter in CONFIGS:
+        bank.load(adapter, _tensors(reference, adapter), _scaling(adapter))
+    return bank
+
+
+@torch.no_grad()
+def _peft_logits(model: PeftModel, ids: torch.Tensor, adapter: str | None) -> torch.Tensor:
+    if adapter is None:
+        with model.disable_adapter():
+            return model(input_ids=ids).logits
+    model.set_adapter(adapter)
+    return model(input_ids=ids).logits
+
+
+IDS = torch.tensor([[5, 9, 14, 3, 22, 7], [1, 2, 3, 4, 5, 6], [40, 41, 42, 8, 9, 10], [7, 7, 7, 7, 7, 7]])
+ROWS: list[str | None] = ["verifier", "solver", None, "third"]
+
+
+def test_each_row_of_a_mixed_batch_gets_its_own_adapter(tiny_qwen2_dir: Path) -> None:
+    reference = _peft(tiny_qwen2_dir)
+    bank = _bank(tiny_qwen2_dir, reference)
+    bank.route(ROWS)
+    with torch.no_grad():
+        mixed = bank.model(input_ids=IDS).logits
+    for row, adapter in enumerate(ROWS):
+        alone = _peft_logits(reference, IDS[row : row + 1], adapter)
+        torch.testing.assert_close(mixed[row : row + 1], alone, rtol=1e-5, atol=1e-5)
+    base = _peft_logits(reference, IDS, None)
+    assert all(not torch.allclose(mixed[r], base[r], atol=1e-3) for r, a in enumerate(ROWS) if a is not None)
+
+
+def test_a_new_version_of_one_adapter_leaves_the_other_rows_exactly_as_they_were(
+    tiny_qwen2_dir: Path,
+) -> None:
+    reference = _peft(tiny_qwen2_dir)
+    bank = _bank(tiny_qwen2_dir, reference)
+    bank.route(ROWS)
+    with torch.no_grad():
+        before = bank.model(input_ids=IDS).logits
+    newer = _peft(tiny_qwen2_dir, seed=1)
+    bank.load("solver", _tensors(newer, "solver"), _scaling("solver"))
+    with torch.no_grad():
+        after = bank.model(input_ids=IDS).logits
+    solver = ROWS.index("solver")
+    for row in range(len(ROWS)):
+        if row != solver:
+            assert torch.equal(after[row], before[row])
+    torch.testing.assert_close(
+        after[solver : solver + 1],
+        _peft_logits(newer, IDS[solver : solver + 1], "solver"),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_the_base_keeps_its_parameter_names_and_an_adapter_counts_its_own_bytes(tiny_qwen2_dir: Path) -> None:
+    reference = _peft(tiny_qwen2_dir)
+    names = [n for n, _ in _base(tiny_qwen2_dir).named_parameters()]
+    bank = _bank(tiny_qwen2_dir, reference)
+    assert [n for n, _ in bank.model.named_parameters()] == names  # the base's weight sync is unchanged
+    assert bank.adapters == list(CONFIGS)
+    for adapter in CONFIGS:
+        tensors = _tensors(reference, adapter)
+        assert bank.nbytes(adapter) == sum(t.numel() * t.element_size() for t in tensors.values())
+        assert set(bank.layout(adapter)) == {k.rsplit(".lora_", 1)[0] for k in tensors}
+
+
+def _changed(
+    tensors: dict[str, torch.Tensor], key: str, value: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    out = dict(tensors)
+    if value is None:
+        del out[key]
+    else:
+        out[key] = value
+    return out
+
+
+Q_A = "model.layers.0.self_attn.q_proj.lora_A.weight"
+Q_B = "model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda t: _changed(t, Q_B, None),
+            "adapter solver: model.layers.0.self_attn.q_proj.lora_B.weight is missing",
+        ),
+        (
+            lambda t: _changed(t, Q_A, t[Q_A][:, :-1]),
+            "adapter solver: model.layers.0.self_attn.q_proj: A (4, 95)",
+        ),
+        (
+            lambda t: _changed(t, "model.norm.weight", t[Q_A]),
+            "adapter solver: model.norm.weight is not a LoRA",
+        ),
+        (
+            lambda t: (
+                _changed(t, "model.layers.0.nope.lora_A.weight", t[Q_A])
+                | {"model.layers.0.nope.lora_B.weight": t[Q_B]}
+            ),
+            "the model has no linear layer model.layers.0.nope",
+        ),
+        (
+            lambda t: {k: v for k, v in t.items() if ".layers.1." not in k},
+            "this version's layout differs from its first at model.layers.1.self_attn.q_proj",
+        ),
+    ],
+    ids=["missing-half", "wrong-shape", "not-lora", "unknown-module", "other-layout"],
+)
+def test_a_version_that_does_not_fit_is_refused_whole(
+    tiny_qwen2_dir: Path, edit: object, message: str
+) -> None:
+    reference = _peft(tiny_qwen2_dir)
+    bank = _bank(tiny_qwen2_dir, reference)
+    bank.route(ROWS)
+    with torch.no_grad():
+        before = bank.model(input_ids=IDS).logits
+    newer = _tensors(_peft(tiny_qwen2_dir, seed=1), "solver")
+    assert callable(edit)
+    with pytest.raises(AdapterLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        bank.load("solver", edit(newer), _scaling("solver"))
+    with torch.no_grad():
+        assert torch.equal(bank.model(input_ids=IDS).logits, before)
+
+
+def test_rows_must_name_loaded_adapters_and_match_the_batch(tiny_qwen2_dir: Path) -> None:
+    bank = _bank(tiny_qwen2_dir, _peft(tiny_qwen2_dir))
+    with pytest.raises(KeyError, match="no adapter named critic is loaded"):
+        bank.route(["solver", "critic"])
+    bank.route(["solver"])
+    with pytest.raises(ValueError, match="4 rows in the batch, but 1 routed to adapters"), torch.no_grad():
+        bank.model(input_ids=IDS)
