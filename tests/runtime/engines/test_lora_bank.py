@@ -69,6 +69,14 @@ IDS = torch.tensor([[5, 9, 14, 3, 22, 7], [1, 2, 3, 4, 5, 6], [40, 41, 42, 8, 9,
 ROWS: list[str | None] = ["verifier", "solver", None, "third"]
 
 
+def _routed_bank(model_dir: Path) -> tuple[LoraBank, torch.Tensor]:
+    """A bank of the three adapters routed to `ROWS`, and its logits for `IDS`."""
+    bank = _bank(model_dir, _peft(model_dir))
+    bank.route(ROWS)
+    with torch.no_grad():
+        return bank, bank.model(input_ids=IDS).logits
+
+
 def test_each_row_of_a_mixed_batch_gets_its_own_adapter(tiny_qwen2_dir: Path) -> None:
     reference = _peft(tiny_qwen2_dir)
     bank = _bank(tiny_qwen2_dir, reference)
@@ -85,11 +93,7 @@ def test_each_row_of_a_mixed_batch_gets_its_own_adapter(tiny_qwen2_dir: Path) ->
 def test_a_new_version_of_one_adapter_leaves_the_other_rows_exactly_as_they_were(
     tiny_qwen2_dir: Path,
 ) -> None:
-    reference = _peft(tiny_qwen2_dir)
-    bank = _bank(tiny_qwen2_dir, reference)
-    bank.route(ROWS)
-    with torch.no_grad():
-        before = bank.model(input_ids=IDS).logits
+    bank, before = _routed_bank(tiny_qwen2_dir)
     newer = _peft(tiny_qwen2_dir, seed=1)
     bank.load("solver", _tensors(newer, "solver"), _scaling("solver"))
     with torch.no_grad():
@@ -165,11 +169,7 @@ Q_B = "model.layers.0.self_attn.q_proj.lora_B.weight"
 def test_a_version_that_does_not_fit_is_refused_whole(
     tiny_qwen2_dir: Path, edit: object, message: str
 ) -> None:
-    reference = _peft(tiny_qwen2_dir)
-    bank = _bank(tiny_qwen2_dir, reference)
-    bank.route(ROWS)
-    with torch.no_grad():
-        before = bank.model(input_ids=IDS).logits
+    bank, before = _routed_bank(tiny_qwen2_dir)
     newer = _tensors(_peft(tiny_qwen2_dir, seed=1), "solver")
     assert callable(edit)
     with pytest.raises(AdapterLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
