@@ -55,7 +55,7 @@ class _Adapted:
         self.b = torch.zeros(base.out_features, 0, dtype=weight.dtype, device=weight.device)
         self.columns: dict[str, _Columns] = {}
         self.mask: torch.Tensor | None = None  # [rows, columns]; None: the base alone
-        self.handle = base.register_forward_hook(self)
+        base.register_forward_hook(self)
 
     def add(self, adapter: str, rank: int) -> None:
         self.columns[adapter] = _Columns(self.a.shape[0], rank)
