@@ -200,3 +200,15 @@ def test_sharing_benchmark_runs() -> None:
     many = [line for line in out.splitlines() if line.startswith(("| 2 | pooled", "| 2 | dedicated"))]
     assert len(many) == 2, out
     assert "2 policies: pooled / dedicated wall" in out and "pooled switch time" in out
+
+
+@pytest.mark.slow
+def test_lora_sharing_benchmark_runs() -> None:
+    out = _run("lora_sharing.py", "--quick")
+    memory = [r for r in _rows(out, "|") if len(r) >= 10 and r[1] in {"1", "2", "4", "8"}]
+    assert [r[1] for r in memory] == ["1", "2", "4", "8"]
+    assert all(float(r[5].rstrip("x")) > 0 for r in memory)  # one engine of N adapters / one full engine
+    assert "4 adapters mixed in one batch" in out and "mixed / one batch per adapter:" in out
+    (adapter,) = [line for line in out.splitlines() if line.startswith("| one adapter |")]
+    moved, own = adapter.split("|")[2:4]
+    assert int(moved) >= int(own) > 0  # the bytes moved are at least the adapter's

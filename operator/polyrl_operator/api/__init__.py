@@ -9,7 +9,7 @@ from polyrl_operator.api.common import (
     ResourceRequirements,
     RoleOverrides,
 )
-from polyrl_operator.api.policy import Algorithm, Model, Policy, Rollout, Sampling, Trainer
+from polyrl_operator.api.policy import Algorithm, Lora, Model, Policy, Rollout, Sampling, Trainer
 from polyrl_operator.api.pools import Placement, Pool
 from polyrl_operator.api.rljob import (
     API_VERSION,
@@ -60,6 +60,7 @@ __all__ = [
     "Coordinator",
     "EnvVar",
     "FailurePolicy",
+    "Lora",
     "Model",
     "Placement",
     "PodTemplateOverride",

@@ -34,6 +34,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings, any length: the reply ends where one appears
     include_stop_str: bool = False  # whether the reply text keeps the matched stop string
+    # The policy the request samples for ("": the engine's own). An engine serving several policies
+    # as LoRA adapters on one base runs the request with that policy's adapter.
+    policy: str = ""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -68,6 +71,9 @@ class EngineStats:
     tokens: int
     paused: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    # An engine serving policies as LoRA adapters: each policy's adapter version (`version` is the
+    # oldest of them).
+    adapters: dict[str, int] = field(default_factory=dict)
 
 
 class PromptTooLongError(ValueError):

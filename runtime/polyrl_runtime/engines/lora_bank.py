@@ -30,8 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-A_SUFFIX = ".lora_A.weight"
-B_SUFFIX = ".lora_B.weight"
+from polyrl_runtime.models.lora_layout import A_SUFFIX, B_SUFFIX
 
 
 class AdapterLoadError(ValueError):

@@ -21,6 +21,11 @@ request has stop strings), `max_new_tokens`, or the model's context limit (`max_
 prompt and reply must fit in it, as the trainer recomputes them as one sequence. A prompt that
 leaves no room is refused before it joins the batch (`PromptTooLongError`).
 
+Several policies may share one engine as LoRA adapters on its base model (`adapters`, see
+`engines/adapters.py`): a request names its policy (`SamplingParams.policy`), each row of a batch runs
+with its own policy's adapter in the same forward pass, every token records its adapter's version,
+and a weight update of one adapter re-prefills only that adapter's requests.
+
 Sleep and wake (`Engine.sleep`, for device pools) are the `TorchEngineSleep` mixin
 (`engines/torch_sleep.py`). Sleep, wake and weight updates exclude each other (`_control`): an update
 while asleep is refused (`EngineAsleepError`). Tokens are sampled by `engines/sampling.py`.
@@ -31,16 +36,18 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import structlog
 import torch
 
+from polyrl_operator.api import Lora
 from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.device_memory import HostBuffers, ParkedMemory
+from polyrl_runtime.engines.adapters import EngineAdapters
 from polyrl_runtime.engines.api import (
     EngineAsleepError,
     EngineStats,
@@ -54,7 +61,7 @@ from polyrl_runtime.engines.sampling import sample_batch
 from polyrl_runtime.engines.stops import find_stop
 from polyrl_runtime.engines.torch_request import TorchRequest
 from polyrl_runtime.engines.torch_sleep import TorchEngineSleep
-from polyrl_runtime.models import Tokenizer, context_limit, load_model, load_tokenizer
+from polyrl_runtime.models import ModelLoadError, Tokenizer, context_limit, load_model, load_tokenizer
 from polyrl_runtime.models.tiny import KVCache, TinyCausalLM
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
 from polyrl_runtime.weights.collective import TRANSPORT as COLLECTIVE
@@ -84,6 +91,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
         device: str = "cpu",
         dtype: str = "auto",
         trust_remote_code: bool = False,
+        adapters: Mapping[str, Lora] | None = None,
     ) -> None:
         pin_from_env()
         torch.set_num_threads(1)
@@ -104,6 +112,16 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
             p.requires_grad_(False)
         self.target = TensorTarget.from_module(self.model)
         self.init_weight_receiver(transport, self.target, **(transport_kwargs or {}))
+        # Several policies as LoRA adapters on this base (`engines/adapters.py`); None: one policy's
+        # full weights.
+        self.adapters: EngineAdapters | None = None
+        if adapters:
+            if isinstance(self.model, TinyCausalLM):
+                raise ModelLoadError(
+                    f"engine {name}: policies {', '.join(adapters)} share {model_uri} as LoRA adapters, "
+                    "which needs a Hugging Face model; the plain-torch builtin models take none"
+                )
+            self.adapters = EngineAdapters(name, self.model, self.target, adapters)
         self.max_batch = max_batch
         self.max_len = context_limit(self.model)
         hf: Any = self.model
@@ -156,6 +174,10 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if self.adapters is not None:
+            self.adapters.target(params.policy)  # an unknown policy is refused here, not in a batch
+        elif params.policy not in ("", self.policy):
+            raise ValueError(f"engine {self.name} serves policy {self.policy}, not {params.policy}")
         if len(prompt_ids) >= self.max_len:  # refused here: in a forward pass it would fail the batch
             raise PromptTooLongError(self.policy, len(prompt_ids), self.max_len)
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab:
@@ -246,8 +268,18 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
         `INLINE_STEP_S`."""
         if self._cache is not None:
             return True
-        weights = self.target.updates
-        return self._last_step_s < INLINE_STEP_S and all(r.cached_weights == weights for r in batch)
+        return self._last_step_s < INLINE_STEP_S and all(r.cached_weights == self._weights(r) for r in batch)
+
+    def _weights(self, r: TorchRequest) -> tuple[int, int]:
+        """The update counts of the weights that serve `r` (the base's, its adapter's): its cache row
+        is current while they are what it was computed with."""
+        adapter = self.adapters.updates(r.params.policy) if self.adapters is not None else 0
+        return self.target.updates, adapter
+
+    def _route(self, rows: list[TorchRequest]) -> None:
+        """The next forward pass's row i serves `rows[i]` with its policy's adapter."""
+        if self.adapters is not None:
+            self.adapters.route([r.params.policy for r in rows])
 
     def _retire(self, r: TorchRequest) -> None:
         """Drop a finished request; the last row takes its cache row, so live rows stay 0..n-1 (a
@@ -276,7 +308,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
                 out.append([r])
         return out
 
-    def _prefill(self, batch: list[TorchRequest], weights: int) -> None:
+    def _prefill(self, batch: list[TorchRequest], weights: tuple[int, int]) -> None:
         """Cache all but the last token of each sequence whose cache row is missing or was computed
         with other weights (the last token is fed by the decoding step that follows)."""
         assert self._cache is not None and isinstance(self.model, TinyCausalLM)
@@ -304,7 +336,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
             return self._hf_logits(batch)
         if self._cache.rows < len(batch):
             self._cache.grow(min(max(2 * self._cache.rows, len(batch)), max(self.max_batch, len(batch))))
-        self._prefill(batch, self.target.updates)  # under the serving lock: no update in between
+        self._prefill(batch, (self.target.updates, 0))  # under the serving lock: no update in between
         ids = torch.tensor([r.last_token() for r in batch], device=self.device)
         self._forwards += 1
         return batch, self.model.decode(ids, self._cache).float().cpu()
@@ -314,26 +346,30 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
         weights leave the cache; the cached rows (all but their last token cached) decode their last
         token in one step; new and stale requests are prefilled whole (bucketed by length), which
         gives their next-token logits too, and join the cache."""
-        weights = self.target.updates  # under the serving lock: no update in between
+        # Under the serving lock: no update in between.
         live = {id(r) for r in batch}
-        keep = [i for i, r in enumerate(self._kv_rows) if id(r) in live and r.cached_weights == weights]
+        keep = [
+            i for i, r in enumerate(self._kv_rows) if id(r) in live and r.cached_weights == self._weights(r)
+        ]
         if len(keep) != len(self._kv_rows):
             self._kv = self._kv.select(keep)
             self._kv_rows = [self._kv_rows[i] for i in keep]
         parts = []
         if self._kv_rows:
             ids = torch.tensor([r.last_token() for r in self._kv_rows], device=self.device)
+            self._route(self._kv_rows)
             parts.append(self._kv.decode(self.model, ids))
             self._forwards += 1
         cached = {id(r) for r in self._kv_rows}
         for bucket in self._buckets([r for r in batch if id(r) not in cached]):
+            self._route(bucket)
             part, logits = prefill(self.model, [r.prompt + r.tokens for r in bucket], self._pad_id)
             self._forwards += 1
             self._kv = self._kv.concat(part)
             self._kv_rows.extend(bucket)
             parts.append(logits)
             for r in bucket:
-                r.cached_weights = weights
+                r.cached_weights = self._weights(r)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         return list(self._kv_rows), logits.float().cpu()
 
@@ -345,17 +381,19 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
         with torch.inference_mode():
             with self.target.serving() as version:
                 batch, logits = self._logits(batch)
+                adapters = self.adapters
+                versions = [version if adapters is None else adapters.version(r.params.policy) for r in batch]
             # The step's own cost (CPU time: on a busy host the wall time includes waiting to run)
             self._last_step_s = time.thread_time() - cpu
             self._busy_s += time.perf_counter() - start
             tokens, logprobs = sample_batch(batch, logits, self._rng)
         self._tokens += len(batch)
         finished = []
-        for r, tok, logprob in zip(batch, tokens, logprobs, strict=True):
+        for r, tok, logprob, v in zip(batch, tokens, logprobs, versions, strict=True):
             p = r.params
             r.tokens.append(tok)
             r.logprobs.append(logprob)
-            r.versions.append(version)
+            r.versions.append(v)
             if tok in p.stop_ids:
                 finished.append((r, "stop"))
             elif p.stop and (hit := find_stop(self._decode, r.tokens, p.stop)):
@@ -375,8 +413,10 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
                 raise EngineAsleepError(
                     self.name, self._asleep, f"a weight update (version {manifest.version})"
                 )
+            # An adapter's version goes to that adapter alone (the others keep serving meanwhile).
+            target = self.adapters.target(manifest.policy) if self.adapters is not None else None
             # Off the event loop: fetching may block, and applying waits for the current forward pass.
-            report = await asyncio.to_thread(EngineWeights.receive_weights, self, manifest)
+            report = await asyncio.to_thread(EngineWeights.receive_weights, self, manifest, target)
             if self._needs_weights and report.applied:
                 self._needs_weights = False
                 self._release_held()
@@ -398,13 +438,16 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
         self._ensure_loop().set()
 
     def weight_version(self) -> int:
+        """The version served: the oldest adapter's on an engine of adapters."""
+        if self.adapters is not None:
+            return min(self.adapters.versions().values())
         return self.target.version
 
     def stats(self) -> EngineStats:
         return EngineStats(
             engine=self.name,
             policy=self.policy,
-            version=self.target.version,
+            version=self.weight_version(),
             in_flight=len(self._pending) + len(self._active) + len(self._held),
             queued=len(self._pending) + len(self._held),
             busy_s=self._busy_s,
@@ -416,6 +459,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
                 "forward_passes": self._forwards,
                 "asleep": self._asleep,
             },
+            adapters=self.adapters.versions() if self.adapters is not None else {},
         )
 
     def ping(self) -> str:

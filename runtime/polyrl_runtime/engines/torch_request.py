@@ -19,7 +19,9 @@ class TorchRequest:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    cached_weights: int | None = None  # `TensorTarget.updates` when its cache row was computed
+    # The update counts of the weights its cache row was computed with (base, its adapter): the row is
+    # current while they are unchanged.
+    cached_weights: tuple[int, int] | None = None
     stop_str: str = ""
     _bias: torch.Tensor | None = None
 

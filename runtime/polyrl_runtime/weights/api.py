@@ -114,6 +114,7 @@ class TensorTarget:
         *,
         swappable: bool = False,
         rebind: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         for name, t in tensors.items():
             if not t.is_contiguous():
@@ -121,7 +122,8 @@ class TensorTarget:
         self._tensors = dict(tensors)
         self._version = version
         self._updates = 0
-        self._lock = threading.Lock()
+        # Shared by targets whose tensors one forward pass reads together (a base and its adapters).
+        self._lock = lock if lock is not None else threading.Lock()
         self.swappable = swappable or rebind is not None
         self._rebind = rebind
 
@@ -144,6 +146,12 @@ class TensorTarget:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held by `serving()` and `paused()`: a target built with another's lock (`lock=`) is updated
+        only between the forward passes that serve that one."""
+        return self._lock
 
     @property
     def updates(self) -> int:

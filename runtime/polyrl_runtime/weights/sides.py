@@ -74,8 +74,9 @@ class EngineWeights:
         self._weight_target = target if isinstance(target, WeightTarget) else TensorTarget(target)
         self._weight_receiver = make_receiver(transport, **kwargs)
 
-    def receive_weights(self, manifest: WeightManifest) -> SyncReport:
-        return self._weight_receiver.receive(manifest, self._weight_target)
+    def receive_weights(self, manifest: WeightManifest, target: WeightTarget | None = None) -> SyncReport:
+        """Apply `manifest` to `target` (default: the engine's own weights)."""
+        return self._weight_receiver.receive(manifest, target if target is not None else self._weight_target)
 
     def weight_version(self) -> int:
         return self._weight_target.version

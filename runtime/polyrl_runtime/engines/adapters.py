@@ -1,0 +1,119 @@
+"""The torch engine's adapters: several policies served as LoRA adapters on the engine's one base model.
+
+Each policy's adapter has a weight target of its own (`AdapterTarget`): a transport writes one version
+of the adapter's tensors into it as it would into a model's parameters (the same manifest check, the
+same all-or-nothing rule), and the version is applied to the bank (`engines/lora_bank.py`) as the
+write completes, under the base model's serving lock, so between two forward passes. A transport
+fetches a version before it takes that lock, so an update holds the other adapters' requests for the
+copy into the bank only, never for the transfer: updating one policy never pauses another.
+
+Versions and update counts are per adapter. A request's cached key and value rows are computed again
+after its own adapter changes (as a full-weight engine does after any update) and are kept when
+another adapter changes. Until its first version an adapter's B is zero, so it serves what the base
+model gives, as peft's freshly initialised adapter does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from polyrl_operator.api import Lora
+from polyrl_runtime.engines.lora_bank import LoraBank
+from polyrl_runtime.models.lora_layout import AdapterLayout, adapter_layout
+from polyrl_runtime.weights.api import TensorTarget
+
+
+class UnknownAdapterError(ValueError):
+    """A request or a weight update names a policy the engine holds no adapter for."""
+
+    def __init__(self, engine: str, policy: str, known: Sequence[str]) -> None:
+        super().__init__(
+            f"engine {engine} serves the adapters of {', '.join(known)}: it holds none for policy {policy!r}"
+        )
+        self.engine, self.policy, self.known = engine, policy, tuple(known)
+
+    def __reduce__(self) -> tuple[type[UnknownAdapterError], tuple[str, str, tuple[str, ...]]]:
+        return UnknownAdapterError, (self.engine, self.policy, self.known)  # through Ray
+
+
+class AdapterTarget(TensorTarget):
+    """One adapter's tensors, as a weight target: written by a transport, then applied (`apply`) under
+    the shared serving `lock` when the whole version has been written. A version that fails halfway
+    leaves the served adapter as it was (only these staging tensors were written)."""
+
+    def __init__(
+        self,
+        layout: AdapterLayout,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        lock: threading.Lock,
+        apply: Callable[[Mapping[str, torch.Tensor]], None],
+    ) -> None:
+        tensors = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in layout.shapes().items()}
+        super().__init__(tensors, swappable=True, lock=lock)
+        self.layout = layout
+        self._apply = apply
+
+    @contextmanager
+    def paused(self, new_version: int) -> Iterator[None]:
+        with self.lock:
+            yield
+            self._apply(self.named_tensors())
+            self._updates += 1
+            self._version = new_version
+
+
+class EngineAdapters:
+    """The adapters of `loras` (policy -> its `algorithm.lora`) on `model`, which `base` serves."""
+
+    def __init__(
+        self, engine: str, model: torch.nn.Module, base: TensorTarget, loras: Mapping[str, Lora]
+    ) -> None:
+        self.engine = engine
+        self.bank = LoraBank(model)
+        weight = next(model.parameters())
+        self.targets: dict[str, AdapterTarget] = {}
+        for policy, lora in loras.items():
+            layout = adapter_layout(model, policy, lora)
+
+            def apply(
+                tensors: Mapping[str, torch.Tensor], policy: str = policy, scaling: float = layout.scaling
+            ) -> None:
+                self.bank.load(policy, tensors, scaling)
+
+            target = AdapterTarget(
+                layout, dtype=weight.dtype, device=weight.device, lock=base.lock, apply=apply
+            )
+            apply(target.named_tensors())  # resident from the start, B zero: the base's outputs
+            self.targets[policy] = target
+
+    @property
+    def policies(self) -> list[str]:
+        return list(self.targets)
+
+    def target(self, policy: str) -> AdapterTarget:
+        target = self.targets.get(policy)
+        if target is None:
+            raise UnknownAdapterError(self.engine, policy, self.policies)
+        return target
+
+    def version(self, policy: str) -> int:
+        return self.target(policy).version
+
+    def updates(self, policy: str) -> int:
+        return self.target(policy).updates
+
+    def versions(self) -> dict[str, int]:
+        return {p: t.version for p, t in self.targets.items()}
+
+    def route(self, policies: Sequence[str]) -> None:
+        """Row i of the next forward passes runs with the adapter of `policies[i]`."""
+        self.bank.route(list(policies))
+
+    def nbytes(self, policy: str) -> int:
+        return self.bank.nbytes(policy)

@@ -1,0 +1,236 @@
+"""Several policies as LoRA adapters on one torch engine (`engines/adapters.py`), checked against peft
+holding the same adapters: a batch that mixes policies gives each request what peft gives with its
+policy's adapter; updating one adapter mid-generation changes that policy's requests only; requests
+and updates for a policy the engine does not serve are refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+
+from polyrl_operator.api import Lora
+from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
+from polyrl_runtime.engines import hf_cache, torch_engine
+from polyrl_runtime.engines.adapters import UnknownAdapterError
+from polyrl_runtime.engines.api import Generation, SamplingParams
+from polyrl_runtime.engines.torch_engine import TorchEngine
+from polyrl_runtime.models import ModelLoadError
+from polyrl_runtime.weights import make_sender
+from polyrl_runtime.weights.api import WeightMismatchError
+from polyrl_testenv.models import join_midway, lively_qwen2
+
+PREFIX = "base_model.model."
+LORAS = {
+    "solver": Lora(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+    "verifier": Lora(rank=8, alpha=12, target_modules=["all-linear"]),
+}
+PROMPTS = [[5 + (i * 37 + n) % 300 for i in range(n)] for n in (1, 3, 9, 20, 6, 14)]
+POLICIES = ["solver", "verifier"] * 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return lively_qwen2(tiny_qwen2_dir, tmp_path_factory.mktemp("adapters") / "base", seed=1)
+
+
+def _peft(model_dir: Path, seed: int) -> PeftModel:
+    """The base with both policies' adapters, every adapter tensor drawn at random (peft starts B at 0)."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = None
+    for name, lora in LORAS.items():
+        targets = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+        config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets)
+        if model is None:
+            model = get_peft_model(base, config, adapter_name=name)
+        else:
+            model.add_adapter(name, config)
+    assert model is not None
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if ".lora_" in key:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def _tensors(model: PeftModel, adapter: str) -> dict[str, torch.Tensor]:
+    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    return {k.removeprefix(PREFIX): v.detach().clone() for k, v in state.items()}
+
+
+def _engine(model_dir: Path) -> TorchEngine:
+    return TorchEngine(
+        "e0",
+        "solver+verifier",
+        f"file://{model_dir}",
+        transport="shm",
+        seed=3,
+        dtype="float32",
+        adapters=LORAS,
+    )
+
+
+async def _load(eng: TorchEngine, model: PeftModel, versions: dict[str, int]) -> None:
+    for policy, version in versions.items():
+        sender = make_sender("shm", policy, 1 << 20)
+        try:
+            assert (await eng.receive_weights(sender.publish(version, _tensors(model, policy)))).applied
+        finally:
+            sender.close()
+
+
+def _greedy(model: Any, prompt: Sequence[int], n: int) -> list[int]:
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def _as(model: PeftModel, adapter: str) -> PeftModel:
+    model.set_adapter(adapter)
+    return model
+
+
+def test_a_mixed_batch_gives_each_policy_what_peft_gives_with_its_adapter(model_dir: Path) -> None:
+    eng, reference = _engine(model_dir), _peft(model_dir, seed=0)
+    lengths = [25, 8, 30, 5, 17, 12]
+
+    async def go() -> tuple[list[Generation], list[Generation]]:
+        await _load(eng, reference, {"solver": 1, "verifier": 3})
+        greedy = [
+            (p, SamplingParams(temperature=0, max_new_tokens=n, policy=policy))
+            for p, n, policy in zip(PROMPTS, lengths, POLICIES, strict=True)
+        ]
+        sampled = [
+            (p, SamplingParams(max_new_tokens=12, seed=i, policy=POLICIES[i])) for i, p in enumerate(PROMPTS)
+        ]
+        return await join_midway(eng, greedy), await join_midway(eng, sampled)
+
+    greedy, sampled = asyncio.run(go())
+    version = {"solver": 1, "verifier": 3}
+    for p, n, policy, g in zip(PROMPTS, lengths, POLICIES, greedy, strict=True):
+        assert g.token_ids.tolist() == _greedy(_as(reference, policy), p, n), policy
+        assert (g.versions == version[policy]).all()
+    assert eng.stats().adapters == version and eng.weight_version() == 1
+    for policy in LORAS:  # behaviour logprobs: what the trainer recomputes with the policy's adapter
+        rows = [i for i, name in enumerate(POLICIES) if name == policy]
+        batch = TokenBatch.build(
+            [np.asarray(PROMPTS[i], dtype=np.int32) for i in rows],
+            [sampled[i].token_ids for i in rows],
+            [np.zeros(0, dtype=np.int32)] * len(rows),
+        )
+        with torch.no_grad():
+            recomputed = sequence_logprobs(_as(reference, policy), batch, 1.0).numpy()
+        for k, i in enumerate(rows):
+            n = len(sampled[i].token_ids)
+            np.testing.assert_allclose(sampled[i].logprobs, recomputed[k, :n], atol=1e-4, rtol=0)
+
+
+def test_updating_one_adapter_mid_generation_changes_only_that_policys_requests(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eng, old, new = _engine(model_dir), _peft(model_dir, seed=0), _peft(model_dir, seed=1)
+    prefilled: list[list[int]] = []
+    prefill = hf_cache.prefill
+
+    def recording(model: Any, seqs: list[list[int]], pad_id: int) -> Any:
+        prefilled.extend(seqs)
+        return prefill(model, seqs, pad_id)
+
+    monkeypatch.setattr(torch_engine, "prefill", recording)
+    prompts = PROMPTS[1:5]
+    policies = POLICIES[1:5]
+
+    async def go() -> list[Generation]:
+        await _load(eng, old, {"solver": 1, "verifier": 1})
+        prefilled.clear()
+        tasks = [
+            asyncio.create_task(
+                eng.generate(p, SamplingParams(temperature=0, max_new_tokens=24, policy=policy))
+            )
+            for p, policy in zip(prompts, policies, strict=True)
+        ]
+        while not eng._active or min(len(r.tokens) for r in eng._active) < 6:
+            await asyncio.sleep(0.001)
+        await _load(eng, new, {"solver": 2})  # no pause: the verifier's requests keep going
+        return list(await asyncio.gather(*tasks))
+
+    gens = asyncio.run(go())
+    for p, policy, g in zip(prompts, policies, gens, strict=True):
+        started = [s for s in prefilled if s[: len(p)] == p]
+        tokens, v = g.token_ids.tolist(), g.versions
+        if policy == "verifier":  # untouched: one prefill, one version, the tokens of an undisturbed run
+            assert len(started) == 1 and (v == 1).all()
+            assert tokens == _greedy(_as(old, "verifier"), p, 24)
+            continue
+        switch = int((v == 1).sum())
+        assert 6 <= switch < len(v) and (v[switch:] == 2).all()
+        assert len(started) == 2  # its cache rows were computed again under the new adapter
+        assert tokens[:switch] == _greedy(_as(old, "solver"), p, switch)
+        assert tokens[switch:] == _greedy(_as(new, "solver"), p + tokens[:switch], len(tokens) - switch)
+    assert eng.stats().adapters == {"solver": 2, "verifier": 1}
+
+
+def test_unknown_policies_and_mismatched_versions_are_refused_by_name(model_dir: Path) -> None:
+    eng, reference = _engine(model_dir), _peft(model_dir, seed=0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_new_tokens=6, policy="solver")
+
+    async def go() -> None:
+        # An adapter before its first version serves what the base model gives (B is zero).
+        assert (await eng.generate(PROMPTS[2], params)).token_ids.tolist() == _greedy(base, PROMPTS[2], 6)
+        with pytest.raises(
+            UnknownAdapterError,
+            match="serves the adapters of solver, verifier: it holds none for policy 'critic'",
+        ):
+            await eng.generate(PROMPTS[2], SamplingParams(policy="critic"))
+        sender = make_sender("shm", "critic", 1 << 20)
+        try:
+            with pytest.raises(UnknownAdapterError, match="policy 'critic'"):
+                await eng.receive_weights(sender.publish(1, _tensors(reference, "solver")))
+        finally:
+            sender.close()
+        await _load(eng, reference, {"solver": 1})
+        sender = make_sender("shm", "solver", 1 << 20)
+        try:  # the verifier's tensors (another layout) as the solver's next version: refused whole
+            with pytest.raises(WeightMismatchError):
+                await eng.receive_weights(sender.publish(2, _tensors(reference, "verifier")))
+        finally:
+            sender.close()
+        assert eng.stats().adapters["solver"] == 1
+        got = await eng.generate(PROMPTS[2], params)
+        assert got.token_ids.tolist() == _greedy(_as(reference, "solver"), PROMPTS[2], 6)
+
+    asyncio.run(go())
+
+
+def test_adapters_need_a_hugging_face_model_and_a_plain_engine_serves_its_own_policy_only() -> None:
+    with pytest.raises(ModelLoadError, match="as LoRA adapters, which needs a Hugging Face model"):
+        TorchEngine("e0", "solver", "builtin://tiny", adapters=LORAS)
+    plain = TorchEngine("e1", "solver", "builtin://tiny")
+
+    async def go() -> None:
+        assert (
+            len((await plain.generate([3, 4], SamplingParams(max_new_tokens=2, policy="solver"))).token_ids)
+            == 2
+        )
+        with pytest.raises(ValueError, match="engine e1 serves policy solver, not verifier"):
+            await plain.generate([3, 4], SamplingParams(policy="verifier"))
+
+    asyncio.run(go())
