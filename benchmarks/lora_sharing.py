@@ -20,6 +20,7 @@ Tables:
   row with its own adapter, `engines/lora_bank.py`); one batch per adapter, one after the other (an
   engine that cannot mix adapters). Ratios are taken within each round (rounds alternate the three);
   the table gives medians. Judged by CPU time of this process. Goal: mixed / one adapter >= 0.8.
+  In float32 (this table and the next): bfloat16 matmuls on this CPU are several times slower.
 - update: one adapter version moved through the shared-memory transport (`shm`) into the engine,
   against one full-weight version of the same model: the bytes moved (goal: the adapter's bytes plus
   at most 1%) and the time from publish to applied (best of `--rounds`).
@@ -186,7 +187,10 @@ def throughput_table(args: argparse.Namespace, eng: TorchEngine) -> float:
     mixed_ratio = statistics.median(o / m for o, m in zip(cpu["one"], cpu["mixed"], strict=True))
     per_ratio = statistics.median(o / p for o, p in zip(cpu["one"], cpu["per"], strict=True))
     mixed_vs_per = statistics.median(p / m for p, m in zip(cpu["per"], cpu["mixed"], strict=True))
-    print(f"\ntokens/s (CPU time), {args.batch} greedy requests of {args.tokens} tokens, 4 adapters resident")
+    print(
+        f"\ntokens/s (CPU time, float32), {args.batch} greedy requests of {args.tokens} tokens, "
+        "4 adapters resident"
+    )
     print("| serving | tokens/CPU-s | ratio to one adapter |")
     print("|---|---|---|")
     print(f"| one adapter, one batch | {tokens / statistics.median(cpu['one']):.0f} | 1.00x |")
@@ -224,7 +228,7 @@ def update_table(args: argparse.Namespace, eng: TorchEngine, full: TorchEngine) 
     moved, adapter_s = move(eng, policy, adapter)
     full_bytes, full_s = move(full, "bench", weights)
     overhead = moved / adapter_bytes - 1
-    print("\nupdate: one version through shm, publish to applied (best of the rounds)")
+    print("\nupdate (float32): one version through shm, publish to applied (best of the rounds)")
     print("| update | bytes moved | adapter bytes | overhead | time (ms) | time ratio to full |")
     print("|---|---|---|---|---|---|")
     print(
@@ -265,10 +269,11 @@ def main() -> int:
             f"(built in {time.perf_counter() - start:.0f} s); cpus={os.cpu_count()}"
         )
         memory = memory_table(args, model)
-        eng = engine(model, args.dtype, names(4), args.rank, args.batch)
+        # float32: this CPU's bfloat16 matmuls are several times slower and would be what is measured.
+        eng = engine(model, "float32", names(4), args.rank, args.batch)
         load_random(eng, seed=1)
         mixed = throughput_table(args, eng)
-        full = engine(model, args.dtype, [], args.rank, args.batch)
+        full = engine(model, "float32", [], args.rank, args.batch)
         overhead = update_table(args, eng, full)
     print(
         f"\ngoals: memory at {args.adapters[-1]} adapters {memory:.3f}x (<= 1.15x); "

@@ -36,6 +36,8 @@ ANNOTATION_DRAIN_SINCE: Final = f"{DOMAIN}/drain-since"
 ANNOTATION_CHECKPOINT_SINCE: Final = f"{DOMAIN}/checkpoint-since"
 """RFC 3339 time the checkpoint request (pod_contract.ANNOTATION_CHECKPOINT_REQUEST) was made."""
 ANNOTATION_SERVES: Final = f"{DOMAIN}/serves"
+# On a pool pod: the policies its engine serves as LoRA adapters on one base ("a,b" per base, "; " between).
+ANNOTATION_SHARED_BASES: Final = f"{DOMAIN}/shared-bases"
 """On a pool pod: the roles it hosts, ``policy/role`` comma-separated in spec order (e.g.
 ``solver/rollout,solver/trainer``), for people and tools reading the pod."""
 MUTABLE_ANNOTATIONS: Final = (

@@ -10,7 +10,7 @@ from polyrl_operator.api.common import (
     RoleOverrides,
 )
 from polyrl_operator.api.policy import Algorithm, Lora, Model, Policy, Rollout, Sampling, Trainer
-from polyrl_operator.api.pools import Placement, Pool
+from polyrl_operator.api.pools import Placement, Pool, SharedBase
 from polyrl_operator.api.rljob import (
     API_VERSION,
     CATEGORIES,
@@ -80,6 +80,7 @@ __all__ = [
     "RuleViolation",
     "Sampling",
     "Scheduling",
+    "SharedBase",
     "Staleness",
     "Trainer",
     "Training",

@@ -55,8 +55,10 @@ class Model(ApiModel):
 
 
 class Lora(ApiModel):
-    """Low-rank adapters (peft's LoRA): only the adapters are trained and stored; the rollout engines
-    serve the base weights with the adapters merged in."""
+    """Low-rank adapters (peft's LoRA): only the adapters are trained and stored. The rollout engines
+    serve the base weights with the adapters merged in, or, for policies whose rollouts share a pool
+    and a base model (same model uri and dtype), one engine per pool pod holds the base once and each
+    policy's adapter beside it."""
 
     rank: int = Field(16, ge=1, le=4096, description="Rank r of each adapter.")
     alpha: int = Field(

@@ -57,3 +57,14 @@ class Placement:
     def trainer_world(self) -> int:
         """Ranks of a trainer placed here: `ranks_per_pod` on each of `min_replicas` pods."""
         return self.min_replicas * self.ranks_per_pod
+
+
+@dataclass(frozen=True)
+class SharedBase:
+    """Policies whose rollouts share one engine per pod of `pool`: the base model `model_uri` in
+    `dtype`, resident once, with each policy's LoRA adapter on it (`RLJobSpec.shared_bases`)."""
+
+    pool: str
+    model_uri: str
+    dtype: str
+    policies: tuple[str, ...]

@@ -12,7 +12,7 @@ from polyrl_operator.api.data import Data, Evaluation
 from polyrl_operator.api.metrics import Metrics
 from polyrl_operator.api.patterns import CHECKPOINT_URI_PATTERN, ENTRYPOINT_PATTERN, SECRET_NAME_PATTERN
 from polyrl_operator.api.policy import DEFAULT_GPUS, Policy, Rollout, Trainer
-from polyrl_operator.api.pools import MAX_POOLS, Placement, Pool
+from polyrl_operator.api.pools import MAX_POOLS, Placement, Pool, SharedBase
 
 MAX_POLICIES = 16
 
@@ -263,6 +263,41 @@ class RLJobSpec(ApiModel):
             ),
             field=".weightSync.transport",
         ),
+        Rule(
+            cel="self.policies.all(p, !has(p.rollout.pool) || !has(p.algorithm) || !has(p.algorithm.lora) || "
+            "(has(p.rollout.engine) && p.rollout.engine == 'torch') || "
+            "!self.policies.exists(o, o.name != p.name && has(o.rollout.pool) && o.rollout.pool == p.rollout.pool && has(o.algorithm) && has(o.algorithm.lora) && o.model.uri == p.model.uri && (has(o.model.dtype) ? o.model.dtype : 'auto') == (has(p.model.dtype) ? p.model.dtype : 'auto')))",
+            message="policies that share a base model as LoRA adapters (on one pool, with the same "
+            "model uri and dtype, algorithm.lora set) need the torch engine: vLLM's multi-LoRA serving "
+            "is not built yet",
+            check=lambda s: all(
+                s.policy(name).rollout.engine == "torch" for b in s.shared_bases() for name in b.policies
+            ),
+            field=".policies",
+        ),
+        Rule(
+            cel="self.policies.all(p, !has(p.rollout.pool) || !has(p.algorithm) || !has(p.algorithm.lora) || "
+            "self.policies.all(o, o.name == p.name || !(has(o.rollout.pool) && o.rollout.pool == p.rollout.pool && has(o.algorithm) && has(o.algorithm.lora) && o.model.uri == p.model.uri && (has(o.model.dtype) ? o.model.dtype : 'auto') == (has(p.model.dtype) ? p.model.dtype : 'auto')) || "
+            "(has(o.model.trustRemoteCode) && o.model.trustRemoteCode) == "
+            "(has(p.model.trustRemoteCode) && p.model.trustRemoteCode)))",
+            message="policies that share a base model as LoRA adapters must agree on model.trustRemoteCode "
+            "(one engine loads the base for all of them)",
+            check=lambda s: all(
+                len({s.policy(n).model.trust_remote_code for n in b.policies}) == 1 for b in s.shared_bases()
+            ),
+            field=".policies",
+        ),
+        Rule(
+            cel="!has(self.weightSync) || !has(self.weightSync.transport) || "
+            "!(self.weightSync.transport in ['collective', 'cudaipc']) || "
+            "self.policies.all(p, !has(p.rollout.pool) || !has(p.algorithm) || !has(p.algorithm.lora) || "
+            "!self.policies.exists(o, o.name != p.name && has(o.rollout.pool) && o.rollout.pool == p.rollout.pool && has(o.algorithm) && has(o.algorithm.lora) && o.model.uri == p.model.uri && (has(o.model.dtype) ? o.model.dtype : 'auto') == (has(p.model.dtype) ? p.model.dtype : 'auto')))",
+            message="policies that share a base model as LoRA adapters receive adapter versions through "
+            "objectstore or shm (auto picks one): one engine serves them all, and collective and cudaipc "
+            "connect an engine to one policy's trainer",
+            check=lambda s: s.weight_sync.transport not in ("collective", "cudaipc") or not s.shared_bases(),
+            field=".weightSync.transport",
+        ),
     )
 
     image: str | None = Field(
@@ -349,6 +384,13 @@ class RLJobSpec(ApiModel):
         """Every policy's rollout and trainer (what the pool rules range over)."""
         return [r for p in self.policies for r in (p.rollout, p.trainer)]
 
+    def policy(self, name: str) -> Policy:
+        """The policy called `name` (KeyError when there is none)."""
+        for p in self.policies:
+            if p.name == name:
+                return p
+        raise KeyError(f"no policy {name!r} in spec.policies")
+
     def pool(self, name: str) -> Pool:
         """The pool called `name` (KeyError when spec.pools has none: validation rules that out)."""
         for q in self.pools or ():
@@ -375,6 +417,24 @@ class RLJobSpec(ApiModel):
         that has a single pod (they share its host memory, so weights need no network)."""
         r, t = policy.rollout, policy.trainer
         return r.pool is not None and r.pool == t.pool and self.pool(r.pool).replicas.max == 1
+
+    def shared_bases(self) -> list[SharedBase]:
+        """Policies that share one base model as LoRA adapters: those whose rollouts run on the same
+        pool with the same `model.uri` and `model.dtype` and that set `algorithm.lora`; a group of two
+        or more, in the order of `policies` (one engine per pool pod serves every policy of a group)."""
+        groups: dict[tuple[str, str, str], list[str]] = {}
+        for p in self.policies:
+            if p.rollout.pool is not None and p.algorithm.lora is not None:
+                groups.setdefault((p.rollout.pool, p.model.uri, p.model.dtype), []).append(p.name)
+        return [
+            SharedBase(pool, uri, dtype, tuple(names))
+            for (pool, uri, dtype), names in groups.items()
+            if len(names) > 1
+        ]
+
+    def shared_base(self, policy: str) -> SharedBase | None:
+        """The group whose base `policy` shares, if any."""
+        return next((b for b in self.shared_bases() if policy in b.policies), None)
 
     def trainer_placement(self, policy: Policy) -> Placement:
         """The policy's trainer ranks' pods: `replicas` of its own, or its pool's first

@@ -80,6 +80,15 @@ class PolicyStatus(ApiModel):
     evaluation: EvalStatus | None = Field(None, description="The latest evaluation pass (spec.evaluation).")
 
 
+class SharedBaseStatus(ApiModel):
+    """Policies whose rollouts share one engine per pod of a pool: one resident base model, each
+    policy's LoRA adapter on it."""
+
+    model: str = Field(..., description="The base model (model.uri).")
+    dtype: str = Field(..., description="Its dtype (model.dtype).")
+    policies: list[str] = Field(..., description="The policies served as adapters on it.")
+
+
 class PoolStatus(ApiModel):
     """One device pool: its pods, the roles placed on it and how its devices were shared."""
 
@@ -103,6 +112,11 @@ class PoolStatus(ApiModel):
         ge=0,
         description="Changes of the pool's holder (engines to a trainer, trainer to trainer, back) "
         "since the coordinator started; unset on a pool that takes no turns (no trainer, or no GPUs).",
+    )
+    shared_bases: list[SharedBaseStatus] | None = Field(
+        None,
+        description="Policies served as LoRA adapters on one base model by the pool's engines (rollouts "
+        "on the pool with the same model and algorithm.lora); unset when none share.",
     )
 
 

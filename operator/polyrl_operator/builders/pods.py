@@ -213,6 +213,11 @@ def build_pod(
         labels[naming.LABEL_ATTEMPT] = str(req.attempt)
     hosted = slot.hosted(req.index)
     annotations = {naming.ANNOTATION_SERVES: ",".join(map(str, hosted))} if hosted else {}
+    shared = [b for b in job.spec.shared_bases() if req.pool is not None and b.pool == req.pool]
+    if hosted and shared:
+        annotations[naming.ANNOTATION_SHARED_BASES] = "; ".join(
+            f"{','.join(b.policies)} on {b.model_uri} ({b.dtype})" for b in shared
+        )
     # Pods of a role with a headless Service get stable DNS names under it (rank rendezvous).
     subdomain = None if traits.singleton else naming.role_service(ref.name, req.role, req.owner)
     args = [traits.entry_point, "--config", contract.CONFIG_PATH]

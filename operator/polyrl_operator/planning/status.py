@@ -13,7 +13,7 @@ from datetime import datetime
 
 from polyrl_operator.api import PolicyStatus, PoolStatus, RLJob, RLJobStatus, RoleCounts, Staleness
 from polyrl_operator.api.progress import EvalProgress, PoolProgress, Progress
-from polyrl_operator.api.status import ConditionType, EvalStatus, Phase
+from polyrl_operator.api.status import ConditionType, EvalStatus, Phase, SharedBaseStatus
 from polyrl_operator.planning.conditions import Setting, clip, get_condition, rfc3339, set_conditions
 from polyrl_operator.planning.lifecycle import Verdict
 from polyrl_operator.planning.pods import empty_pod_plan
@@ -94,6 +94,12 @@ def pool_statuses(
                 roles=[str(r) for r in slot.placed],
                 busy_fraction=usage.busy_fraction if usage is not None else None,
                 switches=usage.switches if usage is not None else None,
+                shared_bases=[
+                    SharedBaseStatus(model=b.model_uri, dtype=b.dtype, policies=list(b.policies))
+                    for b in job.spec.shared_bases()
+                    if b.pool == slot.pool
+                ]
+                or None,
             )
         )
     return out

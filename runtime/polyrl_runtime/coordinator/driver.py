@@ -115,6 +115,13 @@ class Driver:
             )
             for p in self.spec.policies
         }
+        # One engine receives the adapter versions of every policy of a shared base, through one
+        # receiver: they agree on a transport, and collective and cudaipc (which tie an engine to one
+        # trainer) are not among them (validation refuses them when asked for by name).
+        for base in self.spec.shared_bases():
+            chosen = {self.transports[m] for m in base.policies}
+            if len(chosen) > 1 or chosen & {"collective", "cudaipc"}:
+                self.transports.update(dict.fromkeys(base.policies, "objectstore"))
         # Starts no actor before `run`; then it starts (and `close` stops) every one.
         self.fleet = Fleet(
             job, self.transports, place_by_resource=opts.place_by_resource, cpu_sets=opts.cpu_sets
@@ -226,7 +233,8 @@ class Driver:
         with phase("actors", "starting actors (" + self._actor_counts() + ")"):
             buffer = fleet.new_buffer(configs, capacity, snapshot)
             for p in spec.policies:
-                for _ in range(spec.rollout_placement(p).min_replicas):
+                # A policy sharing a base has its engines once an earlier policy of that base started them.
+                for _ in range(spec.rollout_placement(p).min_replicas - len(fleet.live_engines(p.name))):
                     fleet.new_engine(p)
                 ranks = fleet.new_trainers(p, buffer)
                 self.runs[p.name] = PolicyRun(p.name, ranks, window=RewardWindow(self.episodes_per_step))
@@ -300,7 +308,10 @@ class Driver:
 
     def _actor_counts(self) -> str:
         spec = self.spec
-        engines = sum(spec.rollout_placement(p).min_replicas for p in spec.policies)
+        engines = sum(
+            spec.rollout_placement(p).min_replicas for p in spec.policies if not spec.shared_base(p.name)
+        )
+        engines += sum(spec.pool(b.pool).replicas.min for b in spec.shared_bases())
         ranks = sum(spec.trainer_placement(p).trainer_world for p in spec.policies)
         workers = spec.workflow.replicas.min
 

@@ -57,6 +57,9 @@ class Slot(Generic[C_co]):
     name: str
     actor: C_co
     policy: str = ""
+    # An engine serving several policies as LoRA adapters on one base (`RLJobSpec.shared_bases`): all
+    # of them, `policy` the first; the slot is listed under each. Empty: `policy`'s alone.
+    shared_by: tuple[str, ...] = ()
     pod: str = ""
     draining: bool = False
     dead: bool = False
@@ -170,11 +173,20 @@ class Fleet:
         return self._track(BufferClient(handle))
 
     def new_engine(self, policy: Policy) -> EngineSlot:
-        name = f"{policy.name}-rollout-{next(self._ids)}"
+        """An engine for `policy`: its own, or, for a policy that shares a base (`spec.shared_bases`),
+        one engine for every policy of that base, taking a unit of each one's rollout resource on its
+        pod and listed under each of them."""
+        shared = self.spec.shared_base(policy.name)
+        members = shared.policies if shared is not None else (policy.name,)
+        name = f"{'+'.join(members) if shared is not None else policy.name}-rollout-{next(self._ids)}"
         kind = engine_kind(policy.rollout.engine)
         placement = self.spec.rollout_placement(policy)
+        resources: dict[str, float] = {}
+        for member in members:
+            resources.update(self._res(member, "rollout"))
+        adapters = {m: self.spec.policy(m).algorithm.lora for m in members} if shared is not None else {}
         options = {
-            "resources": self._res(policy.name, "rollout"),
+            "resources": resources,
             "num_cpus": 0,
             "num_gpus": ray_gpus(placement, placement.gpus),
             "max_concurrency": 4096,
@@ -192,10 +204,17 @@ class Fleet:
             dtype=policy.model.dtype,
             trust_remote_code=policy.model.trust_remote_code,
             **kind.options(self.spec, policy),
+            **({"adapters": adapters} if adapters else {}),
         )
-        slot = Slot(name, self._track(EngineClient(handle)), policy=policy.name)
-        self._refill(policy.name, "rollout")
-        self.engines[policy.name][name] = slot
+        slot = Slot(
+            name,
+            self._track(EngineClient(handle)),
+            policy=policy.name,
+            shared_by=members if shared is not None else (),
+        )
+        for member in members:
+            self._refill(member, "rollout")
+            self.engines[member][name] = slot
         return slot
 
     def new_worker(self, job_json: str, buffer: BufferClient, episode_timeout_s: float) -> WorkerSlot:
@@ -252,6 +271,7 @@ class Fleet:
                 temperature=policy.rollout.sampling.temperature,
                 total_steps=self.spec.training.total_steps,
                 gpus=placement.gpus,
+                adapter_only=self.spec.shared_base(policy.name) is not None,
             )
             ranks.append(self._track(TrainerRankClient(handle)))
         return ranks
@@ -285,7 +305,8 @@ class Fleet:
     async def poll(self) -> list[Slot[Actor]]:
         """Refresh stats of every engine and worker; returns the slots found dead since the last poll."""
         newly_dead: list[Slot[Actor]] = []
-        slots = [s for p in self.engines.values() for s in p.values() if not s.dead]
+        # Once each: an engine of a shared base is listed under every policy it serves.
+        slots = list({id(s): s for p in self.engines.values() for s in p.values() if not s.dead}.values())
         results = await asyncio.gather(*(s.actor.stats() for s in slots), return_exceptions=True)
         for s, r in zip(slots, results, strict=True):
             if isinstance(r, BaseException):
@@ -332,7 +353,8 @@ class Fleet:
     def _died(self, slot: Slot[Actor]) -> None:
         slot.dead = True
         if not self.place_by_resource:
-            self._vacated[(slot.policy or None, "rollout" if slot.policy else "workflow")] += 1
+            for policy in slot.shared_by or (slot.policy or None,):
+                self._vacated[(policy, "rollout" if policy else "workflow")] += 1
 
     def _refill(self, policy: str | None, role: str) -> None:
         if self._vacated[(policy, role)] > 0:

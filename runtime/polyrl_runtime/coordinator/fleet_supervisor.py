@@ -64,9 +64,10 @@ class FleetSupervisor:
             room = self.spec.rollout_placement(p).max_replicas - len(self.fleet.live_engines(p.name))
             for _ in range(max(0, min(room, self.fleet.free_units(p.name, "rollout")))):
                 slot = self.fleet.new_engine(p)
-                run = self.runs[p.name]
-                assert run.sync is not None
-                await asyncio.to_thread(run.sync.add_engine, slot.name, slot.actor)
+                for policy in slot.shared_by or (p.name,):  # an engine of a shared base joins each sync
+                    run = self.runs[policy]
+                    assert run.sync is not None
+                    await asyncio.to_thread(run.sync.add_engine, slot.name, slot.actor)
                 changed = True
                 self.control.emit("engine_added", engine=slot.name, policy=p.name)
         live_workers = [w for w in self.fleet.workers.values() if not w.dead]

@@ -43,7 +43,11 @@ class UnknownAdapterError(ValueError):
 class AdapterTarget(TensorTarget):
     """One adapter's tensors, as a weight target: written by a transport, then applied (`apply`) under
     the shared serving `lock` when the whole version has been written. A version that fails halfway
-    leaves the served adapter as it was (only these staging tensors were written)."""
+    leaves the served adapter as it was (only the staging tensors were written).
+
+    The staging tensors exist only while a version is received: allocated when a transport first asks
+    for them (its manifest check), dropped once the version is applied, so between updates an adapter
+    is resident once, in the bank."""
 
     def __init__(
         self,
@@ -54,16 +58,29 @@ class AdapterTarget(TensorTarget):
         lock: threading.Lock,
         apply: Callable[[Mapping[str, torch.Tensor]], None],
     ) -> None:
-        tensors = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in layout.shapes().items()}
-        super().__init__(tensors, swappable=True, lock=lock)
+        super().__init__({}, swappable=True, lock=lock)
         self.layout = layout
+        self._dtype, self._device = dtype, device
         self._apply = apply
+        self._staged: dict[str, torch.Tensor] | None = None
+
+    def named_tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._staged is None:
+            shapes = self.layout.shapes().items()
+            self._staged = {n: torch.zeros(s, dtype=self._dtype, device=self._device) for n, s in shapes}
+        return self._staged
+
+    def swap(self, new: Mapping[str, torch.Tensor]) -> None:
+        if not self.lock.locked():
+            raise RuntimeError("swap() outside paused()")
+        self._staged = {name: new[name] for name in self.layout.shapes()}
 
     @contextmanager
     def paused(self, new_version: int) -> Iterator[None]:
         with self.lock:
             yield
             self._apply(self.named_tensors())
+            self._staged = None
             self._updates += 1
             self._version = new_version
 
@@ -78,19 +95,20 @@ class EngineAdapters:
         self.bank = LoraBank(model)
         weight = next(model.parameters())
         self.targets: dict[str, AdapterTarget] = {}
-        for policy, lora in loras.items():
-            layout = adapter_layout(model, policy, lora)
+        layouts = {policy: adapter_layout(model, policy, lora) for policy, lora in loras.items()}
+        # Every adapter's columns allocated at once, B zero: each serves what the base gives until its
+        # first version.
+        self.bank.declare({p: _bank_layout(layout) for p, layout in layouts.items()})
+        for policy, layout in layouts.items():
 
             def apply(
                 tensors: Mapping[str, torch.Tensor], policy: str = policy, scaling: float = layout.scaling
             ) -> None:
                 self.bank.load(policy, tensors, scaling)
 
-            target = AdapterTarget(
+            self.targets[policy] = AdapterTarget(
                 layout, dtype=weight.dtype, device=weight.device, lock=base.lock, apply=apply
             )
-            apply(target.named_tensors())  # resident from the start, B zero: the base's outputs
-            self.targets[policy] = target
 
     @property
     def policies(self) -> list[str]:
@@ -117,3 +135,10 @@ class EngineAdapters:
 
     def nbytes(self, policy: str) -> int:
         return self.bank.nbytes(policy)
+
+
+def _bank_layout(layout: AdapterLayout) -> dict[str, tuple[torch.Size, torch.Size]]:
+    return {
+        m: (torch.Size((layout.rank, layer.in_features)), torch.Size((layer.out_features, layout.rank)))
+        for m, layer in layout.layers.items()
+    }

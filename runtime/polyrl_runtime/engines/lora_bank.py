@@ -50,21 +50,45 @@ class _Adapted:
 
     def __init__(self, base: torch.nn.Linear) -> None:
         weight = base.weight
-        self.a = torch.zeros(0, base.in_features, dtype=weight.dtype, device=weight.device)
-        self.b = torch.zeros(base.out_features, 0, dtype=weight.dtype, device=weight.device)
+        self._shape, self._like = (base.out_features, base.in_features), weight
+        self.width = 0  # the columns of every adapter on the layer
+        self._a: torch.Tensor | None = None  # allocated at the first write or route, at `width`
+        self._b: torch.Tensor | None = None
         self.columns: dict[str, _Columns] = {}
         self.mask: torch.Tensor | None = None  # [rows, columns]; None: the base alone
         base.register_forward_hook(self)
 
     def add(self, adapter: str, rank: int) -> None:
-        self.columns[adapter] = _Columns(self.a.shape[0], rank)
-        self.a = torch.cat([self.a, self.a.new_zeros(rank, self.a.shape[1])])
-        self.b = torch.cat([self.b, self.b.new_zeros(self.b.shape[0], rank)], dim=1)
+        """Columns for `adapter`. Adapters added before the first write share one allocation; one added
+        later grows the stacked tensors (a copy of the others' columns)."""
+        self.columns[adapter] = _Columns(self.width, rank)
+        self.width += rank
+        if self._a is not None and self._b is not None:
+            self._a = torch.cat([self._a, self._a.new_zeros(rank, self._a.shape[1])])
+            self._b = torch.cat([self._b, self._b.new_zeros(self._b.shape[0], rank)], dim=1)
+
+    # Allocated as normal tensors even inside inference mode (a first route may come in a forward
+    # pass): later versions are written into them outside it.
+    @property
+    def a(self) -> torch.Tensor:
+        if self._a is None:
+            with torch.inference_mode(False):
+                self._a = self._like.new_zeros(self.width, self._shape[1])
+        return self._a
+
+    @property
+    def b(self) -> torch.Tensor:
+        if self._b is None:
+            with torch.inference_mode(False):
+                self._b = self._like.new_zeros(self._shape[0], self.width)
+        return self._b
 
     def write(self, adapter: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         cols = self.columns[adapter]
         end = cols.start + cols.rank
-        self.a[cols.start : end].copy_(a.to(self.a.dtype) * scaling)
+        rows = self.a[cols.start : end]
+        rows.copy_(a)
+        rows.mul_(scaling)  # in place: no second copy of the adapter, even for a moment
         self.b[:, cols.start : end].copy_(b)
 
     def route(self, adapters: Sequence[str | None]) -> None:
@@ -110,9 +134,26 @@ class LoraBank:
         size = next(iter(self._layers.values())).a.element_size()
         return sum((a.numel() + b.numel()) * size for a, b in self._layouts[adapter].values())
 
+    def declare(self, layouts: Mapping[str, Mapping[str, tuple[torch.Size, torch.Size]]]) -> None:
+        """Add adapters by layout (adapter -> module -> (A shape, B shape)) before any version of them,
+        so every layer allocates its columns once; their first `load` must match. B is zero until then."""
+        for adapter, layout in layouts.items():
+            zeros = {}
+            for module, (a_shape, b_shape) in layout.items():
+                zeros[module + A_SUFFIX] = torch.empty(a_shape, device="meta")
+                zeros[module + B_SUFFIX] = torch.empty(b_shape, device="meta")
+            shapes = {m: (a.shape, b.shape) for m, (a, b) in self._pairs(adapter, zeros).items()}
+            if adapter in self._layouts:
+                raise AdapterLoadError(f"adapter {adapter} is already resident")
+            for module, (a_shape, _) in shapes.items():
+                self._layer(module).add(adapter, int(a_shape[0]))
+            self._layouts[adapter] = shapes
+        if self._routed is not None:
+            self.route(self._routed)
+
     def load(self, adapter: str, tensors: Mapping[str, torch.Tensor], scaling: float) -> None:
-        """Apply one version of `adapter` (its first adds it). Checks every tensor first; raises
-        `AdapterLoadError` naming the adapter and the tensor, having written nothing."""
+        """Apply one version of `adapter` (its first adds it, unless `declare` did). Checks every tensor
+        first; raises `AdapterLoadError` naming the adapter and the tensor, having written nothing."""
         pairs = self._pairs(adapter, tensors)
         known = self._layouts.get(adapter)
         shapes = {m: (a.shape, b.shape) for m, (a, b) in pairs.items()}

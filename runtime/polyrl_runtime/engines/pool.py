@@ -18,6 +18,7 @@ retried elsewhere, one by one, as before.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Mapping
 
@@ -77,6 +78,8 @@ class EnginePool:
         return min(candidates, key=lambda nh: (self._in_flight.get(nh[0], 0), next(self._tiebreak)))
 
     async def generate(self, policy: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if params.policy != policy:  # an engine serving several policies' adapters reads it
+            params = dataclasses.replace(params, policy=policy)
         last: BaseException | None = None
         for _ in range(self.retries + 1):
             name, engine = self._choose(policy)

@@ -33,6 +33,7 @@ class TorchEngineSleep:
     device: torch.device
     model: torch.nn.Module
     target: TensorTarget
+    adapters: object | None  # `engines.adapters.EngineAdapters` when it serves LoRA adapters
     _weight_target: WeightTarget
     _cache: KVCache | None
     _kv: BatchCache
@@ -62,6 +63,11 @@ class TorchEngineSleep:
 
     async def sleep(self, level: int = 1) -> SleepReport:
         check_sleep_level(self.name, level)
+        if level == 2 and self.adapters is not None:
+            # Its trainers publish adapters only: nothing would ever bring the dropped base back.
+            raise ValueError(
+                f"engine {self.name} serves LoRA adapters on a base no update resends: it sleeps at level 1 only"
+            )
         async with self._control():
             if self._asleep:
                 raise EngineAsleepError(self.name, self._asleep, "sleeping again")

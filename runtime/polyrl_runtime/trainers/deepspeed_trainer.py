@@ -99,6 +99,7 @@ class DeepSpeedTrainer(TrainerWeights):
         temperature: float = 1.0,
         total_steps: int = 1,
         gpus: int = 0,
+        adapter_only: bool = False,
     ) -> None:
         # Cheap on purpose: the model is built in `setup`, once the process group exists (ZeRO-3
         # partitions it collectively as it is constructed).
@@ -112,6 +113,9 @@ class DeepSpeedTrainer(TrainerWeights):
         self.total_steps = total_steps
         self.buffer = buffer
         self.temperature = temperature
+        # Its engines hold the base model and this policy's LoRA adapter among others' (policies that
+        # share a base): publish the adapter's tensors only.
+        self.adapter_only = adapter_only
         self.algo = self.spec.algorithm
         self.loss_cfg = LossConfig(
             self.algo.clip_eps, self.algo.is_cap, self.algo.kl_coef, self.algo.entropy_coef
@@ -351,16 +355,21 @@ class DeepSpeedTrainer(TrainerWeights):
 
     def weight_tensors(self) -> Mapping[str, torch.Tensor]:
         """What the engines load: parameters only, tied once, Hugging Face names (adapters merged under
-        LoRA), gathered bucket by bucket under ZeRO-3 (`publish.published_tensors`)."""
+        LoRA; the adapter alone when the engines share the base), gathered bucket by bucket under
+        ZeRO-3 (`publish.published_tensors`)."""
         self._require_resident("publishing weights")
         module = self.engine.module if self.engine is not None else self.model
-        return published_tensors(module, zero_gather(self.spec.trainer.zero_stage))
+        return published_tensors(
+            module, zero_gather(self.spec.trainer.zero_stage), adapter_only=self.adapter_only
+        )
 
     def gather_for_peers(self) -> None:
         """ZeRO-3, ranks > 0: take part in the bucket gathers rank 0 does to publish weights."""
         self._require_resident("publishing weights")
         module = self.engine.module if self.engine is not None else self.model
-        published_tensors(module, zero_gather(self.spec.trainer.zero_stage), keep=False)
+        published_tensors(
+            module, zero_gather(self.spec.trainer.zero_stage), keep=False, adapter_only=self.adapter_only
+        )
 
     def save(self, directory: str, tag: str) -> None:
         """`directory`: a local path or an object-store URI (each rank stages and uploads its files)."""

@@ -48,7 +48,7 @@ class LoraError(ModelLoadError):
     A `ModelLoadError`: the same spec fails the same way, so the job fails without retrying."""
 
 
-def _no_gather(params: list[torch.nn.Parameter]) -> AbstractContextManager[Any]:
+def no_gather(params: list[torch.nn.Parameter]) -> AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
@@ -191,7 +191,7 @@ def serving_tensors(
     for name, unit, lora in _units(base):
         params = list(unit.parameters())
         out: list[tuple[str, torch.Tensor]] = []
-        with (gather or _no_gather)(params):
+        with (gather or no_gather)(params):
             if lora:
                 target = unit.get_base_layer()  # type: ignore[operator]
                 delta = _delta(unit)
@@ -217,5 +217,5 @@ def adapter_tensors(module: torch.nn.Module, gather: Gather | None = None) -> di
     """The adapters' parameters under the peft model's own state-dict names (copies), gathered in
     one collective: adapters are a small fraction of the model."""
     adapters = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    with (gather or _no_gather)([p for _, p in adapters]):
+    with (gather or no_gather)([p for _, p in adapters]):
         return {name: p.detach().clone() for name, p in adapters}

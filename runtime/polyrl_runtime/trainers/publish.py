@@ -5,7 +5,10 @@ computes its own), each once (a tied `lm_head.weight` is the same Parameter as
 `model.embed_tokens.weight`, and `named_parameters()` yields it under its first name only), under the
 Hugging Face names of the model, whatever the ZeRO stage: wrappers' prefixes (`module.` of DDP or
 a DeepSpeed engine, `_orig_mod.` of `torch.compile`) are stripped. A peft model publishes its base
-model's names with the adapters merged in (`lora.serving_tensors`).
+model's names with the adapters merged in (`lora.serving_tensors`), or, when its engines hold the base
+themselves (policies sharing a base as LoRA adapters), its adapter's tensors alone
+(`adapter_only`): peft's names without its wrapper prefix, which `models/lora_layout.py` lays out
+on the engine side.
 
 Under ZeRO-3 every parameter is partitioned across the ranks. The publishing rank gathers them a
 bucket at a time (a group of parameters of at most `bucket_bytes`, one collective per bucket) and
@@ -17,10 +20,11 @@ plus one bucket, never two copies. The other ranks take part in the same gathers
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from polyrl_runtime.trainers.lora import Gather, is_peft, serving_tensors
+from polyrl_runtime.trainers.lora import Gather, is_peft, no_gather, serving_tensors
 
 # Parameters gathered per collective under ZeRO-3: large enough that a 0.5B model publishes in a few
 # dozen gathers, small enough that the transient gathered bucket is negligible beside the copy.
@@ -70,12 +74,15 @@ def published_tensors(
     *,
     keep: bool = True,
     bucket_bytes: int = PUBLISH_BUCKET_BYTES,
+    adapter_only: bool = False,
 ) -> dict[str, torch.Tensor]:
     """{Hugging Face name: tensor} of every parameter the served model has.
 
     Without `gather` (ZeRO 0-2: every rank holds full parameters) the tensors are the live ones:
     read them before the next optimizer step. With it (ZeRO-3) each is a copy taken under its bucket's
     gather; with `keep=False` a rank joins the gathers and returns nothing."""
+    if adapter_only:
+        return adapter_tensors(module, gather, keep=keep)
     if is_peft(module):
         merged = serving_tensors(module, gather)
         return {hf_name(n): t for n, t in merged} if keep else _drain(merged)
@@ -94,3 +101,26 @@ def _drain(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     for _ in items:  # the gathers happen as the iterator advances
         pass
     return {}
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_tensors(
+    module: torch.nn.Module, gather: Gather | None = None, *, keep: bool = True
+) -> dict[str, torch.Tensor]:
+    """{name: tensor} of the peft model's active adapter, A and B of each adapted layer, under peft's
+    names without `base_model.model.` (`model.layers.0.self_attn.q_proj.lora_A.weight`). Copies, taken
+    under one gather of the adapter's parameters (ZeRO-3); with `keep=False` a rank joins the gather
+    and returns nothing."""
+    if not is_peft(module):
+        raise TypeError("adapter_only publishing needs a peft model (algorithm.lora set)")
+    peft_model: Any = module
+    adapter = peft_model.active_adapter
+    named = [(hf_name(n), p) for n, p in module.named_parameters() if ".lora_" in n and f".{adapter}." in n]
+    with (gather or no_gather)([p for _, p in named]):
+        if not keep:
+            return {}
+        return {
+            n.removeprefix(PEFT_PREFIX).replace(f".{adapter}.", "."): p.detach().clone() for n, p in named
+        }

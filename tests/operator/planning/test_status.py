@@ -86,3 +86,36 @@ def test_pool_status_carries_the_busy_fraction_and_switches(
     wire = {q.name: q.model_dump(by_alias=True, exclude_none=True, mode="json") for q in pools}
     assert {k: v for k, v in wire["shared"].items() if k in ("busyFraction", "switches")} == expected
     assert wire["engines"] == {"name": "engines", "desired": 0, "ready": 0, "roles": ["listener/rollout"]}
+
+
+def test_a_pool_whose_engines_share_a_base_names_its_policies_in_status_and_on_its_pods() -> None:
+    from polyrl_operator import naming
+    from polyrl_operator.planning.render import render
+    from polyrl_operator.settings import OperatorSettings
+
+    doc = yaml.safe_load((REPO / "tests" / "runtime" / "data" / "selfplay-tiny.yaml").read_text())
+    speaker = doc["spec"]["policies"][0]
+    speaker.update(name="speaker", model={"uri": "builtin://tiny-qwen2", "dtype": "float32"})
+    speaker["algorithm"]["lora"] = {"rank": 4}
+    speaker["rollout"] = {"engine": "torch", "pool": "shared"}
+    listener = {**speaker, "name": "listener"}
+    alone = {**speaker, "name": "alone", "algorithm": {"name": "grpo", "groupSize": 4}}  # no LoRA
+    doc["spec"]["policies"] = [speaker, listener, alone]
+    doc["spec"]["workflow"]["args"]["policies"] = {"speaker": "speaker", "listener": "listener"}
+    doc["spec"]["pools"] = [{"name": "shared", "gpus": 0}]
+    job = RLJob.model_validate(doc)
+    pools = pool_statuses(job, RLJobStatus(), None, empty_pod_plan(job))
+    assert pools is not None
+    (shared,) = pools
+    wire = shared.model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert wire["sharedBases"] == [
+        {"model": "builtin://tiny-qwen2", "dtype": "float32", "policies": ["speaker", "listener"]}
+    ]
+    pods = [
+        m for m in render(doc, OperatorSettings()) if m["kind"] == "Pod" and "-pool-" in m["metadata"]["name"]
+    ]
+    assert pods and all(
+        p["metadata"]["annotations"][naming.ANNOTATION_SHARED_BASES]
+        == "speaker,listener on builtin://tiny-qwen2 (float32)"
+        for p in pods
+    )

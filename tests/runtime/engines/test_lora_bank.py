@@ -185,3 +185,23 @@ def test_rows_must_name_loaded_adapters_and_match_the_batch(tiny_qwen2_dir: Path
     bank.route(["solver"])
     with pytest.raises(ValueError, match="4 rows in the batch, but 1 routed to adapters"), torch.no_grad():
         bank.model(input_ids=IDS)
+
+
+def test_declared_adapters_serve_the_base_until_loaded_and_then_what_loading_gives(
+    tiny_qwen2_dir: Path,
+) -> None:
+    reference = _peft(tiny_qwen2_dir)
+    loaded, before = _routed_bank(tiny_qwen2_dir)
+    bank = LoraBank(_base(tiny_qwen2_dir))
+    layouts = {a: dict(loaded.layout(a)) for a in CONFIGS}
+    bank.declare(layouts)
+    assert bank.adapters == list(CONFIGS) and all(bank.layout(a) == layouts[a] for a in CONFIGS)
+    bank.route(ROWS)
+    with torch.no_grad():  # B is zero: every row gets the base's logits
+        assert torch.equal(bank.model(input_ids=IDS).logits, _peft_logits(reference, IDS, None))
+    for adapter in CONFIGS:
+        bank.load(adapter, _tensors(reference, adapter), _scaling(adapter))
+    with torch.no_grad():
+        assert torch.equal(bank.model(input_ids=IDS).logits, before)
+    with pytest.raises(AdapterLoadError, match="adapter solver is already resident"):
+        bank.declare({"solver": layouts["solver"]})

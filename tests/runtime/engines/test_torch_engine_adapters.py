@@ -234,3 +234,18 @@ def test_adapters_need_a_hugging_face_model_and_a_plain_engine_serves_its_own_po
             await plain.generate([3, 4], SamplingParams(policy="verifier"))
 
     asyncio.run(go())
+
+
+def test_an_engine_of_adapters_sleeps_at_level_one_only(model_dir: Path) -> None:
+    """Its trainers publish adapters alone: a base dropped at level 2 would never come back."""
+    eng = _engine(model_dir)
+
+    async def go() -> None:
+        with pytest.raises(ValueError, match="serves LoRA adapters on a base no update resends"):
+            await eng.sleep(2)
+        assert (await eng.sleep(1)).level == 1
+        await eng.wake_up()
+        params = SamplingParams(temperature=0, max_new_tokens=3, policy="verifier")
+        assert len((await eng.generate(PROMPTS[1], params)).token_ids) == 3
+
+    asyncio.run(go())

@@ -164,6 +164,29 @@ def _long_pool_names(doc: Doc) -> None:
     doc["spec"]["pools"][0]["name"] = doc["spec"]["policies"][0]["rollout"]["pool"] = "p" * 32
 
 
+def _sharing_a_base(doc: Doc, gpus: int = 0) -> Doc:
+    """Both policies' rollouts on one pool, the same model, LoRA adapters: they share a base."""
+    _on_pool(doc, (0, "rollout"), (1, "rollout"), gpus=gpus)
+    for policy in doc["spec"]["policies"]:
+        policy["model"] = {"uri": "builtin://tiny-qwen2", "dtype": "float32"}
+        policy["algorithm"]["lora"] = {"rank": 4}
+    return doc
+
+
+def _shared_base_on_vllm(doc: Doc) -> None:
+    _sharing_a_base(doc, gpus=1)
+    for policy in doc["spec"]["policies"]:
+        policy["rollout"]["engine"] = "vllm"
+
+
+def _shared_base_remote_code_differs(doc: Doc) -> None:
+    _sharing_a_base(doc)["spec"]["policies"][1]["model"]["trustRemoteCode"] = True
+
+
+def _shared_base_over_collective(doc: Doc) -> None:
+    _sharing_a_base(doc)["spec"]["weightSync"]["transport"] = "collective"
+
+
 POOL_CASES: tuple[BadCase, ...] = (
     BadCase(
         "pool-undefined", _pool_undefined, "spec.policies", ("spec.policies", "spec.pools does not define")
@@ -241,6 +264,24 @@ POOL_CASES: tuple[BadCase, ...] = (
         _rollout_on_anothers_training_pool,
         "spec.policies",
         ("spec.policies", "only if no trainer runs there"),
+    ),
+    BadCase(
+        "shared-base-on-vllm",
+        _shared_base_on_vllm,
+        "spec.policies",
+        ("spec.policies", "share a base model as LoRA adapters", "need the torch engine"),
+    ),
+    BadCase(
+        "shared-base-trust-remote-code-differs",
+        _shared_base_remote_code_differs,
+        "spec.policies",
+        ("spec.policies", "must agree on model.trustRemoteCode"),
+    ),
+    BadCase(
+        "shared-base-over-collective",
+        _shared_base_over_collective,
+        "spec.weightSync.transport",
+        ("spec.weightSync.transport", "receive adapter versions through objectstore or shm"),
     ),
     BadCase("duplicate-pool-names", _dup_pool, "spec.pools", ("spec.pools[1]", "Duplicate")),
     BadCase("pool-pod-names-too-long", _long_pool_names, "spec.pools", ("spec.pools", "63 characters")),
