@@ -6,7 +6,7 @@ and updates for a policy the engine does not serve are refused by name."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.models import ModelLoadError
 from polyrl_runtime.weights import make_sender
 from polyrl_runtime.weights.api import WeightMismatchError
-from polyrl_testenv.models import join_midway, lively_qwen2
+from polyrl_testenv.models import greedy_reply, join_midway, lively_qwen2
 
 PREFIX = "base_model.model."
 LORAS = {
@@ -87,21 +87,6 @@ async def _load(eng: TorchEngine, model: PeftModel, versions: dict[str, int]) ->
             sender.close()
 
 
-def _greedy(model: Any, prompt: Sequence[int], n: int) -> list[int]:
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
-
-
 def _as(model: PeftModel, adapter: str) -> PeftModel:
     model.set_adapter(adapter)
     return model
@@ -125,7 +110,7 @@ def test_a_mixed_batch_gives_each_policy_what_peft_gives_with_its_adapter(model_
     greedy, sampled = asyncio.run(go())
     version = {"solver": 1, "verifier": 3}
     for p, n, policy, g in zip(PROMPTS, lengths, POLICIES, greedy, strict=True):
-        assert g.token_ids.tolist() == _greedy(_as(reference, policy), p, n), policy
+        assert g.token_ids.tolist() == greedy_reply(_as(reference, policy), p, n), policy
         assert (g.versions == version[policy]).all()
     assert eng.stats().adapters == version and eng.weight_version() == 1
     for policy in LORAS:  # behaviour logprobs: what the trainer recomputes with the policy's adapter
@@ -177,13 +162,13 @@ def test_updating_one_adapter_mid_generation_changes_only_that_policys_requests(
         tokens, v = g.token_ids.tolist(), g.versions
         if policy == "verifier":  # untouched: one prefill, one version, the tokens of an undisturbed run
             assert len(started) == 1 and (v == 1).all()
-            assert tokens == _greedy(_as(old, "verifier"), p, 24)
+            assert tokens == greedy_reply(_as(old, "verifier"), p, 24)
             continue
         switch = int((v == 1).sum())
         assert 6 <= switch < len(v) and (v[switch:] == 2).all()
         assert len(started) == 2  # its cache rows were computed again under the new adapter
-        assert tokens[:switch] == _greedy(_as(old, "solver"), p, switch)
-        assert tokens[switch:] == _greedy(_as(new, "solver"), p + tokens[:switch], len(tokens) - switch)
+        assert tokens[:switch] == greedy_reply(_as(old, "solver"), p, switch)
+        assert tokens[switch:] == greedy_reply(_as(new, "solver"), p + tokens[:switch], len(tokens) - switch)
     assert eng.stats().adapters == {"solver": 2, "verifier": 1}
 
 
@@ -194,7 +179,9 @@ def test_unknown_policies_and_mismatched_versions_are_refused_by_name(model_dir:
 
     async def go() -> None:
         # An adapter before its first version serves what the base model gives (B is zero).
-        assert (await eng.generate(PROMPTS[2], params)).token_ids.tolist() == _greedy(base, PROMPTS[2], 6)
+        assert (await eng.generate(PROMPTS[2], params)).token_ids.tolist() == greedy_reply(
+            base, PROMPTS[2], 6
+        )
         with pytest.raises(
             UnknownAdapterError,
             match="serves the adapters of solver, verifier: it holds none for policy 'critic'",
@@ -215,7 +202,7 @@ def test_unknown_policies_and_mismatched_versions_are_refused_by_name(model_dir:
             sender.close()
         assert eng.stats().adapters["solver"] == 1
         got = await eng.generate(PROMPTS[2], params)
-        assert got.token_ids.tolist() == _greedy(_as(reference, "solver"), PROMPTS[2], 6)
+        assert got.token_ids.tolist() == greedy_reply(_as(reference, "solver"), PROMPTS[2], 6)
 
     asyncio.run(go())
 
@@ -249,3 +236,34 @@ def test_an_engine_of_adapters_sleeps_at_level_one_only(model_dir: Path) -> None
         assert len((await eng.generate(PROMPTS[1], params)).token_ids) == 3
 
     asyncio.run(go())
+
+
+def test_the_other_policys_requests_keep_generating_while_an_adapter_version_arrives(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer that takes a while (a version fetched over the network) holds no request: the
+    verifier's request gains tokens while the solver's version is on its way, and the solver's own
+    request goes on under its old adapter until the version is applied."""
+    eng, reference = _engine(model_dir), _peft(model_dir, seed=0)
+    receive = eng._weight_receiver.receive
+    progress: dict[str, int] = {}
+
+    def slow_receive(manifest: Any, target: Any) -> Any:
+        before = {r.params.policy: len(r.tokens) for r in eng._active}
+        time.sleep(0.3)  # the fetch, before the version is applied under the serving lock
+        progress.update({r.params.policy: len(r.tokens) - before[r.params.policy] for r in eng._active})
+        return receive(manifest, target)
+
+    async def go() -> list[Generation]:
+        await _load(eng, reference, {"solver": 1, "verifier": 1})
+        monkeypatch.setattr(eng._weight_receiver, "receive", slow_receive)
+        params = {p: SamplingParams(temperature=0, max_new_tokens=1500, policy=p) for p in LORAS}
+        tasks = [asyncio.create_task(eng.generate(PROMPTS[1], params[p])) for p in LORAS]
+        while len(eng._active) < 2 or min(len(r.tokens) for r in eng._active) < 2:
+            await asyncio.sleep(0.001)
+        await _load(eng, _peft(model_dir, seed=1), {"solver": 2})
+        return list(await asyncio.gather(*tasks))
+
+    solver, verifier = asyncio.run(go())
+    assert progress["verifier"] > 0 and progress["solver"] > 0, progress
+    assert (verifier.versions == 1).all() and solver.versions[-1] == 2

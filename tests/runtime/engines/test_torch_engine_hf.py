@@ -25,7 +25,7 @@ from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.engines.api import Generation, PromptTooLongError, SamplingParams
 from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.weights import make_sender
-from polyrl_testenv.models import join_midway
+from polyrl_testenv.models import greedy_reply, join_midway
 
 PROMPTS = [[5 + (i * 37 + n) % 300 for i in range(n)] for n in (1, 3, 9, 20, 6, 14)]
 
@@ -66,20 +66,6 @@ def _hf(path: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def _greedy(model: Any, prompt: Sequence[int], n: int) -> list[int]:
-    ids = torch.tensor([list(prompt)])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=n,
-        min_new_tokens=n,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return [int(t) for t in out[0, len(prompt) :]]
-
-
 def _recomputed(
     model: Any, prompts: list[list[int]], gens: list[Generation], temperature: float
 ) -> list[Any]:
@@ -102,7 +88,7 @@ def test_greedy_equals_hf_generate_with_requests_joining_and_leaving(model_dirs:
     gens = asyncio.run(join_midway(eng, reqs))
     model = _hf(model_dirs["a"])
     for p, n, g in zip(PROMPTS, lengths, gens, strict=True):
-        assert g.token_ids.tolist() == _greedy(model, p, n)
+        assert g.token_ids.tolist() == greedy_reply(model, p, n)
         assert g.finish_reason == "length" and (g.versions == -1).all()
     assert len({tuple(g.token_ids.tolist()) for g in gens}) == len(gens)
 
@@ -135,7 +121,7 @@ def test_each_token_is_fed_once(model_dirs: dict[str, Path]) -> None:
     )
     prompt = PROMPTS[5]
     gen = asyncio.run(eng.generate(prompt, SamplingParams(temperature=0, max_new_tokens=40)))
-    assert gen.token_ids.tolist() == _greedy(_hf(model_dirs["a"]), prompt, 40)  # alone: no padding
+    assert gen.token_ids.tolist() == greedy_reply(_hf(model_dirs["a"]), prompt, 40)  # alone: no padding
     assert fed == [len(prompt)] + [1] * 39
     assert eng.stats().extra["forward_passes"] == 40
 
@@ -173,9 +159,9 @@ def test_weight_update_mid_generation_recomputes_the_cache(model_dirs: dict[str,
         switch = int((v == -1).sum())
         assert switch >= 6 and (v[switch:] == 1).all() and switch < len(v)
         tokens = g.token_ids.tolist()
-        assert tokens[:switch] == _greedy(old, p, switch)
+        assert tokens[:switch] == greedy_reply(old, p, switch)
         # after the update: what the new weights give for the whole sequence so far
-        assert tokens[switch:] == _greedy(new, p + tokens[:switch], len(tokens) - switch)
+        assert tokens[switch:] == greedy_reply(new, p + tokens[:switch], len(tokens) - switch)
         np.testing.assert_allclose(g.logprobs[:switch], lo[:switch], atol=1e-3, rtol=0)
         np.testing.assert_allclose(g.logprobs[switch:], ln[switch:], atol=1e-3, rtol=0)
 

@@ -25,6 +25,22 @@ def lively_qwen2(source: Path, out: Path, seed: int, std: float = 0.15) -> Path:
     return out
 
 
+def greedy_reply(model: Any, prompt: list[int] | tuple[int, ...], n: int) -> list[int]:
+    """The `n` tokens transformers' `generate` picks greedily after `prompt` (no end id)."""
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
 async def join_midway(engine: Any, requests: list[tuple[list[int], Any]]) -> list[Any]:
     """Generate `requests` (prompt ids, sampling params) on a torch engine: the first half starts; the
     rest join once the first running request has 3 tokens, so rows of several lengths share decoding
