@@ -8,7 +8,7 @@ are repeated for `--rounds` rounds and each ratio is taken within its round (the
 between rounds); the tables give medians.
 
 Two placements, each with its own table:
-  shared  every actor may run on every core (`polyrl run`'s default);
+  shared  every actor may run on every core, each in a process of its own (`polyrl run --separate`);
   split   rollout engines and workflow workers on half the cores, trainers on the other half
           (`polyrl run --cpus`), as the operator's pods have them: a role's devices are its own, so
           sync mode leaves the trainers' cores idle while the rollouts generate, and the other way
@@ -114,7 +114,7 @@ def main() -> int:
         "--placement",
         choices=[*PLACEMENTS, "both"],
         default="both",
-        help="shared: every actor on every core (polyrl run's default); split: rollout engines and "
+        help="shared: every actor on every core (polyrl run --separate); split: rollout engines and "
         "workflow workers on half the cores, trainers on the other half, as pods have them "
         "(polyrl run --cpus)",
     )

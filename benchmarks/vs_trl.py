@@ -19,7 +19,7 @@ What is held equal (so the comparison measures the systems, not their settings):
   step's batch (TRL `scale_rewards="batch"`, polyrl `advantageNorm: per-policy`), no KL (TRL
   `beta=0`, polyrl `klCoef: 0`), no entropy bonus.
 - the machine: OMP_NUM_THREADS=1 and nice 0 in every process. polyrl runs its actors (engine, trainer,
-  workflow worker) as separate processes over every core, as it does by design; TRL is one process
+  workflow worker) as separate processes over every core (`polyrl run --separate`); TRL is one process
   whose torch threads are set with `torch.set_num_threads`: alone it runs once with 1 thread and once
   with every core, and the faster is TRL's figure for one policy (on a loaded machine more intra-op
   threads can be slower); the two runs one after the other use that thread count; two runs side by
@@ -331,7 +331,7 @@ def job_cpu_s() -> Counter[str]:
 def polyrl_run(
     h: Hyper, model_dir: Path, data_path: Path, policies: list[str], mode: str, *, pool: bool
 ) -> dict[str, Result]:
-    """One in-process `Driver` run (benchmarks/_jobs.py, as `polyrl run` does) of the job. The job's
+    """One in-process `Driver` run (benchmarks/_jobs.py, as `polyrl run --separate` does) of the job. The job's
     CPU time (from the first step's end to the last's) is shared among the policies by their samples."""
     from _jobs import run_job  # type: ignore[import-not-found]
 

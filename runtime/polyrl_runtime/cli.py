@@ -29,6 +29,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         live=False if args.plain else None,
         cpu_sets=cpu_sets,
+        colocate=not args.separate,
     )
 
 
@@ -54,6 +55,12 @@ def register(subparsers: Any) -> None:
         "by default every actor shares every core. pool:NAME=CPUS pins every role placed on device "
         "pool NAME (spec.pools), whose cores they share; ROLE=CPUS pins only the roles on pods of "
         "their own",
+    )
+    run.add_argument(
+        "--separate",
+        action="store_true",
+        help="give each policy's trainer and engines processes of their own (by default a CPU "
+        "policy's one-rank trainer and its first torch engine share one, which starts faster)",
     )
     run.set_defaults(func=_cmd_run)
 

@@ -124,7 +124,11 @@ class Driver:
                 self.transports.update(dict.fromkeys(base.policies, "objectstore"))
         # Starts no actor before `run`; then it starts (and `close` stops) every one.
         self.fleet = Fleet(
-            job, self.transports, place_by_resource=opts.place_by_resource, cpu_sets=opts.cpu_sets
+            job,
+            self.transports,
+            place_by_resource=opts.place_by_resource,
+            cpu_sets=opts.cpu_sets,
+            colocate=opts.colocate,
         )
         self.registry = VersionRegistry()
         self.parts: JobParts | None = None  # once `run` has started the job
@@ -233,10 +237,7 @@ class Driver:
         with phase("actors", "starting actors (" + self._actor_counts() + ")"):
             buffer = fleet.new_buffer(configs, capacity, snapshot)
             for p in spec.policies:
-                # A policy sharing a base has its engines once an earlier policy of that base started them.
-                for _ in range(spec.rollout_placement(p).min_replicas - len(fleet.live_engines(p.name))):
-                    fleet.new_engine(p)
-                ranks = fleet.new_trainers(p, buffer)
+                ranks = fleet.start_policy(p, buffer)
                 self.runs[p.name] = PolicyRun(p.name, ranks, window=RewardWindow(self.episodes_per_step))
             job_json = self.job.model_dump_json(by_alias=True)
             for _ in range(spec.workflow.replicas.min):
@@ -314,11 +315,17 @@ class Driver:
         engines += sum(spec.pool(b.pool).replicas.min for b in spec.shared_bases())
         ranks = sum(spec.trainer_placement(p).trainer_world for p in spec.policies)
         workers = spec.workflow.replicas.min
+        colocated = len(self.fleet.colocated)
 
         def n(count: int, what: str) -> str:
             return f"{count} {what}{'' if count == 1 else 's'}"
 
-        return f"{n(engines, 'engine')}, {n(ranks, 'trainer rank')}, {n(workers, 'workflow worker')}"
+        together = (
+            f" ({colocated} in {'its' if colocated == 1 else 'their'} trainer's process)" if colocated else ""
+        )
+        return (
+            f"{n(engines, 'engine')}{together}, {n(ranks, 'trainer rank')}, {n(workers, 'workflow worker')}"
+        )
 
     @staticmethod
     async def _ready(actors: Sequence[Actor]) -> None:

@@ -16,20 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import ray
 import structlog
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from polyrl_operator.api import Placement, Policy, RLJob
+from polyrl_operator.api import Placement, Policy, RLJob, RLJobSpec
 from polyrl_runtime.actors import Actor, start_actor
 from polyrl_runtime.config import resource_name
 from polyrl_runtime.cpusets import cpu_set_key, role_env
@@ -42,6 +43,9 @@ from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.api import TrainerRank
 from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.workflows.client import WorkflowWorkerClient
+
+if TYPE_CHECKING:
+    from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
 log = structlog.get_logger(__name__)
 
@@ -114,6 +118,31 @@ def ray_gpus(placement: Placement, own: int) -> int:
     return 0 if placement.pool is not None or placement.gpus == 0 else own
 
 
+def colocated_policies(
+    spec: RLJobSpec, transports: Mapping[str, str], cpu_sets: Mapping[str, frozenset[int]]
+) -> frozenset[str]:
+    """The policies whose trainer and first engine can share a process (trainers/colocated.py) when
+    every actor is on one host: a trainer of one rank and the torch engine, both on CPU and on no
+    pool (a pool's turns move each role's memory on its own), weights that travel through memory
+    (`objectstore` or `shm`, not a process group's broadcast), and neither role pinned to CPUs of
+    its own (`polyrl run --cpus`)."""
+    out = []
+    for p in spec.policies:
+        rollout, trainer = spec.rollout_placement(p), spec.trainer_placement(p)
+        if (
+            p.rollout.engine == "torch"
+            and rollout.pool is None
+            and trainer.pool is None
+            and rollout.gpus == 0
+            and trainer.gpus == 0
+            and trainer.trainer_world == 1
+            and transports[p.name] in ("objectstore", "shm")
+            and not {cpu_set_key("rollout", None), cpu_set_key("trainer", None)} & set(cpu_sets)
+        ):
+            out.append(p.name)
+    return frozenset(out)
+
+
 class Fleet:
     def __init__(
         self,
@@ -123,6 +152,7 @@ class Fleet:
         *,
         place_by_resource: bool = True,
         cpu_sets: Mapping[str, frozenset[int]] | None = None,
+        colocate: bool = False,
     ) -> None:
         self.job = job
         self.place_by_resource = place_by_resource
@@ -135,6 +165,10 @@ class Fleet:
             else dict(transports)
         )
         self.transport_kwargs = dict(transport_kwargs or {})
+        # Policies whose first engine runs in their trainer rank's process (`polyrl run`).
+        self.colocated = (
+            colocated_policies(job.spec, self.transports, self.cpu_sets) if colocate else frozenset()
+        )
         self.engines: dict[str, dict[str, EngineSlot]] = {p.name: {} for p in self.spec.policies}
         self.workers: dict[str, WorkerSlot] = {}
         self._started: list[Actor] = []  # every actor started, for `close`
@@ -172,6 +206,17 @@ class Fleet:
         handle = create_experience_actor(policies, capacity, snapshot=snapshot, scheduling_strategy=node)
         return self._track(BufferClient(handle))
 
+    def start_policy(self, policy: Policy, buffer: BufferClient) -> list[TrainerRankClient]:
+        """The policy's trainer ranks, and its engines up to the rollout's minimum (a policy sharing a
+        base has them once an earlier policy of that base started them). A colocated policy
+        (`colocated_policies`) has its first engine in its trainer rank's process."""
+        ranks = [self._new_colocated(policy, buffer)] if policy.name in self.colocated else None
+        for _ in range(
+            self.spec.rollout_placement(policy).min_replicas - len(self.live_engines(policy.name))
+        ):
+            self.new_engine(policy)
+        return ranks if ranks is not None else self.new_trainers(policy, buffer)
+
     def new_engine(self, policy: Policy) -> EngineSlot:
         """An engine for `policy`: its own, or, for a policy that shares a base (`spec.shared_bases`),
         one engine for every policy of that base, taking a unit of each one's rollout resource on its
@@ -179,12 +224,10 @@ class Fleet:
         shared = self.spec.shared_base(policy.name)
         members = shared.policies if shared is not None else (policy.name,)
         name = f"{'+'.join(members) if shared is not None else policy.name}-rollout-{next(self._ids)}"
-        kind = engine_kind(policy.rollout.engine)
         placement = self.spec.rollout_placement(policy)
         resources: dict[str, float] = {}
         for member in members:
             resources.update(self._res(member, "rollout"))
-        adapters = {m: self.spec.policy(m).algorithm.lora for m in members} if shared is not None else {}
         options = {
             "resources": resources,
             "num_cpus": 0,
@@ -192,9 +235,21 @@ class Fleet:
             "max_concurrency": 4096,
             "runtime_env": self._env("rollout", placement),
         }
-        handle: ActorHandle[Engine] = start_actor(
-            kind.load(),
-            options,
+        engine = self._engine(policy, name)
+        handle: ActorHandle[Engine] = start_actor(engine.func, options, *engine.args, **engine.keywords)
+        return self._add_engine(name, EngineClient(handle), policy, members if shared is not None else ())
+
+    def _engine(self, policy: Policy, name: str) -> functools.partial[Engine]:
+        """An engine of the policy's rollout (or of its shared base), to be constructed (as an actor of
+        its own, or in a `ColocatedRank`). Its seed: the job's, plus the fleet's count so far."""
+        shared = self.spec.shared_base(policy.name)
+        adapters = (
+            {m: self.spec.policy(m).algorithm.lora for m in shared.policies} if shared is not None else {}
+        )
+        kind = engine_kind(policy.rollout.engine)
+        cls: Callable[..., Engine] = kind.load()  # every engine class takes these (engines/registry.py)
+        return functools.partial(
+            cls,
             name,
             policy.name,
             policy.model.uri,
@@ -206,16 +261,41 @@ class Fleet:
             **kind.options(self.spec, policy),
             **({"adapters": adapters} if adapters else {}),
         )
-        slot = Slot(
-            name,
-            self._track(EngineClient(handle)),
-            policy=policy.name,
-            shared_by=members if shared is not None else (),
-        )
-        for member in members:
+
+    def _add_engine(
+        self, name: str, client: EngineClient, policy: Policy, shared_by: tuple[str, ...]
+    ) -> EngineSlot:
+        slot = Slot(name, self._track(client), policy=policy.name, shared_by=shared_by)
+        for member in shared_by or (policy.name,):
             self._refill(member, "rollout")
             self.engines[member][name] = slot
         return slot
+
+    def _new_colocated(self, policy: Policy, buffer: BufferClient) -> TrainerRankClient:
+        """The policy's one trainer rank with its first engine in the same actor (trainers/colocated.py):
+        one unit of each role's resource, the trainer's environment."""
+        from polyrl_runtime.trainers.build import rank_layout
+        from polyrl_runtime.trainers.colocated import ColocatedRank
+
+        name = f"{policy.name}-rollout-{next(self._ids)}"
+        (slot,) = rank_layout(1, 1)
+        options = {
+            "resources": {**self._res(policy.name, "rollout"), **self._res(policy.name, "trainer")},
+            "num_cpus": 0,
+            "max_concurrency": 4096,
+            "runtime_env": self._env("trainer", self.spec.trainer_placement(policy)),
+        }
+        handle = start_actor(
+            ColocatedRank,
+            options,
+            self._engine(policy, name),
+            self._trainer(policy, slot.rank, slot.world, buffer),
+        )
+        # One actor answering both roles' methods (tested), so each role's client calls it.
+        engine: ActorHandle[Engine] = cast("ActorHandle[Engine]", handle)
+        rank: ActorHandle[TrainerRank] = cast("ActorHandle[TrainerRank]", handle)
+        self._add_engine(name, EngineClient(engine), policy, ())
+        return TrainerRankClient(rank)
 
     def new_worker(self, job_json: str, buffer: BufferClient, episode_timeout_s: float) -> WorkerSlot:
         from polyrl_runtime.workflows.runner import WorkflowWorker
@@ -247,7 +327,6 @@ class Fleet:
         rank one unit of the pod's trainer resource and, on GPU, one GPU of its own (on a pool, the
         pod's GPU of its node-local index: `ray_gpus`)."""
         from polyrl_runtime.trainers.build import rank_layout
-        from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
         placement = self.spec.trainer_placement(policy)
         options = {
@@ -259,22 +338,32 @@ class Fleet:
         }
         ranks: list[TrainerRankClient] = []
         for slot in rank_layout(placement.min_replicas, placement.ranks_per_pod):
+            trainer = self._trainer(policy, slot.rank, slot.world, buffer)
             handle: ActorHandle[TrainerRank] = start_actor(
-                DeepSpeedTrainer,
-                options,
-                f"{policy.name}-trainer-{slot.rank}",
-                policy.model_dump_json(by_alias=True),
-                self.spec.training.seed,
-                rank=slot.rank,
-                world=slot.world,
-                buffer=buffer,
-                temperature=policy.rollout.sampling.temperature,
-                total_steps=self.spec.training.total_steps,
-                gpus=placement.gpus,
-                adapter_only=self.spec.shared_base(policy.name) is not None,
+                trainer.func, options, *trainer.args, **trainer.keywords
             )
             ranks.append(self._track(TrainerRankClient(handle)))
         return ranks
+
+    def _trainer(
+        self, policy: Policy, rank: int, world: int, buffer: BufferClient
+    ) -> functools.partial[DeepSpeedTrainer]:
+        """A trainer rank, to be constructed (as an actor of its own, or in a `ColocatedRank`)."""
+        from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
+
+        return functools.partial(
+            DeepSpeedTrainer,
+            f"{policy.name}-trainer-{rank}",
+            policy.model_dump_json(by_alias=True),
+            self.spec.training.seed,
+            rank=rank,
+            world=world,
+            buffer=buffer,
+            temperature=policy.rollout.sampling.temperature,
+            total_steps=self.spec.training.total_steps,
+            gpus=self.spec.trainer_placement(policy).gpus,
+            adapter_only=self.spec.shared_base(policy.name) is not None,
+        )
 
     def close(self) -> None:
         """Stop every actor this fleet started (idempotent: one already gone is skipped)."""

@@ -51,6 +51,9 @@ class DriverOptions:
     unused_episodes: int = 2000  # episodes in a row without a turn of a policy before the job fails
     place_by_resource: bool = True  # False: ignore polyrl/<policy>/<role> resources (tests on a plain Ray)
     cpu_sets: dict[str, frozenset[int]] = field(default_factory=dict)  # role -> CPUs (local mode's --cpus)
+    # Every actor on one host (`polyrl run`): a CPU policy's trainer and first engine share a process
+    # where they can (coordinator/fleet.py `colocated_policies`).
+    colocate: bool = False
     on_record: Callable[[StepRecord], None] | None = None
     # Where the per-step metrics series goes (metrics/files.py); None: <checkpoint_root>/metrics.
     metrics_dir: Path | str | None = None

@@ -138,6 +138,7 @@ def run_local(
     quiet: bool = False,
     live: bool | None = None,
     cpu_sets: dict[str, frozenset[int]] | None = None,
+    colocate: bool = True,
 ) -> int:
     colour = use_colour(live, os.environ, sys.stdout)
     try:
@@ -207,6 +208,7 @@ def run_local(
                 metrics_dir=out_dir,  # metrics.jsonl beside the other results (coordinator/metrics/files.py)
                 on_event=on_event,
                 cpu_sets=dict(cpu_sets or {}),
+                colocate=colocate,
                 startup=startup,
             )
             driver = Driver(job, opts)

@@ -45,9 +45,12 @@ def test_sync_mode_trains_strictly_on_policy(ray_local: Any, tmp_path: Path) -> 
     assert summary.first_reward["agent"] is not None
 
 
-def test_async_mode_overlaps_and_bounds_staleness(ray_local: Any, tmp_path: Path) -> None:
-    _, summary = run(make_job(training={"totalSteps": 4}), tmp_path)
+@pytest.mark.parametrize("colocate", [False, True], ids=["separate", "colocated"])
+def test_async_mode_overlaps_and_bounds_staleness(ray_local: Any, tmp_path: Path, colocate: bool) -> None:
+    # Colocated: the trainer's step runs on its threads while the engine in the same process generates.
+    driver, summary = run(make_job(training={"totalSteps": 4}), tmp_path, colocate=colocate)
     assert summary.state == "done", summary.message
+    assert driver.fleet.colocated == ({"agent"} if colocate else set())
     lags = [r.staleness_max for r in summary.records]
     assert max(lags) <= 1  # maxStaleness
     assert max(lags) == 1  # generation really ran ahead of training

@@ -8,10 +8,11 @@ import asyncio
 import os
 from typing import Any
 
+import pytest
 import ray
 from driver_harness import make_job, policy
 
-from polyrl_runtime.coordinator.fleet import EngineSlot, Fleet, Slot
+from polyrl_runtime.coordinator.fleet import EngineSlot, Fleet, Slot, colocated_policies
 from polyrl_runtime.engines.api import EngineStats
 from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.workflows.client import WorkflowWorkerClient
@@ -148,3 +149,38 @@ def test_without_placement_resources_a_dead_actors_unit_is_free_once() -> None:
     assert fleet.free_units(None, "workflow") == 1
     fleet._refill("agent", "rollout")  # what new_engine does once its actor is started
     assert fleet.free_units("agent", "rollout") == 0
+
+
+POOL = {"name": "shared", "gpus": 0, "replicas": {"min": 1, "max": 1}}
+POOLED = {"pool": "shared"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "transport", "cpu_sets", "colocated"),
+    [
+        ({}, "objectstore", {}, {"agent"}),  # one CPU rank, the torch engine: one process
+        ({}, "shm", {}, {"agent"}),
+        ({}, "collective", {}, set()),  # a broadcast needs a second process to receive it
+        ({"rollout": {"replicas": {"min": 2, "max": 3}}}, "objectstore", {}, {"agent"}),  # the first engine
+        ({"trainer": {"replicas": 2}}, "objectstore", {}, set()),  # two ranks
+        ({"trainer": {"ranksPerPod": 2}}, "objectstore", {}, set()),
+        ({"trainer": {"gpus": 1}}, "objectstore", {}, set()),
+        ({"rollout": {"gpus": 1}}, "objectstore", {}, set()),
+        ({"rollout": {"engine": "vllm", "gpus": 1}}, "objectstore", {}, set()),
+        ({"rollout": {"replicas": None, "gpus": None, **POOLED}}, "objectstore", {}, set()),
+        ({}, "objectstore", {"trainer": frozenset({1})}, set()),  # roles pinned to cores of their own
+        ({}, "objectstore", {"rollout": frozenset({0})}, set()),
+        ({}, "objectstore", {"workflow": frozenset({0})}, {"agent"}),
+    ],
+)
+def test_which_policies_share_a_process_between_trainer_and_engine(
+    spec: dict[str, Any], transport: str, cpu_sets: dict[str, frozenset[int]], colocated: set[str]
+) -> None:
+    pools = {"pools": [POOL]} if "pool" in spec.get("rollout", {}) else {}
+    job = make_job(**pools, policies=[policy(**spec)])
+    assert colocated_policies(job.spec, {"agent": transport}, cpu_sets) == colocated
+    assert Fleet(job, transport, place_by_resource=False, cpu_sets=cpu_sets).colocated == frozenset()
+    assert (
+        Fleet(job, transport, place_by_resource=False, cpu_sets=cpu_sets, colocate=True).colocated
+        == colocated
+    )

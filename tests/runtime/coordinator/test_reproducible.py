@@ -106,3 +106,19 @@ def test_a_policy_on_a_pool_trains_exactly_as_on_pods_of_its_own(
     assert [t["pool_switches_total"] for t in turns] == [2, 4, 6]
     assert all(0 < t["pool_switch_s"] < t["pool_resident_s"] for t in turns)
     assert all(0 < t["pool_busy_fraction"] <= 1 for t in turns)
+
+
+@pytest.mark.slow
+def test_a_policy_whose_trainer_and_first_engine_share_a_process_trains_exactly_as_in_two(
+    ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path
+) -> None:
+    """`polyrl run` puts a CPU policy's one trainer rank and its first engine in one process
+    (trainers/colocated.py); the second engine here has its own. Where each runs is not in the maths."""
+    job = guessing_job(tiny_qwen2_dir, seed=5)
+    separate = step_metrics(tmp_path / "separate", job)
+    driver, summary = run(job, tmp_path / "colocated", colocate=True)
+    assert summary.state == "done", summary.message
+    assert driver.fleet.colocated == {"agent"}
+    colocated = [{k: v for k, v in asdict(r).items() if k not in TIMING} for r in driver.records]
+    assert len(separate) == len(colocated) == 3
+    assert_same_metrics(separate, colocated)

@@ -52,6 +52,7 @@ def test_run_writes_results_and_resume_continues(tmp_path: Path) -> None:
     r = polyrl_run(str(_job(tmp_path, totalSteps=3)), "--out", str(out), "--plain")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "== done" in r.stdout and "agent: 3 steps" in r.stdout
+    assert "starting actors (1 engine (1 in its trainer's process), 1 trainer rank" in r.stdout
     rows = metrics_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3]
     # The summary also gives the mean of the last (up to 10) steps, a steadier reading than one step.
@@ -72,6 +73,7 @@ def test_run_writes_results_and_resume_continues(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"rollout on CPU {cpu}, workflow on CPU {cpu}, trainer on CPU {cpu}" in r.stdout
+    assert "starting actors (1 engine, 1 trainer rank" in r.stdout  # pinned roles: a process each
     rows = metrics_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
     assert json.loads((out / "summary.json").read_text())["last_steps_mean"]["agent"]["steps"] == 5
@@ -96,13 +98,16 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
                 break
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.2)
-        # The job's actors run at the driver's priority, not Ray's default nice 15 for its workers.
+        # The job's actors run at the driver's priority, not Ray's default nice 15 for its workers. The
+        # policy's trainer rank and its engine share one process (trainers/colocated.py).
+        roles = ("ray::ColocatedRank", "ray::DeepSpeedTrainer", "ray::TorchEngine")
         actors = {
-            c.pid: c.nice()
+            (c.pid, c.cmdline()[0].split()[0].split(".")[0]): c.nice()
             for c in psutil.Process(proc.pid).children(recursive=True)
-            if c.cmdline()[:1] and c.cmdline()[0].startswith(("ray::DeepSpeedTrainer", "ray::TorchEngine"))
+            if c.cmdline()[:1] and c.cmdline()[0].startswith(roles)
         }
-        assert len(actors) == 2 and set(actors.values()) == {os.nice(0)}, actors
+        assert [name for _, name in actors] == ["ray::ColocatedRank"], actors
+        assert set(actors.values()) == {os.nice(0)}, actors
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
     finally:

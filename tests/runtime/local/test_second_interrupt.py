@@ -23,11 +23,13 @@ def test_a_second_ctrl_c_stops_at_once_saying_so(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
     out = tmp_path / "out"
-    run = Background(tmp_path / "logs", str(job), "--out", str(out), "--plain")
+    # --separate: the trainer and the engine in processes of their own; every one is stopped.
+    run = Background(tmp_path / "logs", str(job), "--out", str(out), "--plain", "--separate")
     try:
         run.wait_for_rows(out, 2)
         started = psutil.Process(run.proc.pid).children(recursive=True)
-        assert started  # Ray's processes and the job's actors
+        names = {p.cmdline()[0].split()[0].split(".")[0] for p in started if p.cmdline()[:1]}
+        assert {"ray::DeepSpeedTrainer", "ray::TorchEngine"} <= names and "ray::ColocatedRank" not in names
         run.proc.send_signal(signal.SIGINT)
         # Signals do not queue: the second is sent once the first was handled.
         run.wait_until(lambda: "interrupt: stopping after the steps in progress" in run.stdout, "first")
