@@ -40,7 +40,7 @@ from polyrl_runtime.engines.registry import engine_kind
 from polyrl_runtime.experience.actor import create_experience_actor
 from polyrl_runtime.experience.buffer import BufferSnapshot, PolicyConfig
 from polyrl_runtime.experience.client import BufferClient
-from polyrl_runtime.trainers.api import TrainerRank
+from polyrl_runtime.trainers.api import RANK_CONCURRENCY, TrainerRank
 from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.workflows.client import WorkflowWorkerClient
 
@@ -333,7 +333,7 @@ class Fleet:
             "resources": self._res(policy.name, "trainer"),
             "num_cpus": 0,
             "num_gpus": ray_gpus(placement, 1),
-            "max_concurrency": 2,
+            "max_concurrency": RANK_CONCURRENCY,
             "runtime_env": self._env("trainer", placement),
         }
         ranks: list[TrainerRankClient] = []

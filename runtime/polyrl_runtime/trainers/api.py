@@ -58,6 +58,11 @@ def node_local_ranks(nodes: Sequence[str]) -> list[int]:
     return out
 
 
+# Calls a trainer rank runs at once: a weight sync's wait or abort may arrive while a step or a
+# publish runs (its own actor's `max_concurrency`, a `ColocatedRank`'s trainer threads).
+RANK_CONCURRENCY = 2
+
+
 class TrainerRank(Protocol):
     """One rank of a policy's trainer, as the driver calls it through `trainers.client.TrainerRankClient`
     (a trainer class is started as an `ActorHandle[TrainerRank]`, which checks that it implements this)."""

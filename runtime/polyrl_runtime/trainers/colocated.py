@@ -31,12 +31,8 @@ from typing import Any
 
 from polyrl_runtime.engines.api import Engine
 from polyrl_runtime.engines.torch_engine import TorchEngine
-from polyrl_runtime.trainers.api import TrainerRank
+from polyrl_runtime.trainers.api import RANK_CONCURRENCY, TrainerRank
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
-
-# A trainer rank actor's concurrency (coordinator/fleet.py `new_trainers`): a weight sync's wait or
-# abort may arrive while a step or a publish runs.
-TRAINER_THREADS = 2
 
 
 def protocol_methods(protocol: type) -> list[str]:
@@ -51,7 +47,7 @@ class ColocatedRank:
     def __init__(self, engine: Callable[[], Engine], trainer: Callable[[], DeepSpeedTrainer]) -> None:
         self._trainer = trainer()  # cheap: its model is built in `setup`
         self._engine = engine()
-        self._threads = ThreadPoolExecutor(TRAINER_THREADS, thread_name_prefix="trainer")
+        self._threads = ThreadPoolExecutor(RANK_CONCURRENCY, thread_name_prefix="trainer")
 
 
 def _engine_method(name: str) -> Callable[..., Any]:
