@@ -15,7 +15,8 @@ import yaml
 from polyrl_operator import pod_contract as contract
 from polyrl_operator.api import Placement, RLJob
 from polyrl_runtime.config import node_resources, placement_resources
-from polyrl_runtime.coordinator.fleet import Fleet, ray_gpus
+from polyrl_runtime.coordinator.fleet import Fleet
+from polyrl_runtime.coordinator.placement import ray_gpus
 from polyrl_runtime.cpusets import ENV, CpuSetError, check_pools, cpu_set_key, parse_cpu_sets
 from polyrl_runtime.local.run import role_pools
 from polyrl_runtime.pods.entry import run_worker

@@ -19,20 +19,20 @@ import contextlib
 import functools
 import itertools
 import os
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import ray
 import structlog
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from polyrl_operator.api import Placement, Policy, RLJob, RLJobSpec
+from polyrl_operator.api import Placement, Policy, RLJob
 from polyrl_runtime.actors import Actor, start_actor
 from polyrl_runtime.config import resource_name
+from polyrl_runtime.coordinator.placement import KEEP_VISIBLE_DEVICES, colocated_policies, ray_gpus
+from polyrl_runtime.coordinator.slots import EngineSlot, Slot, WorkerSlot
 from polyrl_runtime.cpusets import cpu_set_key, role_env
 from polyrl_runtime.engines.api import Engine
 from polyrl_runtime.engines.client import EngineClient
@@ -49,98 +49,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-# The client of a slot's actor. Covariant: an engine's or a worker's slot is a `Slot[Actor]`, what the
-# code that handles both (health, drain, reports) takes.
-C_co = TypeVar("C_co", covariant=True)
-
-
-@dataclass
-class Slot(Generic[C_co]):
-    """One engine or workflow worker as the coordinator tracks it (`actor`: the client it is called by)."""
-
-    name: str
-    actor: C_co
-    policy: str = ""
-    # An engine serving several policies as LoRA adapters on one base (`RLJobSpec.shared_bases`): all
-    # of them, `policy` the first; the slot is listed under each. Empty: `policy`'s alone.
-    shared_by: tuple[str, ...] = ()
-    pod: str = ""
-    draining: bool = False
-    dead: bool = False
-    in_flight: int = 0
-    queued: int = 0
-    version: int = -1
-    utilisation: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    _busy: float = 0.0
-    _at: float = field(default_factory=time.monotonic)
-
-    # Engines only. `fence`: the first routing epoch without this engine since its drain began.
-    # `quiet`: every live worker holds routes at least that new and waits on no request to it. Its
-    # own in-flight count alone is not enough: a request a worker has sent may still be on its way.
-    fence: int | None = None
-    quiet: bool = False
-
-    @property
-    def drained(self) -> bool:
-        engine_done = self.quiet or not self.policy  # workflow workers get no routes
-        return self.draining and self.in_flight == 0 and engine_done
-
-    def observe(self, busy_s: float, in_flight: int) -> None:
-        now = time.monotonic()
-        if now > self._at:
-            self.utilisation = min(1.0, max(0.0, (busy_s - self._busy) / (now - self._at)))
-        self._busy, self._at, self.in_flight = busy_s, now, in_flight
-
-
-EngineSlot = Slot[EngineClient]
-WorkerSlot = Slot[WorkflowWorkerClient]
 A = TypeVar("A", bound=Actor)
-
-# Ray sets no CUDA_VISIBLE_DEVICES for an actor it assigns no GPU unless this variable is 1 (then it
-# sets it to "", hiding every device): pooled actors see their pod's GPUs only with it off.
-_KEEP_VISIBLE_DEVICES = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
-
-
-def ray_gpus(placement: Placement, own: int) -> int:
-    """The GPUs an actor placed by `placement` asks Ray for; `own` is what it takes on a pod of its
-    own role (an engine all of the pod's, for tensor parallelism; a trainer rank one).
-
-    On a pool pod the roles placed there share its GPUs, which Ray cannot express: it hands out whole
-    devices (or fractions of one device), never all devices to several actors at once. So a pooled
-    actor asks for none, and the invariant is: every pooled actor sees every GPU of its pod (Ray
-    leaves the pod's CUDA_VISIBLE_DEVICES alone for an actor it assigns none, `_KEEP_VISIBLE_DEVICES`);
-    an engine runs tensor-parallel over all of them, a trainer rank uses the device of its index among
-    its policy's ranks on that node (`trainers.api.node_local_ranks`). How many actors share a pod is
-    bounded by the pool's placement resources alone (one engine per pooled rollout, ranks_per_pod
-    ranks per pooled trainer), and their memory by the engines' engineArgs (gpu_memory_utilization
-    must leave the trainers room). On CPU (gpus 0) every actor asks for none either way."""
-    return 0 if placement.pool is not None or placement.gpus == 0 else own
-
-
-def colocated_policies(
-    spec: RLJobSpec, transports: Mapping[str, str], cpu_sets: Mapping[str, frozenset[int]]
-) -> frozenset[str]:
-    """The policies whose trainer and first engine can share a process (trainers/colocated.py) when
-    every actor is on one host: a trainer of one rank and the torch engine, both on CPU and on no
-    pool (a pool's turns move each role's memory on its own), weights that travel through memory
-    (`objectstore` or `shm`, not a process group's broadcast), and neither role pinned to CPUs of
-    its own (`polyrl run --cpus`)."""
-    out = []
-    for p in spec.policies:
-        rollout, trainer = spec.rollout_placement(p), spec.trainer_placement(p)
-        if (
-            p.rollout.engine == "torch"
-            and rollout.pool is None
-            and trainer.pool is None
-            and rollout.gpus == 0
-            and trainer.gpus == 0
-            and trainer.trainer_world == 1
-            and transports[p.name] in ("objectstore", "shm")
-            and not {cpu_set_key("rollout", None), cpu_set_key("trainer", None)} & set(cpu_sets)
-        ):
-            out.append(p.name)
-    return frozenset(out)
 
 
 class Fleet:
@@ -191,7 +100,7 @@ class Fleet:
         pool = placement.pool if placement is not None else None
         env.update(role_env(self.cpu_sets, cpu_set_key(role, pool)))
         if placement is not None and pool is not None and placement.gpus > 0:
-            env.update(_KEEP_VISIBLE_DEVICES)
+            env.update(KEEP_VISIBLE_DEVICES)
         return {"env_vars": env}
 
     def _track(self, actor: A) -> A:

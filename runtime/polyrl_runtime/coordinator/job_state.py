@@ -25,9 +25,10 @@ from typing import Any, Literal
 from polyrl_operator.api.progress import EvalProgress
 from polyrl_runtime.actors import Actor
 from polyrl_runtime.coordinator.failures import JobFailedError, fail_on_error
-from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.metrics.records import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.metrics.startup import StartupPhases
+from polyrl_runtime.coordinator.slots import Slot
 from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.weights.endpoints import PolicyWeightSync

@@ -21,7 +21,8 @@ import structlog
 from polyrl_runtime.actors import Actor, actor_gone
 from polyrl_runtime.coordinator.datafeed import DataFeed
 from polyrl_runtime.coordinator.failures import fail_on_error
-from polyrl_runtime.coordinator.fleet import Fleet, Slot, WorkerSlot
+from polyrl_runtime.coordinator.fleet import Fleet
+from polyrl_runtime.coordinator.slots import Slot, WorkerSlot
 from polyrl_runtime.experience.buffer import UnknownTicketError
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.wire import TicketBatch

@@ -22,9 +22,10 @@ from polyrl_operator.api.progress import (
     WorkflowProgress,
 )
 from polyrl_runtime.actors import Actor
-from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.metrics.records import SeriesEnds, StepRecord
 from polyrl_runtime.coordinator.pool_scheduler import PoolUsage
+from polyrl_runtime.coordinator.slots import Slot
 from polyrl_runtime.experience.client import BufferClient
 
 if TYPE_CHECKING:  # the driver's modules import torch; `polyrl run` loads them while Ray starts

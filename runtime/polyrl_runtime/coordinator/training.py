@@ -23,11 +23,12 @@ from polyrl_runtime.actors import Actor, actor_gone
 from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointRef
 from polyrl_runtime.coordinator.evaluation import Evaluator
-from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
 from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
 from polyrl_runtime.coordinator.pool_scheduler import DevicePools
 from polyrl_runtime.coordinator.producer import EpisodeProducer
+from polyrl_runtime.coordinator.slots import Slot
 from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.api import StepResult, node_local_ranks

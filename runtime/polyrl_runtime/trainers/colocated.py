@@ -4,7 +4,7 @@ Under `polyrl run` every actor shares one host. On CPU each actor's process pays
 (Ray's worker, torch, transformers' model code, about 3.5 CPU-seconds) before it does anything, and
 on a laptop's few cores that is most of a job's start-up. A policy whose trainer is one rank and
 whose rollout is the torch engine on CPU, on no pool, therefore gets both in one actor
-(`ColocatedRank`, chosen by `coordinator.fleet.colocated_policies`), as verl's hybrid workers hold
+(`ColocatedRank`, chosen by `coordinator.placement.colocated_policies`), as verl's hybrid workers hold
 rollout and training together:
 
 - the engine serves on the actor's event loop, exactly as it does alone;

@@ -22,9 +22,10 @@ from polyrl_operator.api.progress import Progress
 from polyrl_runtime.actors import Actor
 from polyrl_runtime.coordinator.checkpoints.store import BUFFER, CheckpointStore
 from polyrl_runtime.coordinator.driver import Driver
-from polyrl_runtime.coordinator.fleet import Fleet, Slot
+from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.progress_server import ProgressServer
 from polyrl_runtime.coordinator.report import RunSummary
+from polyrl_runtime.coordinator.slots import Slot
 from polyrl_testenv.rayactors import gone
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,9 @@ import pytest
 import ray
 from driver_harness import make_job, policy
 
-from polyrl_runtime.coordinator.fleet import EngineSlot, Fleet, Slot, colocated_policies
+from polyrl_runtime.coordinator.fleet import Fleet
+from polyrl_runtime.coordinator.placement import colocated_policies
+from polyrl_runtime.coordinator.slots import EngineSlot, Slot
 from polyrl_runtime.engines.api import EngineStats
 from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.workflows.client import WorkflowWorkerClient

@@ -46,8 +46,8 @@ def guessing_job(model_dir: Path, seed: int) -> Any:
     )
 
 
-def step_metrics(tmp: Path, job: Any) -> list[dict[str, Any]]:
-    driver, summary = run(job, tmp)
+def step_metrics(tmp: Path, job: Any, **opts: Any) -> list[dict[str, Any]]:
+    driver, summary = run(job, tmp, **opts)
     assert summary.state == "done", summary.message
     return [{k: v for k, v in asdict(r).items() if k not in TIMING} for r in driver.records]
 
@@ -60,11 +60,20 @@ def assert_same_metrics(first: list[dict[str, Any]], second: list[dict[str, Any]
 
 
 @pytest.mark.slow
-def test_seeded_sync_job_reproduces_its_metrics(ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path) -> None:
-    first = step_metrics(tmp_path / "a", guessing_job(tiny_qwen2_dir, seed=5))
-    second = step_metrics(tmp_path / "b", guessing_job(tiny_qwen2_dir, seed=5))
-    assert len(first) == len(second) == 3
-    assert_same_metrics(first, second)
+def test_seeded_sync_job_reproduces_its_metrics_in_one_process_or_two(
+    ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path
+) -> None:
+    """Run twice: with a process per role, then as `polyrl run` does, the trainer rank and the first
+    engine in one process (trainers/colocated.py; the second engine has its own). Where each part
+    runs is not in the maths, so the second run reproduces the first."""
+    job = guessing_job(tiny_qwen2_dir, seed=5)
+    separate = step_metrics(tmp_path / "separate", job, colocate=False)
+    driver, summary = run(job, tmp_path / "colocated", colocate=True)
+    assert summary.state == "done", summary.message
+    assert driver.fleet.colocated == {"agent"}
+    colocated = [{k: v for k, v in asdict(r).items() if k not in TIMING} for r in driver.records]
+    assert len(separate) == len(colocated) == 3
+    assert_same_metrics(separate, colocated)
 
 
 POOL_FIELDS = ("pool", "pool_resident_s", "pool_switch_s", "pool_switches_total", "pool_busy_fraction")
@@ -106,19 +115,3 @@ def test_a_policy_on_a_pool_trains_exactly_as_on_pods_of_its_own(
     assert [t["pool_switches_total"] for t in turns] == [2, 4, 6]
     assert all(0 < t["pool_switch_s"] < t["pool_resident_s"] for t in turns)
     assert all(0 < t["pool_busy_fraction"] <= 1 for t in turns)
-
-
-@pytest.mark.slow
-def test_a_policy_whose_trainer_and_first_engine_share_a_process_trains_exactly_as_in_two(
-    ray_local: Any, tiny_qwen2_dir: Path, tmp_path: Path
-) -> None:
-    """`polyrl run` puts a CPU policy's one trainer rank and its first engine in one process
-    (trainers/colocated.py); the second engine here has its own. Where each runs is not in the maths."""
-    job = guessing_job(tiny_qwen2_dir, seed=5)
-    separate = step_metrics(tmp_path / "separate", job)
-    driver, summary = run(job, tmp_path / "colocated", colocate=True)
-    assert summary.state == "done", summary.message
-    assert driver.fleet.colocated == {"agent"}
-    colocated = [{k: v for k, v in asdict(r).items() if k not in TIMING} for r in driver.records]
-    assert len(separate) == len(colocated) == 3
-    assert_same_metrics(separate, colocated)

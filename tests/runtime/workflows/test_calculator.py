@@ -1,5 +1,6 @@
 """The calculator workflow: one episode on the real torch engine is ONE sample (two sampled replies
-around the tool's result), and a few steps of `polyrl run` on tiny-qwen2 train it to completion."""
+around the tool's result). The shipped example trains it under `polyrl run`
+(tests/runtime/local/test_examples_learn.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.calculator import Calculator
 from polyrl_runtime.workflows.tools import ToolCall, run_calculator
 from polyrl_testenv.inprocess import engine_routes
-from polyrl_testenv.localrun import metrics_rows, run_to_end, write_job
 
 
 class _Method:
@@ -70,36 +70,3 @@ def test_calculator_tool(expression: str, content: str, ok: bool) -> None:
     result = run_calculator(ToolCall("c0", "calculator", {"expression": expression}))
     assert result.ok is ok and result.content.startswith(content)
     assert result.message() == {"role": "tool", "tool_call_id": "c0", "content": result.content}
-
-
-@pytest.mark.slow
-def test_polyrl_run_trains_the_calculator_agent(tmp_path: Path) -> None:
-    job = {
-        "apiVersion": "polyrl.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": "calculator"},
-        "spec": {
-            "mode": "sync",
-            "training": {"totalSteps": 3, "episodesPerStep": 16, "seed": 1},
-            "workflow": {
-                "entrypoint": "polyrl_runtime.workflows.calculator:Calculator",
-                "args": {"max_operand": 3},
-            },
-            "policies": [
-                {
-                    "name": "solver",
-                    "model": {"uri": "builtin://tiny-qwen2", "dtype": "float32"},
-                    "algorithm": {"name": "grpo", "groupSize": 8, "lr": 1.0e-3, "advantageNorm": "per-agent"},
-                    "rollout": {"engine": "torch", "gpus": 0},
-                    "trainer": {"backend": "deepspeed", "zeroStage": 1, "gpus": 0},
-                }
-            ],
-            "weightSync": {"transport": "objectstore", "bucketMB": 16},
-            "checkpoint": {"everySteps": 3, "keep": 1},
-        },
-    }
-    out = tmp_path / "out"
-    summary = run_to_end(write_job(job, tmp_path / "calculator.yaml"), out, "--plain")
-    assert summary["state"] == "done" and summary["steps"] == {"solver": 3}
-    rows = metrics_rows(out)
-    assert [x["step"] for x in rows] == [1, 2, 3]
