@@ -1,7 +1,7 @@
-"""Where the fleet's actors run, decided from the spec alone: the GPUs each asks Ray for, the
-environment that leaves a pool pod's devices visible, and which policies' trainer and first engine
-share a process. Pure functions of the spec, tested as tables (tests/runtime/test_pools.py,
-tests/runtime/coordinator/test_fleet.py)."""
+"""Where the fleet's actors run: the GPUs each asks Ray for, the environment that leaves a pool
+pod's devices visible, and which policies' trainer and first engine share a process. Pure functions
+of the spec and the driver's choices (each policy's transport, the CPU sets of `polyrl run --cpus`),
+tested as tables (tests/runtime/test_pools.py, tests/runtime/coordinator/test_fleet.py)."""
 
 from __future__ import annotations
 
