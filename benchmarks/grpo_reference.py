@@ -158,18 +158,16 @@ def _reference_with_polyrl_trainer(task: Task, seed: int, model_uri: str, dtype:
 
 def _world_of_one() -> None:
     """A one-rank gloo group in this process, which DeepSpeed needs to build an engine."""
-    import deepspeed
     import torch.distributed as dist
 
     from polyrl_runtime.netmap import free_port
-    from polyrl_runtime.trainers.ops import prepare_ops
+    from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 
     if dist.is_initialized():
         return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     os.environ.update(LOCAL_RANK="0")
-    prepare_ops()
-    deepspeed.init_distributed(dist_backend="gloo")
+    import_deepspeed().init_distributed(dist_backend="gloo")
 
 
 def polyrl_job(

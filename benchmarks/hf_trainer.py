@@ -113,16 +113,13 @@ def loss_memory(positions: int, chunk: int) -> tuple[int, int]:
 
 
 def _gloo() -> None:
-    import deepspeed
-
     from polyrl_runtime.netmap import free_port
-    from polyrl_runtime.trainers.ops import prepare_ops
+    from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     )
-    prepare_ops()
-    deepspeed.init_distributed(dist_backend="gloo")
+    import_deepspeed().init_distributed(dist_backend="gloo")
 
 
 def trainer_throughput(

@@ -59,7 +59,7 @@ SCRATCH_ENV: Final[tuple[tuple[str, str], ...]] = (
     ("TMPDIR", SCRATCH_DIR),
     ("XDG_CACHE_HOME", f"{SCRATCH_DIR}/.cache"),  # Hugging Face, vLLM, pip
     ("TRITON_CACHE_DIR", f"{SCRATCH_DIR}/.triton"),
-    ("TORCH_EXTENSIONS_DIR", f"{SCRATCH_DIR}/torch_extensions"),  # DeepSpeed's JIT-built ops
+    ("TORCH_EXTENSIONS_DIR", f"{SCRATCH_DIR}/torch_extensions"),  # torch's JIT-built extensions
 )
 """Where the runtime's libraries write scratch and caches: the writable scratch volume."""
 

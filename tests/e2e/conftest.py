@@ -16,7 +16,7 @@ import yaml
 
 from polyrl_testenv import ControlPlane
 from polyrl_testenv.bad_rljobs import REPO
-from polyrl_testenv.kubelet import TestKubelet, runtime_image_env
+from polyrl_testenv.kubelet import TestKubelet
 from polyrl_testenv.operator_proc import kill, start_operator
 
 KUEUE_DIR = REPO / "tests" / "data" / "kueue"
@@ -185,14 +185,9 @@ def accounted(counters: dict[str, Any]) -> None:
         assert b["produced"] == b["consumed"] + dropped + b["buffered"] + b["leased"], (policy, counters)
 
 
-@pytest.fixture(scope="session")
-def image_env() -> dict[str, str]:
-    return runtime_image_env()
-
-
 @pytest.fixture
-def e2e(cluster: ControlPlane, namespace: str, tmp_path: Path, image_env: dict[str, str]) -> Iterator[E2E]:
-    kubelet = TestKubelet(cluster.server, [namespace], image_env=image_env).start()
+def e2e(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[E2E]:
+    kubelet = TestKubelet(cluster.server, [namespace]).start()
     world = E2E(cluster, kubelet, tmp_path)
     world.namespaces.append(namespace)
     try:

@@ -10,9 +10,11 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from polyrl_runtime.netmap import free_port
 from polyrl_runtime.trainers.deepspeed_import import skipped_imports
 
 HEAVY = ("torch", "transformers", "deepspeed", "sympy", "math_verify")
@@ -101,6 +103,29 @@ def test_deepspeeds_muon_optimizer_is_imported_without_compiling_it() -> None:
     """
     watch = ("deepspeed.runtime.zero.muon.muon_optimizer", "torch._inductor")
     assert imported_after(code, watch) == {watch[0]: True, watch[1]: False}
+
+
+def test_deepspeed_joins_a_gloo_group_without_building_its_cpu_comm_op(tmp_path: Path) -> None:
+    """The shared-memory comm op serves only DeepSpeed's inference all-reduce: `init_distributed`
+    neither compiles it (about 80 s of CPU in a fresh environment) nor loads it, and gloo's
+    collectives work as before."""
+    code = f"""
+    import os
+    os.environ.update(TORCH_EXTENSIONS_DIR={str(tmp_path / "ext")!r}, MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str({free_port()}), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import torch
+    from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    assert deepspeed.comm.get_world_size() == 1
+    t = torch.ones(3)
+    deepspeed.comm.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0, 1.0]
+    from deepspeed.comm.torch import build_shm_op
+    assert build_shm_op() is None
+    assert not os.path.exists(os.path.join({str(tmp_path / "ext")!r}, "deepspeed_shm_comm"))
+    """
+    assert imported_after(code, ("deepspeed",)) == {"deepspeed": True}
 
 
 def test_skipped_imports_raise_import_error_and_are_restored() -> None:

@@ -1,4 +1,5 @@
-"""DeepSpeed, imported without mlflow, and its Muon optimizer without compiling it.
+"""DeepSpeed, imported without mlflow, its Muon optimizer without compiling it, and without its CPU
+shared-memory comm op.
 
 `import deepspeed` imports mlflow, when it is installed, for its autotuner's result logging
 (`deepspeed.autotuning.autotuner`): about 1.1 s of CPU in every trainer process as it starts
@@ -16,6 +17,13 @@ is Muon). The module decorates its kernels with `torch.compile`, which imports T
 2 s of CPU in every trainer rank, during its first build or its first step. polyrl's optimizer is
 torch AdamW, never Muon: `import_deepspeed` imports that module once with `torch.compile` as the
 identity, so its kernels stay plain functions and every later import finds it loaded.
+
+`deepspeed.init_distributed` on CPU JIT-compiles (about 80 s of CPU on 2 cores, in every fresh
+environment: a new venv, a pod's empty scratch volume) and loads a shared-memory comm op. Only
+`inference_all_reduce`, DeepSpeed's tensor-parallel inference path, calls it; training's collectives
+go through torch.distributed (gloo on CPU, NCCL on GPUs) either way. polyrl's trainers never run
+DeepSpeed inference, so `import_deepspeed` marks that op incompatible, DeepSpeed's own switch for an
+op it cannot build: `init_distributed` then neither compiles nor loads it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 
 SKIPPED_ON_IMPORT = ("mlflow",)
 UNCOMPILED_ON_IMPORT = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+NOT_BUILT_OPS = ("deepspeed_shm_comm",)  # op builders' NAMEs
 
 
 @contextlib.contextmanager
@@ -62,11 +71,13 @@ def uncompiled() -> Iterator[None]:
 
 def import_deepspeed() -> Any:
     """The `deepspeed` module (imported once per process, without mlflow, its Muon optimizer
-    uncompiled)."""
+    uncompiled, its ops in `NOT_BUILT_OPS` marked incompatible so that nothing builds them)."""
     with skipped_imports(SKIPPED_ON_IMPORT):
         import deepspeed
     if not all(name in sys.modules for name in UNCOMPILED_ON_IMPORT):
         with uncompiled():
             for name in UNCOMPILED_ON_IMPORT:
                 importlib.import_module(name)
+    compatible = deepspeed.ops.__compatible_ops__  # probed once per process, then a plain dict
+    compatible.update(dict.fromkeys(NOT_BUILT_OPS, False))
     return deepspeed

@@ -66,7 +66,6 @@ from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.trainers.export import export_policy, zero_gather
 from polyrl_runtime.trainers.lora import reference_model
 from polyrl_runtime.trainers.offload import TrainerOffloadedError, offload_rank, restore_rank
-from polyrl_runtime.trainers.ops import prepare_ops
 from polyrl_runtime.trainers.publish import published_tensors
 from polyrl_runtime.weights.endpoints import TrainerWeights
 
@@ -161,8 +160,6 @@ class DeepSpeedTrainer(TrainerWeights):
             # DeepSpeed selects the CUDA device by LOCAL_RANK: the index of this rank's own device.
             LOCAL_RANK=str(device_index),
         )
-        if not self.cuda:
-            prepare_ops()  # never wait on a torch build lock a killed build left behind
         deepspeed.init_distributed(dist_backend="nccl" if self.cuda else "gloo")
         self._built = build_trainer(
             self.spec, seed=self.seed, cuda=self.cuda, device=device, total_steps=self.total_steps

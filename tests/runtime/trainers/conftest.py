@@ -15,17 +15,15 @@ from polyrl_runtime.netmap import free_port
 @pytest.fixture(scope="module")
 def gloo() -> Iterator[None]:
     """A world-1 gloo process group in this process (DeepSpeed needs one to build an engine)."""
-    import deepspeed
     import torch.distributed as dist
 
-    from polyrl_runtime.trainers.ops import prepare_ops
+    from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 
     if not dist.is_initialized():
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
         )
-        prepare_ops()
-        deepspeed.init_distributed(dist_backend="gloo")
+        import_deepspeed().init_distributed(dist_backend="gloo")
     yield
 
 

@@ -5,9 +5,7 @@ It polls the pods of the namespaces it serves and, for each new pod, materialise
 shared directory per PersistentVolumeClaim) under a per-pod directory, rewrites every env value and
 argument that holds a mount path (also inside JSON) to that directory, resolves `valueFrom` (secretKeyRef,
 configMapKeyRef, fieldRef), and starts each container's command and args as a process group with
-the pod's env, `HOSTNAME` and a working dir. Image names are ignored: the local venv stands in, and
-`runtime_image_env()` is its image's environment (what `runtime/Dockerfile` bakes in), applied
-before the pod's own env as a container runtime applies an image's `ENV`.
+the pod's env, `HOSTNAME` and a working dir. Image names are ignored: the local venv stands in.
 
 Networking: all pods share 127.0.0.1, so each pod gets its own free host port for every
 containerPort, kept for the pod name's life (a recreated pod keeps its address, as a Service's
@@ -100,20 +98,6 @@ class PodRun:
     last_probe: float = 0.0
 
 
-def runtime_image_env() -> dict[str, str]:
-    """The runtime image's own environment, built as `runtime/Dockerfile` builds it: DeepSpeed's CPU
-    comm op compiled once (here: in this machine's op cache, idempotent, about 80 s the first
-    time) and named in `POLYRL_PREBUILT_OPS_DIR`, so a trainer pod copies it instead of compiling it
-    in its fresh scratch volume on every start."""
-    ops = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
-        Path.home() / ".cache" / "polyrl" / "torch_extensions"
-    )
-    build = "from polyrl_runtime.trainers.ops import prepare_ops; prepare_ops()"
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": ops, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-c", build], env=env, check=True, capture_output=True, timeout=900)
-    return {"POLYRL_PREBUILT_OPS_DIR": ops}
-
-
 class TestKubelet:
     __test__ = False  # not a pytest test class
 
@@ -123,10 +107,8 @@ class TestKubelet:
         namespaces: list[str],
         *,
         probe_period: float = 1.0,
-        image_env: dict[str, str] | None = None,
     ) -> None:
         self.api = SyncApi(server)
-        self.image_env = dict(image_env or {})
         self.namespaces = list(namespaces)
         self.probe_period = probe_period
         # short: Ray's unix sockets live under the pods' TMPDIR and paths are limited to 107 bytes
@@ -255,7 +237,6 @@ class TestKubelet:
                 return pattern.sub(lambda found: paths[found.group(1)], value) if paths else value
 
             env = {
-                **self.image_env,
                 "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
                 "HOME": str(directory / "home"),
                 "HOSTNAME": hostname,

@@ -18,7 +18,7 @@ import threading
 
 from polyrl_testenv.bad_rljobs import REPO
 from polyrl_testenv.controlplane import ControlPlane
-from polyrl_testenv.kubelet import TestKubelet, runtime_image_env
+from polyrl_testenv.kubelet import TestKubelet
 from polyrl_testenv.operator_proc import start_operator
 
 
@@ -36,7 +36,7 @@ def main() -> int:
         plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rljobs.polyrl.dev")
         if args.namespace != "default":
             plane.create_namespace(args.namespace)
-        kubelet = TestKubelet(plane.server, [args.namespace], image_env=runtime_image_env()).start()
+        kubelet = TestKubelet(plane.server, [args.namespace]).start()
         settings = {"progressUrl": kubelet.progress_url(), "progressInterval": 2, "metricsPort": None,
                     "livenessPort": None}  # fmt: skip
         operator = start_operator(plane.kubeconfig, args.namespace, settings, plane.workdir, "laptop")
