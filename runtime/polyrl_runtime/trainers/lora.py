@@ -77,9 +77,26 @@ def check_target_modules(model: torch.nn.Module, policy: str, targets: list[str]
         )
 
 
-def apply_lora(model: torch.nn.Module, policy: Policy) -> torch.nn.Module:
+def lora_config(policy: Policy) -> Any:
+    """peft's `LoraConfig` of the policy's `algorithm.lora` (which must be set)."""
+    import peft
+
+    lora = policy.algorithm.lora
+    if lora is None:
+        raise LoraError(f"policy {policy.name}: algorithm.lora is not set")
+    return peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=ALL_LINEAR if lora.target_modules == [ALL_LINEAR] else list(lora.target_modules),
+        bias="none",
+        task_type=peft.TaskType.CAUSAL_LM,
+    )
+
+
+def apply_lora(model: torch.nn.Module, policy: Policy, *, adapter_name: str = "default") -> torch.nn.Module:
     """The module to train: `model` itself without `algorithm.lora`, else a peft model whose only
-    trainable parameters are the adapters."""
+    trainable parameters are the adapters (named `adapter_name`)."""
     lora = policy.algorithm.lora
     if lora is None:
         return model
@@ -92,16 +109,8 @@ def apply_lora(model: torch.nn.Module, policy: Policy) -> torch.nn.Module:
             "plain torch model (use a Hugging Face directory, e.g. builtin://tiny-qwen2)"
         )
     check_target_modules(model, policy.name, lora.target_modules)
-    config = peft.LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=ALL_LINEAR if lora.target_modules == [ALL_LINEAR] else list(lora.target_modules),
-        bias="none",
-        task_type=peft.TaskType.CAUSAL_LM,
-    )
     try:
-        wrapped: torch.nn.Module = peft.get_peft_model(model, config)
+        wrapped: torch.nn.Module = peft.get_peft_model(model, lora_config(policy), adapter_name=adapter_name)
     except ValueError as e:  # e.g. a targeted module of a kind LoRA cannot wrap (a norm)
         raise LoraError(f"policy {policy.name}: {FIELD}: {e}") from e
     _check_untied(wrapped, policy.name)
@@ -109,6 +118,22 @@ def apply_lora(model: torch.nn.Module, policy: Policy) -> torch.nn.Module:
     total = sum(p.numel() for p in wrapped.parameters())
     log.info("lora.applied", policy=policy.name, rank=lora.rank, trainable=trainable, total=total)
     return wrapped
+
+
+def add_lora(model: torch.nn.Module, policy: Policy) -> None:
+    """Add the policy's adapter, named as the policy, to a peft model that `apply_lora` made (another
+    policy's adapter on the same base)."""
+    lora = policy.algorithm.lora
+    if lora is None:
+        raise LoraError(f"policy {policy.name}: sharing a base model needs algorithm.lora")
+    check_target_modules(base_model(model), policy.name, lora.target_modules)
+    peft_model: Any = model
+    try:
+        peft_model.add_adapter(policy.name, lora_config(policy))
+    except ValueError as e:
+        raise LoraError(f"policy {policy.name}: {FIELD}: {e}") from e
+    _check_untied(model, policy.name)
+    log.info("lora.added", policy=policy.name, rank=lora.rank)
 
 
 def _check_untied(model: torch.nn.Module, policy: str) -> None:
