@@ -89,6 +89,40 @@ def stream(
     return refs
 
 
+class BoundMethod:
+    """A remote method with its first argument given (`BoundHandle`)."""
+
+    def __init__(self, method: Any, first: object) -> None:
+        self._method, self._first = method, first
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._method.remote(self._first, *args, **kwargs)
+
+    def options(self, **options: Any) -> BoundMethod:
+        return BoundMethod(self._method.options(**options), self._first)
+
+
+class BoundHandle:
+    """An actor's handle whose every method call gets `first` as its first argument: one actor that
+    serves several callers (a shared trainer rank, one per policy), each calling it through a client
+    as if it were theirs alone. Ray's own calls (`__ray_ready__`) reach the actor as they are, and
+    `ray.kill` takes `unbound(handle)`."""
+
+    def __init__(self, actor: ActorHandle[Any], first: object) -> None:
+        self.actor, self.first = actor, first
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("actor", "first"):  # not set yet (an unpickled copy): not the actor's to answer
+            raise AttributeError(name)
+        method = getattr(self.actor, name)
+        return method if name.startswith("__") else BoundMethod(method, self.first)
+
+
+def unbound(handle: Any) -> Any:
+    """The actor handle itself, for a `BoundHandle` or a plain one."""
+    return handle.actor if isinstance(handle, BoundHandle) else handle
+
+
 class Actor(Protocol):
     """Any actor's client, as start-up (waiting for it) and shut-down (stopping it) see it."""
 
@@ -111,4 +145,4 @@ class ActorClient(Generic[A_co]):
 
     def kill(self) -> None:
         """Stop the actor (asynchronously: a call made right after may still be answered)."""
-        ray.kill(self.handle, no_restart=True)
+        ray.kill(unbound(self.handle), no_restart=True)

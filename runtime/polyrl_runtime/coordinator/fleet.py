@@ -29,9 +29,14 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from polyrl_operator.api import Placement, Policy, RLJob
-from polyrl_runtime.actors import Actor, start_actor
+from polyrl_runtime.actors import Actor, ActorClient, BoundHandle, start_actor
 from polyrl_runtime.config import resource_name
-from polyrl_runtime.coordinator.placement import KEEP_VISIBLE_DEVICES, colocated_policies, ray_gpus
+from polyrl_runtime.coordinator.placement import (
+    KEEP_VISIBLE_DEVICES,
+    colocated_policies,
+    ray_gpus,
+    shared_trainers,
+)
 from polyrl_runtime.coordinator.slots import EngineSlot, Slot, WorkerSlot
 from polyrl_runtime.cpusets import cpu_set_key, role_env
 from polyrl_runtime.engines.api import Engine
@@ -46,6 +51,7 @@ from polyrl_runtime.workflows.client import WorkflowWorkerClient
 
 if TYPE_CHECKING:
     from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
+    from polyrl_runtime.trainers.shared_rank import SharedBaseRank
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +84,11 @@ class Fleet:
         self.colocated = (
             colocated_policies(job.spec, self.transports, self.cpu_sets) if colocate else frozenset()
         )
+        # Policies whose trainer ranks are one actor per rank for their shared base (`shared_trainers`),
+        # its handles once the first of them started it, and one step at a time per such trainer.
+        self.shared_trainers = shared_trainers(job.spec)
+        self._shared_ranks: dict[tuple[str, ...], list[ActorHandle[SharedBaseRank]]] = {}
+        self._step_locks = {g: asyncio.Lock() for g in set(self.shared_trainers.values())}
         self.engines: dict[str, dict[str, EngineSlot]] = {p.name: {} for p in self.spec.policies}
         self.workers: dict[str, WorkerSlot] = {}
         self._started: list[Actor] = []  # every actor started, for `close`
@@ -237,6 +248,9 @@ class Fleet:
         pod's GPU of its node-local index: `ray_gpus`)."""
         from polyrl_runtime.trainers.build import rank_layout
 
+        group = self.shared_trainers.get(policy.name)
+        if group is not None:
+            return self._shared_trainer(policy, group, buffer)
         placement = self.spec.trainer_placement(policy)
         options = {
             "resources": self._res(policy.name, "trainer"),
@@ -254,14 +268,65 @@ class Fleet:
             ranks.append(self._track(TrainerRankClient(handle)))
         return ranks
 
+    def _shared_trainer(
+        self, policy: Policy, group: tuple[str, ...], buffer: BufferClient
+    ) -> list[TrainerRankClient]:
+        """`policy`'s ranks of the trainer its shared base's policies have in common
+        (trainers/shared_rank.py), started by the first of them: a rank is one unit of each member's
+        trainer resource (a pool pod offers them all), and each policy calls it through a handle
+        that names the policy."""
+        from polyrl_runtime.trainers.build import rank_layout
+        from polyrl_runtime.trainers.shared_rank import AdapterTrainer, SharedBaseRank
+
+        handles = self._shared_ranks.get(group)
+        if handles is None:
+            placement = self.spec.trainer_placement(policy)
+            options = {
+                "resources": {k: v for m in group for k, v in self._res(m, "trainer").items()},
+                "num_cpus": 0,
+                "num_gpus": ray_gpus(placement, 1),
+                "max_concurrency": RANK_CONCURRENCY * len(group),
+                "runtime_env": self._env("trainer", placement),
+            }
+            members = [self.spec.policy(m) for m in group]
+            handles = []
+            for slot in rank_layout(placement.min_replicas, placement.ranks_per_pod):
+                trainers = {
+                    m.name: cast(
+                        "Callable[..., AdapterTrainer]",
+                        self._trainer(m, slot.rank, slot.world, buffer, AdapterTrainer),
+                    )
+                    for m in members
+                }
+                handle = start_actor(SharedBaseRank, options, trainers, self.spec.training.seed)
+                self._track(ActorClient(handle))
+                handles.append(handle)
+            self._shared_ranks[group] = handles
+        bound = [cast("ActorHandle[TrainerRank]", BoundHandle(h, policy.name)) for h in handles]
+        return [TrainerRankClient(h) for h in bound]
+
+    def step_lock(self, policy: str) -> asyncio.Lock:
+        """Held for a training step of `policy`: shared by the policies of one shared trainer (their
+        ranks' collectives must not interleave), else the policy's own."""
+        group = self.shared_trainers.get(policy, (policy,))
+        if group not in self._step_locks:
+            self._step_locks[group] = asyncio.Lock()
+        return self._step_locks[group]
+
     def _trainer(
-        self, policy: Policy, rank: int, world: int, buffer: BufferClient
+        self,
+        policy: Policy,
+        rank: int,
+        world: int,
+        buffer: BufferClient,
+        cls: type[DeepSpeedTrainer] | None = None,
     ) -> functools.partial[DeepSpeedTrainer]:
-        """A trainer rank, to be constructed (as an actor of its own, or in a `ColocatedRank`)."""
+        """A trainer rank (a `DeepSpeedTrainer` unless `cls` says), to be constructed: as an actor of
+        its own, in a `ColocatedRank` or in a `SharedBaseRank`."""
         from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 
         return functools.partial(
-            DeepSpeedTrainer,
+            cls or DeepSpeedTrainer,
             f"{policy.name}-trainer-{rank}",
             policy.model_dump_json(by_alias=True),
             self.spec.training.seed,

@@ -1,5 +1,6 @@
 """Where the fleet's actors run: the GPUs each asks Ray for, the environment that leaves a pool
-pod's devices visible, and which policies' trainer and first engine share a process. Pure functions
+pod's devices visible, which policies' trainer and first engine share a process, and which policies
+share one trainer holding their base model once. Pure functions
 of the spec and the driver's choices (each policy's transport, the CPU sets of `polyrl run --cpus`),
 tested as tables (tests/runtime/test_pools.py, tests/runtime/coordinator/test_fleet.py)."""
 
@@ -54,3 +55,21 @@ def colocated_policies(
         ):
             out.append(p.name)
     return frozenset(out)
+
+
+def shared_trainers(spec: RLJobSpec) -> dict[str, tuple[str, ...]]:
+    """policy -> the policies whose trainer ranks it shares (trainers/shared_rank.py: the base held
+    once, one LoRA adapter each), for every policy of a shared base (`spec.shared_bases`) whose
+    members' trainers all run on the base's pool with the same ranks per pod and a ZeRO stage below 3
+    (the ranks hold the base whole; only the adapters train). Other policies of a shared base keep a
+    trainer each, as a policy that shares nothing does."""
+    out: dict[str, tuple[str, ...]] = {}
+    for base in spec.shared_bases():
+        members = [spec.policy(name) for name in base.policies]
+        layouts = {(t.trainer_world, t.ranks_per_pod) for t in map(spec.trainer_placement, members)}
+        if (
+            all(p.trainer.pool == base.pool and p.trainer.zero_stage < 3 for p in members)
+            and len(layouts) == 1
+        ):
+            out.update(dict.fromkeys(base.policies, base.policies))
+    return out

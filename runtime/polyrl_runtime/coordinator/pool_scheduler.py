@@ -163,7 +163,9 @@ class PoolScheduler:
         self._state = asyncio.Condition()
         self._in_turn: str | None = None
         self._deliveries = 0
-        self._asleep: dict[str, list[PooledEngine]] = {}  # policy -> its engines this pool put to sleep
+        # The engines this pool put to sleep. One engine may serve several policies (a shared base's
+        # adapters), so it is one entry here, whichever policies it serves.
+        self._asleep: list[PooledEngine] = []
         self._offloaded: set[str] = set()
         self._holder = "engines"
         # The engines serve (not asleep, nor sleeping in a turn): what a delivery waits for. False
@@ -284,21 +286,23 @@ class PoolScheduler:
     async def _sleep_all(self) -> None:
         self._awake = False
         for p in self.roles.rollouts:
-            awake = [e for e in self._engines(p) if not any(e is a for a in self._asleep.get(p, ()))]
+            awake = [e for e in self._engines(p) if not any(e is a for a in self._asleep)]
             if awake:
                 await self._timed(p, "its rollout engines", "sleep", (e.sleep(1) for e in awake))
-                self._asleep.setdefault(p, []).extend(awake)
+                self._asleep.extend(awake)
 
     async def _wake(self, policy: str) -> None:
-        asleep = self._asleep.pop(policy, [])
-        live = {id(e) for e in self._engines(policy)}
-        asleep = [e for e in asleep if id(e) in live]  # an engine replaced meanwhile is gone
-        if asleep:
-            await self._timed(policy, "its rollout engines", "wake up", (e.wake_up() for e in asleep))
+        """Wake the engines asleep that serve `policy` (an engine replaced meanwhile is gone)."""
+        live = self._engines(policy)
+        wake = [e for e in self._asleep if any(e is x for x in live)]
+        self._asleep = [e for e in self._asleep if not any(e is x for x in live)]
+        if wake:
+            await self._timed(policy, "its rollout engines", "wake up", (e.wake_up() for e in wake))
 
     async def _wake_all(self) -> None:
-        for p in list(self._asleep):
+        for p in self.roles.rollouts:
             await self._wake(p)
+        self._asleep.clear()  # engines that left the pool while asleep
 
     async def _restore(self, policy: str) -> None:
         if policy in self._offloaded:

@@ -265,7 +265,8 @@ class PolicyTrainer:
         gstd = self._global_std()
         try:
             steps = (r.train_step(version, s, n_micro, gstd) for r, s in zip(run.ranks, shares, strict=True))
-            return list(await asyncio.gather(*steps))
+            async with self.fleet.step_lock(run.name):  # one policy at a time on a shared trainer
+                return list(await asyncio.gather(*steps))
         except Exception:
             for i in range(world):  # whatever the ranks leased goes back to the buffer
                 await self.buffer.consumer_failed(f"{run.name}-trainer-{i}")

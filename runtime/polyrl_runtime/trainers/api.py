@@ -58,6 +58,11 @@ def node_local_ranks(nodes: Sequence[str]) -> list[int]:
     return out
 
 
+def protocol_methods(protocol: type) -> list[str]:
+    """The methods a Protocol declares (what the coordinator calls on an actor of that role)."""
+    return sorted(n for n, v in vars(protocol).items() if not n.startswith("_") and callable(v))
+
+
 # Calls a trainer rank runs at once: a weight sync's wait or abort may arrive while a step or a
 # publish runs (its own actor's `max_concurrency`, a `ColocatedRank`'s trainer threads).
 RANK_CONCURRENCY = 2

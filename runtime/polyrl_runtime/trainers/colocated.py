@@ -31,13 +31,8 @@ from typing import Any
 
 from polyrl_runtime.engines.api import Engine
 from polyrl_runtime.engines.torch_engine import TorchEngine
-from polyrl_runtime.trainers.api import RANK_CONCURRENCY, TrainerRank
+from polyrl_runtime.trainers.api import RANK_CONCURRENCY, TrainerRank, protocol_methods
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
-
-
-def protocol_methods(protocol: type) -> list[str]:
-    """The methods a Protocol declares (what the coordinator calls on an actor of that role)."""
-    return sorted(n for n, v in vars(protocol).items() if not n.startswith("_") and callable(v))
 
 
 class ColocatedRank:

@@ -85,6 +85,34 @@ def policy_seed(job_seed: int, policy: str) -> int:
     return (job_seed * 1_000_003 + zlib.crc32(policy.encode())) % (2**31)
 
 
+def join_process_group(
+    master_addr: str, master_port: int, *, rank: int, world: int, local_rank: int, cuda: bool
+) -> torch.device:
+    """Join the trainer's process group (rendezvous at `master_addr:master_port`; a process that
+    joined it already keeps it); the rank's device."""
+    import torch.distributed as dist
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    device = torch.device("cpu")
+    device_index = 0
+    if cuda:
+        device_index = cuda_device_index(local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(device_index)
+        device = torch.device("cuda", device_index)
+    if not dist.is_initialized():
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            # DeepSpeed selects the CUDA device by LOCAL_RANK: the index of this rank's own device.
+            LOCAL_RANK=str(device_index),
+        )
+    # DeepSpeed's communication backend, over torch's group (which it starts when there is none)
+    import_deepspeed().init_distributed(dist_backend="nccl" if cuda else "gloo")
+    return device
+
+
 class DeepSpeedTrainer(TrainerWeights):
     def __init__(
         self,
@@ -115,6 +143,7 @@ class DeepSpeedTrainer(TrainerWeights):
         # Its engines hold the base model and this policy's LoRA adapter among others' (policies that
         # share a base): publish the adapter's tensors only.
         self.adapter_only = adapter_only
+        self.adapter_name: str | None = None  # the adapter to publish (None: the model's active one)
         self.algo = self.spec.algorithm
         self.loss_cfg = LossConfig(
             self.algo.clip_eps, self.algo.is_cap, self.algo.kl_coef, self.algo.entropy_coef
@@ -142,31 +171,13 @@ class DeepSpeedTrainer(TrainerWeights):
         """Join the policy's process group, then build the model, reference and DeepSpeed engine
         (all ranks at once). `local_rank`: its index among its policy's ranks on its node (the
         driver's `node_local_ranks`; 0 for a rank alone on its node)."""
-        deepspeed = import_deepspeed()
         self.local_rank = local_rank
-
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        device = torch.device("cpu")
-        device_index = 0
-        if self.cuda:
-            device_index = cuda_device_index(self.local_rank, torch.cuda.device_count())
-            torch.cuda.set_device(device_index)
-            device = torch.device("cuda", device_index)
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world),
-            # DeepSpeed selects the CUDA device by LOCAL_RANK: the index of this rank's own device.
-            LOCAL_RANK=str(device_index),
+        self.device = join_process_group(
+            master_addr, master_port, rank=self.rank, world=self.world, local_rank=local_rank, cuda=self.cuda
         )
-        deepspeed.init_distributed(dist_backend="nccl" if self.cuda else "gloo")
-        self._built = build_trainer(
-            self.spec, seed=self.seed, cuda=self.cuda, device=device, total_steps=self.total_steps
-        )
+        self._built = self._build(self.device)
         self.engine, self.ref = self._built.engine, self._built.ref
         self.model = self.engine.module
-        self.device = device
         self._gas = 1
         log.info(
             "trainer.ready",
@@ -174,8 +185,13 @@ class DeepSpeedTrainer(TrainerWeights):
             rank=self.rank,
             local_rank=self.local_rank,
             world=self.world,
-            device=str(device),
+            device=str(self.device),
             zero=self.spec.trainer.zero_stage,
+        )
+
+    def _build(self, device: torch.device) -> Built:
+        return build_trainer(
+            self.spec, seed=self.seed, cuda=self.cuda, device=device, total_steps=self.total_steps
         )
 
     # -- one step ------------------------------------------------------------------------------
@@ -357,7 +373,10 @@ class DeepSpeedTrainer(TrainerWeights):
         self._require_resident("publishing weights")
         module = self.engine.module if self.engine is not None else self.model
         return published_tensors(
-            module, zero_gather(self.spec.trainer.zero_stage), adapter_only=self.adapter_only
+            module,
+            zero_gather(self.spec.trainer.zero_stage),
+            adapter_only=self.adapter_only,
+            adapter=self.adapter_name,
         )
 
     def gather_for_peers(self) -> None:
@@ -365,7 +384,11 @@ class DeepSpeedTrainer(TrainerWeights):
         self._require_resident("publishing weights")
         module = self.engine.module if self.engine is not None else self.model
         published_tensors(
-            module, zero_gather(self.spec.trainer.zero_stage), keep=False, adapter_only=self.adapter_only
+            module,
+            zero_gather(self.spec.trainer.zero_stage),
+            keep=False,
+            adapter_only=self.adapter_only,
+            adapter=self.adapter_name,
         )
 
     def save(self, directory: str, tag: str) -> None:

@@ -75,14 +75,16 @@ def published_tensors(
     keep: bool = True,
     bucket_bytes: int = PUBLISH_BUCKET_BYTES,
     adapter_only: bool = False,
+    adapter: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """{Hugging Face name: tensor} of every parameter the served model has.
+    """{Hugging Face name: tensor} of every parameter the served model has (`adapter_only`: of the
+    adapter named `adapter`, else of the active one).
 
     Without `gather` (ZeRO 0-2: every rank holds full parameters) the tensors are the live ones:
     read them before the next optimizer step. With it (ZeRO-3) each is a copy taken under its bucket's
     gather; with `keep=False` a rank joins the gathers and returns nothing."""
     if adapter_only:
-        return adapter_tensors(module, gather, keep=keep)
+        return adapter_tensors(module, gather, keep=keep, adapter=adapter)
     if is_peft(module):
         merged = serving_tensors(module, gather)
         return {hf_name(n): t for n, t in merged} if keep else _drain(merged)
@@ -107,16 +109,16 @@ PEFT_PREFIX = "base_model.model."
 
 
 def adapter_tensors(
-    module: torch.nn.Module, gather: Gather | None = None, *, keep: bool = True
+    module: torch.nn.Module, gather: Gather | None = None, *, keep: bool = True, adapter: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """{name: tensor} of the peft model's active adapter, A and B of each adapted layer, under peft's
+    """{name: tensor} of the peft model's adapter named `adapter` (default: the active one), A and B of each adapted layer, under peft's
     names without `base_model.model.` (`model.layers.0.self_attn.q_proj.lora_A.weight`). Copies, taken
     under one gather of the adapter's parameters (ZeRO-3); with `keep=False` a rank joins the gather
     and returns nothing."""
     if not is_peft(module):
         raise TypeError("adapter_only publishing needs a peft model (algorithm.lora set)")
     peft_model: Any = module
-    adapter = peft_model.active_adapter
+    adapter = adapter or peft_model.active_adapter
     named = [(hf_name(n), p) for n, p in module.named_parameters() if ".lora_" in n and f".{adapter}." in n]
     with (gather or no_gather)([p for _, p in named]):
         if not keep:

@@ -13,7 +13,7 @@ import ray
 from driver_harness import make_job, policy
 
 from polyrl_runtime.coordinator.fleet import Fleet
-from polyrl_runtime.coordinator.placement import colocated_policies
+from polyrl_runtime.coordinator.placement import colocated_policies, shared_trainers
 from polyrl_runtime.coordinator.slots import EngineSlot, Slot
 from polyrl_runtime.engines.api import EngineStats
 from polyrl_runtime.engines.client import EngineClient
@@ -186,3 +186,39 @@ def test_which_policies_share_a_process_between_trainer_and_engine(
         Fleet(job, transport, place_by_resource=False, cpu_sets=cpu_sets, colocate=True).colocated
         == colocated
     )
+
+
+LORA = {"lora": {"rank": 4}}
+HF = {"uri": "builtin://tiny-qwen2", "dtype": "float32"}
+
+
+def _lora_policy(name: str, trainer: dict[str, Any] | None) -> dict[str, Any]:
+    p = policy(name, model=HF, algorithm=LORA)
+    p["rollout"] = {"engine": "torch", **POOLED}
+    p["trainer"] = trainer if trainer is not None else p["trainer"]
+    return p
+
+
+ON_POOL = {"pool": "shared", "microBatchSize": 16}
+
+
+@pytest.mark.parametrize(
+    ("trainers", "shared"),
+    [
+        ((ON_POOL, ON_POOL), True),  # a shared base, both trainers on its pool: one trainer
+        ((None, None), False),  # dedicated trainers: one each, on pods of their own
+        ((ON_POOL, None), False),
+        ((ON_POOL, {**ON_POOL, "ranksPerPod": 2}), False),  # their ranks cannot be the same processes
+        ((ON_POOL, {**ON_POOL, "zeroStage": 3}), False),  # ZeRO-3 partitions a base a rank holds whole
+    ],
+)
+def test_which_policies_of_a_shared_base_share_a_trainer(
+    trainers: tuple[dict[str, Any] | None, dict[str, Any] | None], shared: bool
+) -> None:
+    job = make_job(
+        pools=[POOL], policies=[_lora_policy(n, t) for n, t in zip(("a", "b"), trainers, strict=True)]
+    )
+    assert len(job.spec.shared_bases()) == 1  # the engines share the base in every case
+    expected = dict.fromkeys(("a", "b"), ("a", "b")) if shared else {}
+    assert shared_trainers(job.spec) == expected
+    assert Fleet(job, "objectstore", place_by_resource=False).shared_trainers == expected

@@ -28,13 +28,14 @@ class Devices:
     """What one pool's devices hold; each role checks the invariants as it switches."""
 
     resident: set[str] = field(default_factory=set)  # policies whose trainer is on the devices
-    awake: set[str] = field(default_factory=set)  # engines awake, by name "<policy>-<i>"
+    # engines awake, by name "<policy>-<i>" ("<policy>+<policy>-<i>": one serving both policies)
+    awake: set[str] = field(default_factory=set)
     log: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         assert len(self.resident) <= 1, f"two trainers resident: {self.resident}"
         for trainer in self.resident:
-            others = {e for e in self.awake if not e.startswith(f"{trainer}-")}
+            others = {e for e in self.awake if trainer not in e.rsplit("-", 1)[0].split("+")}
             assert not others, f"engines {others} awake beside trainer {trainer}"
 
 
@@ -146,6 +147,34 @@ async def test_two_policies_generate_then_train_each_then_update() -> None:
     ]
     assert s.usage.turns == {"a": 1, "b": 1}
     assert s.usage.switches == 3  # engines -> trainer a -> trainer b -> engines
+
+
+async def test_an_engine_serving_two_policies_sleeps_once_and_wakes_for_either() -> None:
+    """One engine holds a shared base and both policies' adapters (`engines(a)` and `engines(b)` both
+    give it): a turn puts it to sleep once, and either policy's turn wakes it for its update."""
+    devices = Devices()
+    shared = FakeEngine(devices, "a+b-0")
+    ranks = {p: [FakeRank(devices, p)] for p in ("a", "b")}
+    devices.resident.update(ranks)
+    s = PoolScheduler(PoolRoles("main", ("a", "b"), ("a", "b")), lambda p: [shared], ranks.__getitem__)
+    await s.park_trainers()
+    devices.log.clear()
+    for p in ("a", "b"):
+        async with s.turn(p) as turn:
+            await turn.wake_own_engines()
+            shared.receive(1)
+    assert devices.log == [
+        "sleep a+b-0",
+        "restore a",
+        "wake a+b-0",
+        "update a+b-0 v1",
+        "offload a",
+        "sleep a+b-0",
+        "restore b",
+        "wake a+b-0",
+        "update a+b-0 v1",
+        "offload b",
+    ]
 
 
 async def test_no_policy_starves_while_both_have_work() -> None:

@@ -1,6 +1,7 @@
 """Two policies that share a base model as LoRA adapters (their rollouts on one pool, the same model,
 `algorithm.lora`), through the driver and real actors: one engine serves both, each trainer publishes
-its adapter alone and the engine applies each policy's versions to that policy's adapter."""
+its adapter alone and the engine applies each policy's versions to that policy's adapter. With their
+trainers on the pool too, one trainer actor holds the base once for both (trainers/shared_rank.py)."""
 
 from __future__ import annotations
 
@@ -10,42 +11,50 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from driver_harness import make_job, policy, run
+from driver_harness import cpu_pools_take_turns, make_job, policy, run
 
 from polyrl_operator.api import Lora
+from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointStore
 from polyrl_runtime.models import model_dir
 from polyrl_runtime.models.lora_layout import adapter_layout
 
 LORA = {"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]}
 
 
-def adapters_on_a_pool(mode: str) -> Any:
+def adapters_on_a_pool(mode: str, *, shared_trainer: bool = False, steps: int = 2, **spec: Any) -> Any:
     agents = []
     for name in ("left", "right"):
         p = policy(name, model={"uri": "builtin://tiny-qwen2", "dtype": "float32"})
         p["algorithm"] = {"name": "grpo", "groupSize": 8, "lr": 1.0e-2, "lora": LORA}
         p["rollout"] = {"engine": "torch", "pool": "shared"}
+        if shared_trainer:
+            p["trainer"] = {"zeroStage": 1, "microBatchSize": 16, "pool": "shared"}
         agents.append(p)
     return make_job(
         mode=mode,
         maxStaleness=1 if mode == "async" else 0,
-        training={"totalSteps": 2, "episodesPerStep": 16, "seed": 3},
+        training={"totalSteps": steps, "episodesPerStep": 16, "seed": 3},
         workflow={
             "entrypoint": "polyrl_runtime.workflows.guessing:Guessing",
             "args": {"agents": ["left", "right"], "symbols": 4, "shift": 1, "reply_tokens": 3},
         },
         policies=agents,
         pools=[{"name": "shared", "gpus": 0}],
+        **spec,
     )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(("mode", "shared_trainer"), [("sync", False), ("async", True)])
 def test_one_engine_serves_both_policies_and_receives_adapters_only(
-    ray_local: Any, tmp_path: Path, mode: str
+    ray_local: Any, tmp_path: Path, mode: str, shared_trainer: bool
 ) -> None:
-    driver, summary = run(adapters_on_a_pool(mode), tmp_path)
+    driver, summary = run(adapters_on_a_pool(mode, shared_trainer=shared_trainer), tmp_path)
     assert summary.state == "done", summary.message
+    # with their trainers on the pool too, one trainer actor serves both policies
+    assert driver.fleet.shared_trainers == (
+        dict.fromkeys(["left", "right"], ("left", "right")) if shared_trainer else {}
+    )
     assert sorted((r.policy, r.step) for r in driver.records) == [
         (p, s) for p in ("left", "right") for s in (1, 2)
     ]
@@ -64,3 +73,28 @@ def test_one_engine_serves_both_policies_and_receives_adapters_only(
         assert {s.name.removeprefix(".") for s in sync._last.manifest.layout.specs} == set(
             adapter_layout(base, name, Lora.model_validate(LORA)).shapes()
         )
+
+
+@pytest.mark.slow
+def test_a_shared_trainer_checkpoints_each_policy_and_resumes_from_it(
+    ray_local: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both policies train through one trainer actor whose base moves off and back between the pool's
+    turns (CPU pools scheduled as GPU pools are), checkpoint their own adapters and optimizer states,
+    and a resumed job continues each from its own."""
+    cpu_pools_take_turns(monkeypatch)
+    ckpt = {"everySteps": 1, "keep": 3}
+    driver, first = run(adapters_on_a_pool("sync", shared_trainer=True, steps=2, checkpoint=ckpt), tmp_path)
+    assert first.state == "done", first.message
+    (group,) = driver.fleet._shared_ranks.values()
+    assert len(group) == 1  # one rank, one actor, for both policies
+    latest = CheckpointStore(tmp_path / "ckpt", 3).latest()
+    assert latest is not None and latest.step == 2
+    for name in ("left", "right"):
+        (saved,) = (Path(latest.trainer_dir(name)) / TRAINER_TAG).glob("adapter-rank*.pt")
+        state = torch.load(saved, weights_only=True)
+        assert state["policy"] == name and state["client_state"]["version"] == 2
+        assert all(".lora_" in n and f".{name}." in n for n in state["adapter"])
+    driver, second = run(adapters_on_a_pool("sync", shared_trainer=True, steps=3, checkpoint=ckpt), tmp_path)
+    assert second.state == "done", second.message
+    assert sorted((r.policy, r.step) for r in second.records) == [("left", 3), ("right", 3)]

@@ -7,8 +7,8 @@ import inspect
 
 from polyrl_runtime.engines.api import Engine
 from polyrl_runtime.engines.torch_engine import TorchEngine
-from polyrl_runtime.trainers.api import TrainerRank
-from polyrl_runtime.trainers.colocated import ColocatedRank, protocol_methods
+from polyrl_runtime.trainers.api import TrainerRank, protocol_methods
+from polyrl_runtime.trainers.colocated import ColocatedRank
 
 
 def test_every_engine_and_trainer_method_is_answered_as_its_own_actor_answers_it() -> None:
