@@ -89,8 +89,7 @@ def export_policy(
     if _is_hf(base):
         _write_hf(base, tensors, tmp, source_dir)
         if adapters:
-            adapter_state = {k: v.to("cpu") for k, v in adapters.items()}
-            module.save_pretrained(str(tmp / "adapter"), state_dict=adapter_state)  # type: ignore[operator]
+            _write_adapter(module, {k: v.to("cpu") for k, v in adapters.items()}, tmp / "adapter")
     else:
         from safetensors.torch import save_file
 
@@ -101,6 +100,20 @@ def export_policy(
     tmp.rename(directory)
     log.info("export.written", uri=source_uri, path=str(directory), tensors=len(tensors), lora=bool(adapters))
     return directory
+
+
+def _write_adapter(module: Any, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """The active adapter alone, as peft writes a model's only adapter (`adapter_config.json`,
+    `adapter_model.safetensors` in `directory`). peft writes an adapter that is not named `default`
+    (one of several policies' on a shared base, named as its policy) into a subdirectory of that
+    name: it is moved up."""
+    active = module.active_adapter
+    module.save_pretrained(str(directory), state_dict=state, selected_adapters=[active])
+    nested = directory / active
+    if active != "default" and nested.is_dir():
+        for item in nested.iterdir():
+            item.rename(directory / item.name)
+        nested.rmdir()
 
 
 def _write_hf(model: Any, tensors: dict[str, torch.Tensor], directory: Path, source_dir: Path | None) -> None:

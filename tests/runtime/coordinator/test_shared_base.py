@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 from driver_harness import cpu_pools_take_turns, make_job, policy, run
 
 from polyrl_operator.api import Lora
@@ -95,6 +96,17 @@ def test_a_shared_trainer_checkpoints_each_policy_and_resumes_from_it(
         state = torch.load(saved, weights_only=True)
         assert state["policy"] == name and state["client_state"]["version"] == 2
         assert all(".lora_" in n and f".{name}." in n for n in state["adapter"])
+    # Exports are per policy: the base with that policy's adapter merged in, and that adapter alone.
+    exported = {}
+    for name in ("left", "right"):
+        export = tmp_path / "ckpt" / "export" / "step-000002" / name
+        assert sorted(p.name for p in (export / "adapter").iterdir() if p.suffix != ".md") == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+        exported[name] = load_file(str(export / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(exported["left"][q], exported["right"][q])
     driver, second = run(adapters_on_a_pool("sync", shared_trainer=True, steps=3, checkpoint=ckpt), tmp_path)
     assert second.state == "done", second.message
     assert sorted((r.policy, r.step) for r in second.records) == [("left", 3), ("right", 3)]
