@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 from driver_harness import cpu_pools_take_turns, make_job, policy, run
+from safetensors.torch import load_file
 
 from polyrl_operator.api import Lora
 from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointStore
