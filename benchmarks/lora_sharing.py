@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/lora_sharing.py [--quick] [--scale 1] [--dtype bfloat16] [--rank 16]
                                                 [--adapters 1,2,4,8] [--rounds 3] [--batch 16] [--tokens 32]
+                                                [--trainer-adapters 4]
 
 The base is a Qwen2 of Qwen2.5-0.5B's shape (24 layers, hidden 896, intermediate 4864, 14 heads / 2
 KV heads, vocabulary 151,936, tied embeddings; `--scale N` divides hidden size, intermediate size and
@@ -24,6 +25,11 @@ Tables:
 - update: one adapter version moved through the shared-memory transport (`shm`) into the engine,
   against one full-weight version of the same model: the bytes moved (goal: the adapter's bytes plus
   at most 1%) and the time from publish to applied (best of `--rounds`).
+- trainer memory: the RSS of one trainer process holding the base once and `--trainer-adapters`
+  policies' adapters (trainers/adapter_engine.py), each with its AdamW state after one training step
+  of its own (`--batch` rows of 16 tokens, a language-modelling loss, no gradient checkpointing),
+  against that many trainers of one policy each (the same code with one adapter, one process each).
+  Reported, with no goal.
 """
 
 from __future__ import annotations
@@ -141,8 +147,44 @@ def child_memory(args: argparse.Namespace) -> None:
     print(json.dumps({"rss": psutil.Process().memory_info().rss}))
 
 
-def measure_rss(args: argparse.Namespace, model: Path, n: int) -> int:
-    cmd = [sys.executable, __file__, "--child", str(n), "--model", str(model), "--dtype", args.dtype]
+def child_trainer_memory(args: argparse.Namespace) -> None:
+    """One trainer process of N policies' adapters on one base: print its RSS in bytes after each
+    policy took one optimizer step (`--trainer-child N`)."""
+    from polyrl_operator.api import Policy
+    from polyrl_runtime.trainers.adapter_engine import AdapterEngine, SharedBase
+
+    torch.set_num_threads(1)
+    lora = {"rank": args.rank, "alpha": 2 * args.rank, "targetModules": ["all-linear"]}
+    model = {"uri": f"file://{args.model}", "dtype": args.dtype}
+    policies = [
+        Policy.model_validate({"name": n, "model": model, "algorithm": {"lr": 1e-4, "lora": lora}})
+        for n in names(args.trainer_child)
+    ]
+    shared = SharedBase.build(policies, seed=0, cuda=False, device=torch.device("cpu"))
+    ids = torch.tensor(prompts(args.batch, 0))
+    for p in policies:
+        engine = AdapterEngine(shared, p)
+        with shared.active(p.name):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+    print(json.dumps({"rss": psutil.Process().memory_info().rss}))
+
+
+def trainer_table(args: argparse.Namespace, model: Path) -> float:
+    n = args.trainer_adapters
+    one = measure_rss(args, model, 1, "--trainer-child")
+    shared = measure_rss(args, model, n, "--trainer-child")
+    print(f"\ntrainer memory: RSS after one step per policy; base {args.dtype}, adapters rank {args.rank}")
+    print("| trainers | policies each | RSS each (MiB) | total (MiB) | ratio to one trainer per policy |")
+    print("|---|---|---|---|---|")
+    print(f"| {n} | 1 | {one / 2**20:.0f} | {n * one / 2**20:.0f} | 1.00x |")
+    ratio = shared / (n * one)
+    print(f"| 1 | {n} | {shared / 2**20:.0f} | {shared / 2**20:.0f} | {ratio:.2f}x |")
+    return ratio
+
+
+def measure_rss(args: argparse.Namespace, model: Path, n: int, child: str = "--child") -> int:
+    cmd = [sys.executable, __file__, child, str(n), "--model", str(model), "--dtype", args.dtype]
     cmd += ["--rank", str(args.rank), "--batch", str(args.batch)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rss: int = json.loads(out.strip().splitlines()[-1])["rss"]
@@ -249,11 +291,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--trainer-adapters", type=int, default=4)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--trainer-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         child_memory(args)
+        return 0
+    if args.trainer_child is not None:
+        child_trainer_memory(args)
         return 0
     args.adapters = [int(n) for n in args.adapters.split(",")]
     if args.quick:
@@ -275,9 +322,12 @@ def main() -> int:
         mixed = throughput_table(args, eng)
         full = engine(model, "float32", [], args.rank, args.batch)
         overhead = update_table(args, eng, full)
+        trainers = trainer_table(args, model)
     print(
         f"\ngoals: memory at {args.adapters[-1]} adapters {memory:.3f}x (<= 1.15x); "
-        f"mixed tokens/s {mixed:.2f}x (>= 0.8); update overhead {overhead * 100:.2f}% (<= 1%)"
+        f"mixed tokens/s {mixed:.2f}x (>= 0.8); update overhead {overhead * 100:.2f}% (<= 1%); "
+        f"trainer memory, {args.trainer_adapters} adapters on one base: {trainers:.2f}x {args.trainer_adapters} "
+        "trainers (reported)"
     )
     return 0
 

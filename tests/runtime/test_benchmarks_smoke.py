@@ -213,3 +213,5 @@ def test_lora_sharing_benchmark_runs() -> None:
     (adapter,) = [line for line in out.splitlines() if line.startswith("| one adapter |")]
     moved, own = adapter.split("|")[2:4]
     assert int(moved) >= int(own) > 0  # the bytes moved are at least the adapter's
+    (shared,) = [line for line in out.splitlines() if line.startswith("| 1 | 4 |")]  # one trainer, 4 policies
+    assert float(shared.split("|")[5].strip().rstrip("x")) > 0

@@ -82,6 +82,43 @@ def import_in_background(module: str) -> threading.Thread:
     return thread
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def gpu_shortage(job: RLJob, available: float) -> str | None:
+    """Why the job's actors can never all start on a machine whose Ray sees `available` GPUs (Ray
+    would keep them pending, and the job would wait for them forever), or None. Each dedicated
+    engine asks for its rollout's `gpus`, each dedicated trainer rank for one; pooled roles share
+    their pool's devices and ask for none (`coordinator.placement.ray_gpus`)."""
+    needs: list[tuple[str, int]] = []
+    for p in job.spec.policies:
+        rollout, trainer = job.spec.rollout_placement(p), job.spec.trainer_placement(p)
+        if rollout.pool is None and rollout.gpus:
+            needs.append(
+                (
+                    f"policy {p.name}: rollout.gpus {rollout.gpus} x {rollout.min_replicas} engines",
+                    rollout.gpus * rollout.min_replicas,
+                )
+            )
+        if trainer.pool is None and trainer.gpus:
+            needs.append(
+                (
+                    f"policy {p.name}: trainer.gpus {trainer.gpus} ({_count(trainer.trainer_world, 'rank')})",
+                    trainer.trainer_world,
+                )
+            )
+    total = sum(n for _, n in needs)
+    if total <= available:
+        return None
+    have = "no GPU" if not available else _count(int(available), "GPU")
+    return (
+        f"the job needs {_count(total, 'GPU')} and this machine has {have}: "
+        + "; ".join(w for w, _ in needs)
+        + " (gpus is 1 unless set: set gpus: 0 on each role to run on CPU)"
+    )
+
+
 def init_local_ray(job: RLJob) -> None:
     import ray
 
@@ -197,6 +234,10 @@ def run_local(
             driver_import = import_in_background(DRIVER_MODULE)
             with startup.timed("ray"):
                 init_local_ray(job)
+            cluster: Any = ray
+            shortage = gpu_shortage(job, cluster.cluster_resources().get("GPU", 0.0))
+            if shortage is not None:
+                return _errors(f"{job_file}: {shortage}")
             driver_import.join()
             from polyrl_runtime.coordinator.driver import Driver, DriverOptions
 

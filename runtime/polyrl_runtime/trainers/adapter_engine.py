@@ -9,9 +9,10 @@ module. The adapters are small, so each policy's engine here is plain torch:
 
 - its own AdamW over its adapter's parameters only (its optimizer state), and the learning rate the
   trainer sets per training step (its schedule), as with DeepSpeed (`trainers/build.py`);
-- `backward` accumulates gradients; `step` counts micro-batches and, at the end of each gradient
-  accumulation, averages the adapter's gradients over the ranks (one all-reduce of one flat tensor),
-  clips them to `algorithm.maxGradNorm` and steps the optimizer;
+- `backward` accumulates the gradients of the loss divided by the accumulation steps (as DeepSpeed's
+  does); `step` counts micro-batches and, at the end of each accumulation, averages the adapter's
+  gradients over the ranks (one all-reduce of one flat tensor), clips them to
+  `algorithm.maxGradNorm` and steps the optimizer;
 - checkpoints hold that adapter, its optimizer state and the trainer's client state, one file per
   rank, under `<dir>/<tag>/`.
 
@@ -122,7 +123,9 @@ class AdapterEngine(torch.nn.Module):
         self.gas = max(1, batch_size // (self.micro_batch_size * self.world))
 
     def backward(self, loss: torch.Tensor) -> None:
-        torch.autograd.backward(loss)
+        """Accumulate the gradients of `loss` divided by the accumulation steps, as DeepSpeed's
+        `backward` does (the trainer's loss scale counts on it)."""
+        torch.autograd.backward(loss / self.gas)
 
     def step(self) -> None:
         """One micro-batch done: at the end of the gradient accumulation, average the adapter's

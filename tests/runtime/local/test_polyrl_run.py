@@ -44,6 +44,15 @@ def test_bad_job_files_give_a_clear_message(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--cpus gpu=0: unknown role 'gpu'" in r.stderr
     r = polyrl_run(str(_job(tmp_path)), "--cpus", "pool:shared=0")
     assert r.returncode == 2 and "--cpus pool:shared=0: the job has no pool 'shared'" in r.stderr
+    # GPUs this machine lacks: Ray would keep the actors pending and the job would wait forever
+    del doc["spec"]["policies"][0]["trainer"]["gpus"]  # 1 unless set
+    doc["spec"]["training"]["totalSteps"] = 2
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(yaml.safe_dump(doc))
+    r = polyrl_run(str(gpus))
+    assert r.returncode == 2, r.stderr
+    assert "gpus.yaml: the job needs 1 GPU and this machine has no GPU" in r.stderr
+    assert "policy agent: trainer.gpus 1 (1 rank)" in r.stderr
 
 
 @pytest.mark.slow
