@@ -45,20 +45,8 @@ def adapters_on_a_pool(mode: str, *, shared_trainer: bool = False, steps: int = 
     )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("mode", "shared_trainer"), [("sync", False), ("async", True)])
-def test_one_engine_serves_both_policies_and_receives_adapters_only(
-    ray_local: Any, tmp_path: Path, mode: str, shared_trainer: bool
-) -> None:
-    driver, summary = run(adapters_on_a_pool(mode, shared_trainer=shared_trainer), tmp_path)
-    assert summary.state == "done", summary.message
-    # with their trainers on the pool too, one trainer actor serves both policies
-    assert driver.fleet.shared_trainers == (
-        dict.fromkeys(["left", "right"], ("left", "right")) if shared_trainer else {}
-    )
-    assert sorted((r.policy, r.step) for r in driver.records) == [
-        (p, s) for p in ("left", "right") for s in (1, 2)
-    ]
+def engine_shared_with_adapters_only(driver: Any, version: int) -> None:
+    """One engine serves both policies, and each policy's last update moved its adapter alone."""
     (left,), (right,) = driver.fleet.engines["left"].values(), driver.fleet.engines["right"].values()
     assert left is right and left.shared_by == ("left", "right")
     base = transformers.AutoModelForCausalLM.from_pretrained(
@@ -68,7 +56,7 @@ def test_one_engine_serves_both_policies_and_receives_adapters_only(
     for name in ("left", "right"):
         sync = driver.runs[name].sync
         assert sync is not None and sync._last is not None
-        assert sync._last.manifest.version == 2
+        assert sync._last.manifest.version == version
         (report,) = sync._last.reports.values()
         assert report.applied and report.nbytes == adapter_bytes  # the adapter's tensors, nothing more
         assert {s.name.removeprefix(".") for s in sync._last.manifest.layout.specs} == set(
@@ -77,18 +65,32 @@ def test_one_engine_serves_both_policies_and_receives_adapters_only(
 
 
 @pytest.mark.slow
+def test_one_engine_serves_both_policies_and_receives_adapters_only(ray_local: Any, tmp_path: Path) -> None:
+    driver, summary = run(adapters_on_a_pool("sync"), tmp_path)
+    assert summary.state == "done", summary.message
+    assert driver.fleet.shared_trainers == {}  # trainers of their own: one each
+    assert sorted((r.policy, r.step) for r in driver.records) == [
+        (p, s) for p in ("left", "right") for s in (1, 2)
+    ]
+    engine_shared_with_adapters_only(driver, 2)
+
+
+@pytest.mark.slow
 def test_a_shared_trainer_checkpoints_each_policy_and_resumes_from_it(
     ray_local: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both policies train through one trainer actor whose base moves off and back between the pool's
-    turns (CPU pools scheduled as GPU pools are), checkpoint their own adapters and optimizer states,
-    and a resumed job continues each from its own."""
+    """With their trainers on the pool too, both policies train (async) through one trainer actor whose
+    base moves off and back between the pool's turns (CPU pools scheduled as GPU pools are), the
+    engine still receives adapters only, each policy checkpoints and exports its own adapter, and a
+    resumed job continues each from its own."""
     cpu_pools_take_turns(monkeypatch)
     ckpt = {"everySteps": 1, "keep": 3}
-    driver, first = run(adapters_on_a_pool("sync", shared_trainer=True, steps=2, checkpoint=ckpt), tmp_path)
+    driver, first = run(adapters_on_a_pool("async", shared_trainer=True, steps=2, checkpoint=ckpt), tmp_path)
     assert first.state == "done", first.message
+    assert driver.fleet.shared_trainers == dict.fromkeys(["left", "right"], ("left", "right"))
     (group,) = driver.fleet._shared_ranks.values()
     assert len(group) == 1  # one rank, one actor, for both policies
+    engine_shared_with_adapters_only(driver, 2)
     latest = CheckpointStore(tmp_path / "ckpt", 3).latest()
     assert latest is not None and latest.step == 2
     for name in ("left", "right"):
@@ -107,6 +109,6 @@ def test_a_shared_trainer_checkpoints_each_policy_and_resumes_from_it(
         exported[name] = load_file(str(export / "model.safetensors"))
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(exported["left"][q], exported["right"][q])
-    driver, second = run(adapters_on_a_pool("sync", shared_trainer=True, steps=3, checkpoint=ckpt), tmp_path)
+    driver, second = run(adapters_on_a_pool("async", shared_trainer=True, steps=3, checkpoint=ckpt), tmp_path)
     assert second.state == "done", second.message
     assert sorted((r.policy, r.step) for r in second.records) == [("left", 3), ("right", 3)]
