@@ -206,12 +206,14 @@ def test_sharing_benchmark_runs() -> None:
 def test_lora_sharing_benchmark_runs() -> None:
     out = _run("lora_sharing.py", "--quick")
     # The memory table's rows: | N | MiB | ratio | MiB | ratio | (the tokens/s rows start with words).
-    memory = [r for r in _rows(out, "|") if len(r) == 11 and r[1] in {"1", "2", "4", "8"} and r[2] == "|"]
+    engines, trainers = out.split("\ntrainer memory:")
+    memory = [r for r in _rows(engines, "|") if len(r) == 11 and r[1] in {"1", "2", "4", "8"} and r[2] == "|"]
     assert [r[1] for r in memory] == ["1", "2", "4", "8"]
     assert all(float(r[5].rstrip("x")) > 0 for r in memory)  # one engine of N adapters / one full engine
     assert "4 adapters mixed in one batch" in out and "mixed / one batch per adapter:" in out
     (adapter,) = [line for line in out.splitlines() if line.startswith("| one adapter |")]
     moved, own = adapter.split("|")[2:4]
     assert int(moved) >= int(own) > 0  # the bytes moved are at least the adapter's
-    (shared,) = [line for line in out.splitlines() if line.startswith("| 1 | 4 |")]  # one trainer, 4 policies
+    # one trainer of 4 policies: its ratio to 4 trainers of one
+    (shared,) = [line for line in trainers.splitlines() if line.startswith("| 1 | 4 |")]
     assert float(shared.split("|")[5].strip().rstrip("x")) > 0

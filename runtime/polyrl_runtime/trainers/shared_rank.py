@@ -98,6 +98,8 @@ class SharedBaseRank:
         self._seed = policy_seed(job_seed, "+".join(trainers))
         self._shared: SharedBase | None = None
         self._build_lock = threading.Lock()
+        # One policy's setup at a time: the first joins the process group, the others find it joined.
+        self._setup_lock = threading.Lock()
         self._trainers = {name: make(base=self._base) for name, make in trainers.items()}
         self._threads = ThreadPoolExecutor(RANK_CONCURRENCY * len(trainers), thread_name_prefix="trainer")
         self._address: tuple[str, int] | None = None
@@ -127,7 +129,10 @@ class SharedBaseRank:
         def run() -> Any:
             if self._parked is not None and name not in NO_TENSORS:
                 raise TrainerOffloadedError(trainer.name, name)
-            if name in UNLOCKED or self._shared is None:  # before setup there is nothing to switch
+            if name == "setup":
+                with self._setup_lock:
+                    return method(*args, **kwargs)
+            if name in UNLOCKED or self._shared is None:
                 return method(*args, **kwargs)
             with self._shared.active(policy):
                 return method(*args, **kwargs)
