@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 from polyrl_operator.api import Policy
-from polyrl_runtime.models import load_model
-from polyrl_runtime.trainers.build import enable_gradient_checkpointing
+from polyrl_runtime.trainers.build import enable_gradient_checkpointing, load_policy_model
 from polyrl_runtime.trainers.lora import LoraError, add_lora, apply_lora
 
 CHECKPOINT_FILE = "adapter-rank{rank}.pt"
@@ -64,13 +63,7 @@ class SharedBase:
                     f"policy {p.name}: model {p.model.uri} ({p.model.dtype}) differs from policy "
                     f"{first.name}'s {first.model.uri} ({first.model.dtype}): they cannot share a base"
                 )
-        base = load_model(
-            first.model.uri,
-            seed=seed,
-            dtype=first.model.dtype,
-            cuda=cuda,
-            trust_remote_code=first.model.trust_remote_code,
-        ).to(device)
+        base = load_policy_model(first, seed, cuda).to(device)
         if any(p.trainer.gradient_checkpointing for p in policies):
             enable_gradient_checkpointing(base, first)
         model = apply_lora(base, first, adapter_name=first.name)

@@ -142,6 +142,17 @@ class Built:
     hf_config: Any  # transformers' HfDeepSpeedConfig under ZeRO-3: it must outlive the models
 
 
+def load_policy_model(policy: Policy, seed: int, cuda: bool) -> torch.nn.Module:
+    """The policy's initial model: `model.uri` in `model.dtype` (`cuda` decides what `auto` is)."""
+    return load_model(
+        policy.model.uri,
+        seed=seed,
+        dtype=policy.model.dtype,
+        cuda=cuda,
+        trust_remote_code=policy.model.trust_remote_code,
+    )
+
+
 def build_model(
     policy: Policy, seed: int, cuda: bool, device: torch.device, config: dict[str, Any]
 ) -> torch.nn.Module:
@@ -149,13 +160,7 @@ def build_model(
     (a Hugging Face model only if `hf_zero3_config` is alive)."""
     deepspeed = import_deepspeed()
 
-    model = load_model(
-        policy.model.uri,
-        seed=seed,
-        dtype=policy.model.dtype,
-        cuda=cuda,
-        trust_remote_code=policy.model.trust_remote_code,
-    )
+    model = load_policy_model(policy, seed, cuda)
     if _zero3(config) and not is_hf(policy.model.uri):
         deepspeed.zero.Init(
             module=model, config_dict_or_path=config, dtype=resolve_dtype(policy.model.dtype, cuda=cuda)
