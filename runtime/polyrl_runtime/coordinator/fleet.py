@@ -372,6 +372,8 @@ class Fleet:
         slots = list({id(s): s for p in self.engines.values() for s in p.values() if not s.dead}.values())
         results = await asyncio.gather(*(s.actor.stats() for s in slots), return_exceptions=True)
         for s, r in zip(slots, results, strict=True):
+            if s.dead:  # marked while the stats were awaited (a sync or a worker saw it die): reported there
+                continue
             if isinstance(r, BaseException):
                 self._died(s)
                 newly_dead.append(s)
@@ -384,6 +386,8 @@ class Fleet:
         oldest = self.routes_epoch  # the oldest routes a live worker holds
         wres = await asyncio.gather(*(w.actor.stats() for w in workers), return_exceptions=True)
         for w, ws in zip(workers, wres, strict=True):
+            if w.dead:  # as above: the producer saw it die first
+                continue
             if isinstance(ws, BaseException):
                 self._died(w)
                 newly_dead.append(w)

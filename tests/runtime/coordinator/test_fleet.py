@@ -153,6 +153,31 @@ def test_without_placement_resources_a_dead_actors_unit_is_free_once() -> None:
     assert fleet.free_units("agent", "rollout") == 0
 
 
+def test_an_actor_marked_dead_while_a_poll_awaits_it_is_reported_once() -> None:
+    """The producer (or a sync) may see an actor die while a poll waits on its stats: the poll must
+    not report it again (a job's `worker_lost` came twice for one worker)."""
+
+    async def scenario() -> None:
+        fleet, engine, worker = _fleet()
+        slot, engine_slot = fleet.workers["workflow-0"], fleet.engines["agent"]["agent-rollout-0"]
+
+        def dies_meanwhile() -> Any:
+            assert fleet.mark_worker_dead(slot)  # the producer's report, during the poll's await
+            raise RuntimeError("actor died")
+
+        def engine_dies_meanwhile() -> Any:
+            assert fleet.mark_dead({"agent-rollout-0"})  # a weight sync's report
+            raise RuntimeError("actor died")
+
+        worker.stats = _Method(dies_meanwhile)
+        engine.stats = _Method(engine_dies_meanwhile)
+        assert await fleet.poll() == []
+        assert slot.dead and engine_slot.dead
+        assert fleet.free_units(None, "workflow") == 1 and fleet.free_units("agent", "rollout") == 1
+
+    asyncio.run(scenario())
+
+
 POOL = {"name": "shared", "gpus": 0, "replicas": {"min": 1, "max": 1}}
 POOLED = {"pool": "shared"}
 
