@@ -20,8 +20,13 @@ export PYTHONDONTWRITEBYTECODE :=
 # The tiers the markers select (tests/conftest.py sets ray, training and controlplane by fixture).
 CHECK_TESTS := not slow and not ray and not training and not controlplane and not e2e and not gpu
 
+# Two pytest workers, each with its own Ray session, control plane and S3 server: much of a test's
+# time is spent waiting (actors starting, a reconcile, a pod's process), which the other worker fills.
+# Work stealing keeps both busy to the end. PYTEST_ARGS adds options (say, --junitxml=FILE).
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 test: install controlplane helm lint
-	$(BIN)/pytest -p no:cacheprovider --durations=25 tests
+	$(BIN)/pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS) tests
 
 # The loop while you work: lint, types and the tests that need no Ray cluster, no control plane and
 # no training (a few minutes on 2 cores).
