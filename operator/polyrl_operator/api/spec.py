@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from polyrl_operator.api.base import ApiModel, Rule
+from polyrl_operator.api.base import ApiModel, Rule, RuleViolation
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverrides
 from polyrl_operator.api.data import Data, Evaluation
+from polyrl_operator.api.lora_serving import lora_serving_problems
 from polyrl_operator.api.metrics import Metrics
 from polyrl_operator.api.patterns import CHECKPOINT_URI_PATTERN, ENTRYPOINT_PATTERN, SECRET_NAME_PATTERN
 from polyrl_operator.api.policy import DEFAULT_GPUS, Policy, Rollout, Trainer
@@ -265,13 +266,12 @@ class RLJobSpec(ApiModel):
         ),
         Rule(
             cel="self.policies.all(p, !has(p.rollout.pool) || !has(p.algorithm) || !has(p.algorithm.lora) || "
-            "(has(p.rollout.engine) && p.rollout.engine == 'torch') || "
-            "!self.policies.exists(o, o.name != p.name && has(o.rollout.pool) && o.rollout.pool == p.rollout.pool && has(o.algorithm) && has(o.algorithm.lora) && o.model.uri == p.model.uri && (has(o.model.dtype) ? o.model.dtype : 'auto') == (has(p.model.dtype) ? p.model.dtype : 'auto')))",
-            message="policies that share a base model as LoRA adapters (on one pool, with the same "
-            "model uri and dtype, algorithm.lora set) need the torch engine: vLLM's multi-LoRA serving "
-            "is not built yet",
+            "self.policies.all(o, o.name == p.name || !(has(o.rollout.pool) && o.rollout.pool == p.rollout.pool && has(o.algorithm) && has(o.algorithm.lora) && o.model.uri == p.model.uri && (has(o.model.dtype) ? o.model.dtype : 'auto') == (has(p.model.dtype) ? p.model.dtype : 'auto')) || "
+            "(has(o.rollout.engine) ? o.rollout.engine : 'vllm') == (has(p.rollout.engine) ? p.rollout.engine : 'vllm')))",
+            message="policies that share a base model as LoRA adapters must agree on rollout.engine "
+            "(one engine serves all of them)",
             check=lambda s: all(
-                s.policy(name).rollout.engine == "torch" for b in s.shared_bases() for name in b.policies
+                len({s.policy(n).rollout.engine for n in b.policies}) == 1 for b in s.shared_bases()
             ),
             field=".policies",
         ),
@@ -375,6 +375,15 @@ class RLJobSpec(ApiModel):
             if names.count(name) > 1:
                 raise ValueError(f"duplicate pool name {name!r}: pool names must be unique")
         return pools
+
+    @model_validator(mode="after")
+    def _adapters_fit_their_engine(self) -> RLJobSpec:
+        # engineArgs is free-form (vLLM validates it), so the API server has no schema to check here.
+        problems = lora_serving_problems(self.policies, self.shared_bases())
+        if problems:
+            field, message = problems[0]
+            raise RuleViolation(f".{field}", message)
+        return self
 
     @property
     def pool_names(self) -> frozenset[str]:

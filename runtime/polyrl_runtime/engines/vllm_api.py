@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from polyrl_operator.api.lora_serving import LORA_ENGINE_ARGS, VLLM_LORA_RANKS, vllm_lora_args
 from polyrl_operator.api.policy import RESERVED_ENGINE_ARGS, Policy
 from polyrl_operator.api.spec import RLJobSpec
 from polyrl_runtime.engines.api import SamplingParams
@@ -88,12 +89,12 @@ SAMPLING_KEYS = (
 
 ASYNC_LLM = "vllm.v1.engine.async_llm"
 VLLM_NAMES: tuple[VllmName, ...] = (
-    VllmName("vllm.engine.arg_utils", "AsyncEngineArgs", ENGINE_ARG_KEYS),
+    VllmName("vllm.engine.arg_utils", "AsyncEngineArgs", ENGINE_ARG_KEYS + LORA_ENGINE_ARGS),
     VllmName("vllm.config.model", "LogprobsMode", values=(LOGPROBS_MODE,)),
     VllmName("vllm.config.parallel", "ParallelConfig", ("worker_extension_cls", "tensor_parallel_size")),
     VllmName(ASYNC_LLM, "AsyncLLM"),
     VllmName(ASYNC_LLM, "AsyncLLM.from_engine_args", ("engine_args",)),
-    VllmName(ASYNC_LLM, "AsyncLLM.generate", ("prompt", "sampling_params", "request_id")),
+    VllmName(ASYNC_LLM, "AsyncLLM.generate", ("prompt", "sampling_params", "request_id", "lora_request")),
     VllmName(ASYNC_LLM, "AsyncLLM.abort", ("request_id",)),
     VllmName(ASYNC_LLM, "AsyncLLM.pause_generation", ("mode", "clear_cache")),
     VllmName(ASYNC_LLM, "AsyncLLM.resume_generation"),
@@ -103,6 +104,11 @@ VLLM_NAMES: tuple[VllmName, ...] = (
     VllmName(ASYNC_LLM, "AsyncLLM.shutdown"),
     VllmName(ASYNC_LLM, "AsyncLLM.sleep", ("level", "mode")),
     VllmName(ASYNC_LLM, "AsyncLLM.wake_up", ("tags",)),
+    # Several policies as LoRA adapters on one base (`vllm_lora.py`).
+    VllmName(ASYNC_LLM, "AsyncLLM.add_lora", ("lora_request",)),
+    VllmName(ASYNC_LLM, "AsyncLLM.remove_lora", ("lora_id",)),
+    VllmName("vllm.lora.request", "LoRARequest", ("lora_name", "lora_int_id", "lora_path")),
+    VllmName("vllm.config.lora", "MaxLoRARanks", values=tuple(str(r) for r in VLLM_LORA_RANKS)),
     VllmName("vllm.v1.engine", "PauseMode", values=(*INFLIGHT_MODES, SLEEP_PAUSE_MODE)),
     VllmName("vllm.v1.engine", "FINISH_REASON_STRINGS", values=FINISH_REASONS),
     VllmName("vllm.sampling_params", "SamplingParams", SAMPLING_KEYS),
@@ -166,11 +172,14 @@ def engine_args(
     extra: Mapping[str, Any] | None = None,
     policy_path: str = "rollout",
     sleep_mode: bool = False,
+    lora_ranks: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Keyword arguments for `AsyncEngineArgs`: what the runtime owns, then the user's `engineArgs`
     (which vLLM validates when the engine starts). `policy_path` names the rollout in errors;
     `sleep_mode`: the rollout is on a device pool, where the engine sleeps while other roles use the
-    GPUs (vLLM's sleep mode, which also switches on its CuMem allocator)."""
+    GPUs (vLLM's sleep mode, which also switches on its CuMem allocator); `lora_ranks`: the engine
+    serves adapters of these ranks, one per policy (`vllm_lora_args`, which `engineArgs` may raise:
+    the API refuses values that cannot hold them)."""
     extra = dict(extra or {})
     for key in sorted(extra):
         if key in RESERVED_ENGINE_ARGS:
@@ -190,7 +199,8 @@ def engine_args(
         "gpu_memory_utilization": 0.85,
         "enable_sleep_mode": sleep_mode,
     }
-    return {**owned, **extra}
+    lora = vllm_lora_args(lora_ranks) if lora_ranks else {}
+    return {**owned, **lora, **extra}
 
 
 def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:

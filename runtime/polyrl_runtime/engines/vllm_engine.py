@@ -31,6 +31,12 @@ version and raises `WeightSyncError` (the driver's sync-failed path). A failure 
 weights mixed: the engine never serves again; it shuts vLLM down and exits its actor, so the driver
 sees an engine lost and replaces it.
 
+Several policies as LoRA adapters on one base (`adapters`: a rollout shared on a pool, see
+`vllm_lora.py`): vLLM runs with LoRA on, a request runs with its policy's adapter (`SamplingParams.policy`),
+and each adapter version arrives through the objectstore or shm transport and is added to vLLM under an
+id of its own, without pausing any request; every token of a request has the version its request
+started with.
+
 vLLM is not a dependency of the runtime: install the `gpu` extra (`polyrl-runtime[gpu]`) in GPU images.
 """
 
@@ -46,8 +52,9 @@ from typing import Any
 import numpy as np
 import structlog
 
+from polyrl_operator.api import Lora
 from polyrl_operator.pod_contract import ENV_POD_NAME
-from polyrl_runtime.engines import vllm_api
+from polyrl_runtime.engines import vllm_api, vllm_lora
 from polyrl_runtime.engines.api import (
     EngineAsleepError,
     EngineStats,
@@ -71,6 +78,8 @@ log = structlog.get_logger(__name__)
 
 # The transports whose protocol the worker extension (vllm_worker.py) receives.
 TRANSPORTS = (COLLECTIVE, CUDAIPC)
+# The transports adapter versions arrive through (into the engine actor's host memory).
+ADAPTER_TRANSPORTS = ("objectstore", "shm")
 
 
 class VllmEngine:
@@ -90,9 +99,15 @@ class VllmEngine:
         inflight: str = "keep",
         policy_path: str = "rollout",
         sleep_mode: bool = False,
+        adapters: Mapping[str, Lora] | None = None,
     ) -> None:
         self.name, self.policy = name, policy
-        if transport not in TRANSPORTS:
+        if adapters and transport not in ADAPTER_TRANSPORTS:
+            raise ValueError(
+                f"{name}: policies {', '.join(adapters)} share this engine as LoRA adapters, whose versions "
+                f"arrive through {' or '.join(ADAPTER_TRANSPORTS)}; spec.weightSync.transport is {transport!r}"
+            )
+        if not adapters and transport not in TRANSPORTS:
             raise ValueError(
                 f"{name}: engine vllm receives weights through {COLLECTIVE} (NCCL) or {CUDAIPC} (a rollout "
                 f"on its trainer's pool of one pod); spec.weightSync.transport is {transport!r}: set it to "
@@ -102,8 +117,9 @@ class VllmEngine:
             raise ValueError(
                 f"spec.weightSync.inflight: {inflight!r} is not one of {vllm_api.INFLIGHT_MODES}"
             )
+        path = str(model_dir(model_uri))
         kwargs = vllm_api.engine_args(
-            str(model_dir(model_uri)),
+            path,
             gpus=gpus,
             dtype=dtype,
             seed=seed,
@@ -111,11 +127,13 @@ class VllmEngine:
             extra=engine_args,
             policy_path=policy_path,
             sleep_mode=sleep_mode,
+            lora_ranks=[lora.rank for lora in (adapters or {}).values()],
         )
         try:
             engine_args_cls = vllm_api.load("AsyncEngineArgs")
             llm_cls = vllm_api.load("AsyncLLM")
             self._sampling_cls = vllm_api.load("SamplingParams")
+            lora_cls = vllm_api.load("LoRARequest") if adapters else None
         except ImportError as e:
             raise RuntimeError(
                 f"{name}: engine vllm needs vLLM installed (polyrl-runtime[gpu]); use engine torch on CPU"
@@ -136,6 +154,18 @@ class VllmEngine:
         self._sleep_mode = sleep_mode
         self._asleep = 0  # the level it sleeps at (0: awake)
         self._weights_dropped = False  # a level-2 sleep: serve again only after an update
+        self._adapters: vllm_lora.VllmAdapters | None = None
+        if adapters:
+            self._adapters = vllm_lora.VllmAdapters(
+                name,
+                self._llm,
+                lora_cls,
+                model_dir=path,
+                trust_remote_code=trust_remote_code,
+                loras=adapters,
+                transport=transport,
+                transport_kwargs=transport_kwargs,
+            )
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -151,35 +181,52 @@ class VllmEngine:
             if self._retired:
                 raise WeightSyncError(f"{self.name}: retired ({self._retired})")
             version, pauses = self._version, self._pauses
+            adapter = self._adapters.acquire(params.policy) if self._adapters is not None else None
+            lora = self._adapters.request(adapter) if self._adapters is not None else None
             self._in_flight += 1
             self._requests += 1
             start = time.perf_counter()
             final: Any = None
             try:
                 prompt = {"prompt_token_ids": list(prompt_ids)}
-                async for out in self._llm.generate(prompt, sampling, f"{self.name}-{next(self._ids)}"):
+                request_id = f"{self.name}-{next(self._ids)}"
+                async for out in self._llm.generate(prompt, sampling, request_id, lora_request=lora):
                     final = out
             finally:
                 self._in_flight -= 1
                 self._busy_s += time.perf_counter() - start
+                if self._adapters is not None:
+                    await self._adapters.release(adapter)
             completion = final.outputs[0]
             reason, stop_str = vllm_api.finish_reason(completion.finish_reason, completion.stop_reason)
             if reason == "abort" and self._inflight == "abort" and self._pauses != pauses:
                 continue  # ended by a weight update in abort mode: issue it again on the new weights
+            if self._adapters is not None:  # every token: the adapter version the request started with
+                return self._generation(
+                    completion, reason, stop_str, adapter.version if adapter else -1, False
+                )
             return self._generation(completion, reason, stop_str, version)
 
-    def _generation(self, completion: Any, reason: str, stop_str: str, version: int) -> Generation:
+    def _generation(
+        self, completion: Any, reason: str, stop_str: str, version: int, spans: bool = True
+    ) -> Generation:
+        """`version`: the weights the request started on, for tokens vLLM's version spans do not label
+        (all of them without `spans`)."""
         ids = list(completion.token_ids)
         lps = []
         for step, tok in zip(completion.logprobs or [], ids, strict=True):
             entry = step[tok]
             lps.append(float(entry.logprob))
-        spans = [(span.version, span.start, span.end) for span in completion.weight_versions or ()]
+        labels = (
+            [(span.version, span.start, span.end) for span in completion.weight_versions or ()]
+            if spans
+            else []
+        )
         self._tokens += len(ids)
         return Generation(
             np.asarray(ids, dtype=np.int32),
             np.asarray(lps, dtype=np.float32),
-            np.asarray(vllm_api.token_versions(spans, len(ids), version), dtype=np.int32),
+            np.asarray(vllm_api.token_versions(labels, len(ids), version), dtype=np.int32),
             reason,
             self.name,
             stop_str,
@@ -196,6 +243,8 @@ class VllmEngine:
     async def receive_weights(self, manifest: WeightManifest) -> SyncReport:
         if self._retired:
             raise WeightSyncError(f"{self.name}: retired ({self._retired})")
+        if self._adapters is not None:
+            return await self._adapters.receive(manifest)
         if not isinstance(manifest.handle, GroupAddress | CudaIpcHandle):
             raise WeightSyncError(
                 f"{self.name}: manifest of transport {manifest.transport!r}, not {COLLECTIVE} or {CUDAIPC}"
@@ -324,6 +373,11 @@ class VllmEngine:
                 f"engine {self.name} cannot sleep: it runs without vLLM's sleep mode, which polyrl turns "
                 "on for rollouts on a device pool (rollout.pool)"
             )
+        if level == 2 and self._adapters is not None:
+            # Its trainers publish adapters only: nothing would ever bring the dropped base back.
+            raise ValueError(
+                f"engine {self.name} serves LoRA adapters on a base no update resends: it sleeps at level 1 only"
+            )
         async with self._sync_lock:  # not during a weight sync
             if self._asleep:
                 raise EngineAsleepError(self.name, self._asleep, "sleeping again")
@@ -366,13 +420,16 @@ class VllmEngine:
         return sum(int(r["used"]) for r in results)
 
     def weight_version(self) -> int:
+        """The version served: the oldest adapter's on an engine of adapters."""
+        if self._adapters is not None:
+            return min(self._adapters.versions.versions().values())
         return self._version
 
     def stats(self) -> EngineStats:
         return EngineStats(
             engine=self.name,
             policy=self.policy,
-            version=self._version,
+            version=self.weight_version(),
             in_flight=self._in_flight + self._queued,
             queued=self._queued,
             busy_s=self._busy_s,
@@ -380,6 +437,7 @@ class VllmEngine:
             tokens=self._tokens,
             paused=not self._open.is_set(),
             extra={"pod": os.environ.get(ENV_POD_NAME, ""), "retired": self._retired, "asleep": self._asleep},
+            adapters=self._adapters.versions.versions() if self._adapters is not None else {},
         )
 
     def ping(self) -> str:

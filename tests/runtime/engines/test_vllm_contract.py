@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl_runtime.engines import vllm_api, vllm_engine, vllm_worker
+from polyrl_operator.api.lora_serving import LORA_ENGINE_ARGS
+from polyrl_runtime.engines import vllm_api, vllm_engine, vllm_lora, vllm_worker
 from polyrl_runtime.engines.api import SamplingParams
 from polyrl_runtime.engines.vllm_api import RECEIVERS, VLLM_NAMES, VllmName
 
-ADAPTER_MODULES = (vllm_engine, vllm_worker, vllm_api)
+ADAPTER_MODULES = (vllm_engine, vllm_lora, vllm_worker, vllm_api)
 
 
 def _fetch(version: str, dest: Path) -> None:
@@ -193,7 +194,12 @@ def problems(src: Source, name: VllmName) -> list[str]:
     accepted = src.params(module, node)
     if accepted is not None:
         out += [f"{where}: no keyword argument {p!r}" for p in name.params if p not in accepted]
-    strings = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    # string and integer literals (`Literal[1, 8, 16]`: the LoRA ranks), compared as text
+    strings = {
+        str(n.value)
+        for n in ast.walk(node)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str | int) and not isinstance(n.value, bool)
+    }
     out += [f"{where}: value {v!r} not in its definition" for v in name.values if v not in strings]
     return out
 
@@ -227,6 +233,10 @@ def test_every_vllm_name_the_adapter_uses_exists_in_the_pinned_release(vllm_src:
         (VllmName("vllm.v1.engine.async_llm", "AsyncLLM.sleep", ("sleep_level",)), "no keyword argument"),
         (VllmName("vllm.v1.engine.async_llm", "AsyncLLM.wakeup"), "has no attribute"),
         (VllmName("vllm.engine.arg_utils", "AsyncEngineArgs", ("enable_sleep",)), "no keyword argument"),
+        # LoRA serving: a rank vLLM does not list, a renamed method or keyword
+        (VllmName("vllm.config.lora", "MaxLoRARanks", values=("24",)), "not in its definition"),
+        (VllmName("vllm.v1.engine.async_llm", "AsyncLLM.add_adapter"), "has no attribute"),
+        (VllmName("vllm.lora.request", "LoRARequest", ("lora_id",)), "no keyword argument"),
     ],
 )
 def test_the_check_fails_for_renamed_names(vllm_src: Path, name: VllmName, expected: str) -> None:
@@ -339,4 +349,8 @@ def test_the_rpc_methods_the_engine_calls_are_on_the_worker_extension() -> None:
 def test_the_kwargs_the_adapter_builds_are_the_ones_the_table_lists() -> None:
     args = vllm_api.engine_args("/m", gpus=2, dtype="auto", seed=1, trust_remote_code=False)
     assert set(args) == set(vllm_api.ENGINE_ARG_KEYS)
+    lora = vllm_api.engine_args(
+        "/m", gpus=2, dtype="auto", seed=1, trust_remote_code=False, lora_ranks=[8, 16]
+    )
+    assert set(lora) == {*vllm_api.ENGINE_ARG_KEYS, *LORA_ENGINE_ARGS}
     assert set(vllm_api.sampling_kwargs(SamplingParams())) == set(vllm_api.SAMPLING_KEYS)

@@ -66,7 +66,9 @@ class FakeLLM:
     def from_engine_args(cls, engine_args: Any) -> FakeLLM:
         return cls()
 
-    async def generate(self, prompt: Any, sampling: Any, request_id: str) -> AsyncIterator[Any]:
+    async def generate(
+        self, prompt: Any, sampling: Any, request_id: str, lora_request: Any = None
+    ) -> AsyncIterator[Any]:
         while self.asleep:
             await asyncio.sleep(0.001)
         yield type(

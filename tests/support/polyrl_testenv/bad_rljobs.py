@@ -173,10 +173,9 @@ def _sharing_a_base(doc: Doc, gpus: int = 0) -> Doc:
     return doc
 
 
-def _shared_base_on_vllm(doc: Doc) -> None:
+def _shared_base_engines_differ(doc: Doc) -> None:
     _sharing_a_base(doc, gpus=1)
-    for policy in doc["spec"]["policies"]:
-        policy["rollout"]["engine"] = "vllm"
+    doc["spec"]["policies"][1]["rollout"]["engine"] = "vllm"
 
 
 def _shared_base_remote_code_differs(doc: Doc) -> None:
@@ -266,10 +265,10 @@ POOL_CASES: tuple[BadCase, ...] = (
         ("spec.policies", "only if no trainer runs there"),
     ),
     BadCase(
-        "shared-base-on-vllm",
-        _shared_base_on_vllm,
+        "shared-base-engines-differ",
+        _shared_base_engines_differ,
         "spec.policies",
-        ("spec.policies", "share a base model as LoRA adapters", "need the torch engine"),
+        ("spec.policies", "share a base model as LoRA adapters", "must agree on rollout.engine"),
     ),
     BadCase(
         "shared-base-trust-remote-code-differs",
