@@ -252,3 +252,50 @@ def test_tensor_parallel_engine_syncs_and_matches_one_gpu(hf_model: tuple[Path, 
     np.testing.assert_allclose(
         g.logprobs, _recompute(target, [1, 2, 3], g.token_ids, 0.8, ALLOWED), atol=2e-3
     )
+
+
+def test_two_policies_as_lora_adapters_one_update_pauses_no_request(
+    hf_model: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """One vLLM engine serving two policies as LoRA adapters (`engines/vllm_lora.py`): policy b's
+    request generates throughout a's update, and a's tokens afterwards are what peft gives with a's
+    adapter on the same base."""
+    import copy
+
+    from peft import PeftModel
+
+    from polyrl_operator.api import Lora
+    from polyrl_runtime.engines import vllm_lora
+
+    path, model = hf_model
+    loras = {"a": Lora(rank=8, alpha=16, target_modules=["q_proj", "v_proj"]), "b": Lora(rank=16, alpha=16)}
+    extra = {"skip_tokenizer_init": True, "gpu_memory_utilization": 0.3, "enforce_eager": True}
+    eng = VllmEngine(
+        "e0", "a", f"file://{path}", transport="shm", dtype="float32", engine_args=extra, adapters=loras
+    )
+    layout = vllm_lora.meta_layouts(str(path), False, loras)["a"]
+    g = torch.Generator().manual_seed(3)
+    tensors = {n: 0.3 * torch.randn(s, generator=g) for n, s in layout.shapes().items()}
+    sender = make_sender("shm", "a", 1 << 20)
+
+    async def go() -> Any:
+        long_b = asyncio.create_task(
+            eng.generate([1, 2], SamplingParams(max_new_tokens=2000, allowed_ids=ALLOWED, policy="b"))
+        )
+        await asyncio.sleep(0.3)
+        tokens_before = eng.stats().tokens
+        report = await eng.receive_weights(sender.publish(1, tensors))
+        assert report.applied and not long_b.done() and not eng.stats().paused
+        a = await eng.generate([1, 2], SamplingParams(max_new_tokens=16, allowed_ids=ALLOWED, policy="a"))
+        return a, await long_b, tokens_before
+
+    try:
+        a, b, _ = asyncio.run(go())
+    finally:
+        sender.close()
+        eng._llm.shutdown()
+    assert a.versions.tolist() == [1] * 16 and set(b.versions.tolist()) == {-1}
+    vllm_lora.write_adapter(tmp_path / "a", tensors, layout, loras["a"])
+    reference = PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / "a")).eval()
+    want = _recompute(reference, [1, 2], a.token_ids, 1.0, ALLOWED)
+    np.testing.assert_allclose(a.logprobs, want, atol=2e-3, rtol=1e-3)
