@@ -58,29 +58,49 @@ def test_a_colocated_policy_trains_through_its_pool_pod(e2e: E2E, namespace: str
     assert [c["transports"] for c in chosen] == [{"agent": "shm"}], log[-2000:]
 
 
+def shared_lora(steps: int) -> dict[str, Any]:
+    """The selfplay game with a policy per side, both LoRA adapters on one base (the tiny Qwen2), their
+    rollouts and trainers on one pool pod: one engine and one trainer serve and train both."""
+    doc = pooled(steps)
+    agent = doc["spec"]["policies"][0]
+    agent["model"] = {"uri": "builtin://tiny-qwen2", "dtype": "float32"}
+    agent["algorithm"]["lora"] = {"rank": 8, "alpha": 16}
+    doc["spec"]["policies"] = [{**agent, "name": name} for name in ("speaker", "listener")]
+    doc["spec"]["workflow"]["args"]["policies"] = {"speaker": "speaker", "listener": "listener"}
+    return doc
+
+
 def test_a_pool_pod_that_dies_is_replaced_and_its_roles_resume_from_the_checkpoint(
     e2e: E2E, namespace: str
 ) -> None:
-    """The pool pod hosts the trainer: its death restarts the training roles from the last
-    checkpoint (as a trainer pod's does), the pod is created again, and no sample is lost or
+    """The pool pod hosts the engine and the trainer of two policies that share a base as LoRA adapters:
+    its death restarts the training roles from the last checkpoint (as a trainer pod's does), the pod
+    is created again, both policies resume from their own checkpoints, and no sample is lost or
     trained twice."""
     steps = 16
-    doc = pooled(steps)
+    doc = shared_lora(steps)
     doc["spec"]["workflow"]["args"]["latency_s"] = 1.0  # steps of >= 0.5 s: the kill lands mid-run
     e2e.start_operator()
     e2e.apply(doc, namespace)
     e2e.eventually(lambda: e2e.step(JOB, namespace) >= 7, timeout=300, what="step 7 (checkpoint at 6)")
+    pool_pod = e2e.pods(namespace)[f"{JOB}-pool-shared-0"]
+    assert pool_pod["metadata"]["annotations"]["polyrl.dev/shared-bases"].startswith("speaker,listener on ")
     e2e.kubelet.kill(namespace, f"{JOB}-pool-shared-0")
     e2e.wait(JOB, namespace, "Succeeded", timeout=400)
     status = e2e.job(JOB, namespace)["status"]
     assert status["restarts"] == 1, e2e.restarts_report(JOB, namespace)
+    (pool,) = status["pools"]
+    assert [b["policies"] for b in pool["sharedBases"]] == [["speaker", "listener"]], pool
     started = sorted(r.name for r in e2e.kubelet.started(namespace))
     assert started == sorted(
         [f"{JOB}-coordinator"] * 2 + [f"{JOB}-pool-shared-0"] * 2 + [f"{JOB}-workflow-0"]
     )
     log = (e2e.kubelet.current(namespace, f"{JOB}-coordinator").directory / "main.log").read_text()  # type: ignore[union-attr]
     assert "job.resumed" in log, log[-2000:]
+    shared = [json.loads(line) for line in log.splitlines() if '"trainer.shared"' in line]
+    assert [s["policies"] for s in shared] == [["speaker", "listener"]], log[-2000:]  # one trainer for both
     counters = e2e.counters(JOB, namespace)
     accounted(counters)
-    assert counters["steps"] == {"agent": steps}
-    assert counters["buffers"]["agent"]["consumed"] == steps * EPISODES * SAMPLES_PER_EPISODE, counters
+    assert counters["steps"] == {"speaker": steps, "listener": steps}
+    for policy in ("speaker", "listener"):  # one sample per episode each
+        assert counters["buffers"][policy]["consumed"] == steps * EPISODES, counters

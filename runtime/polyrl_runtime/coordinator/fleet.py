@@ -302,6 +302,7 @@ class Fleet:
                 self._track(ActorClient(handle))
                 handles.append(handle)
             self._shared_ranks[group] = handles
+            log.info("trainer.shared", policies=list(group), ranks=len(handles))
         bound = [cast("ActorHandle[TrainerRank]", BoundHandle(h, policy.name)) for h in handles]
         return [TrainerRankClient(h) for h in bound]
 
