@@ -120,9 +120,13 @@ def adapter_tensors(
     peft_model: Any = module
     adapter = adapter or peft_model.active_adapter
     named = [(hf_name(n), p) for n, p in module.named_parameters() if ".lora_" in n and f".{adapter}." in n]
+    # peft keeps the adapters of a float16 or bfloat16 base in float32 (for the optimizer); the engines
+    # hold them in the base's dtype, which their manifest check requires.
+    served = next((p.dtype for n, p in module.named_parameters() if ".lora_" not in n), None)
     with (gather or no_gather)([p for _, p in named]):
         if not keep:
             return {}
         return {
-            n.removeprefix(PEFT_PREFIX).replace(f".{adapter}.", "."): p.detach().clone() for n, p in named
+            n.removeprefix(PEFT_PREFIX).replace(f".{adapter}.", "."): p.detach().to(served, copy=True)
+            for n, p in named
         }

@@ -131,3 +131,18 @@ def test_without_lora_the_model_is_unchanged(tiny_qwen2_dir: Path) -> None:
     policy = Policy.model_validate({"name": "solver", "model": {"uri": f"file://{tiny_qwen2_dir}"}})
     assert apply_lora(model, policy) is model
     assert [n for n, _ in serving_tensors(model)] == [n for n, _ in model.named_parameters()]
+
+
+def test_adapters_of_a_bfloat16_base_are_published_in_bfloat16(tiny_qwen2_dir: Path) -> None:
+    """peft trains them in float32; the engines hold them in the base's dtype (their manifest check
+    refuses any other), so that is what a weight update carries."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl_runtime.trainers.publish import adapter_tensors as published
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.bfloat16)
+    model = apply_lora(base, _policy(f"file://{tiny_qwen2_dir}", rank=4))
+    trained = {p.dtype for n, p in model.named_parameters() if ".lora_" in n}
+    assert trained == {torch.float32}
+    tensors = published(model)
+    assert tensors and {t.dtype for t in tensors.values()} == {torch.bfloat16}
