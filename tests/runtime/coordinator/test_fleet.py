@@ -247,3 +247,20 @@ def test_which_policies_of_a_shared_base_share_a_trainer(
     expected = dict.fromkeys(("a", "b"), ("a", "b")) if shared else {}
     assert shared_trainers(job.spec) == expected
     assert Fleet(job, "objectstore", place_by_resource=False).shared_trainers == expected
+
+
+def test_a_shared_base_on_vllm_gets_one_engine_with_every_adapter() -> None:
+    """The engine the fleet would start for a shared base on a GPU pool: vLLM's, holding each policy's
+    `algorithm.lora`, receiving through the objectstore transport, on the pool's GPUs (not started)."""
+    gpu_pool = {**POOL, "gpus": 1}
+    policies = [_lora_policy(n, ON_POOL) for n in ("a", "b")]
+    for p, rank in zip(policies, (4, 16), strict=True):
+        p["rollout"]["engine"] = "vllm"
+        p["algorithm"]["lora"] = {"rank": rank}
+    job = make_job(pools=[gpu_pool], policies=policies)
+    fleet = Fleet(job, {"a": "objectstore", "b": "objectstore"}, place_by_resource=False)
+    engine = fleet._engine(job.spec.policies[0], "a+b-rollout-0")
+    assert engine.func.__name__ == "VllmEngine"
+    assert {p: lora.rank for p, lora in engine.keywords["adapters"].items()} == {"a": 4, "b": 16}
+    assert engine.keywords["transport"] == "objectstore"
+    assert (engine.keywords["gpus"], engine.keywords["sleep_mode"]) == (1, True)
