@@ -31,6 +31,7 @@ from polyrl_runtime.engines.vllm_engine import VllmEngine
 from polyrl_runtime.models.lora_layout import adapter_layout
 from polyrl_runtime.weights import make_sender
 from polyrl_runtime.weights.api import WeightSyncError
+from polyrl_testenv.vllm_outputs import two_tokens
 
 LORAS = {
     "solver": Lora(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -45,20 +46,6 @@ class _Request:
     lora_name: str
     lora_int_id: int
     lora_path: str
-
-
-@dataclass
-class _Completion:
-    token_ids: list[int]
-    logprobs: list[dict[int, Any]]
-    finish_reason: str = "length"
-    stop_reason: Any = None
-    weight_versions: Any = None
-
-
-@dataclass
-class _Logprob:
-    logprob: float
 
 
 @dataclass
@@ -85,8 +72,7 @@ class FakeLLM:
         if self.hold is not None:
             await self.hold.wait()
         spans = [type("Span", (), {"version": "9", "start": 0, "end": 2})()]  # engine-wide: not used
-        completion = _Completion([7, 8], [{7: _Logprob(-0.5)}, {8: _Logprob(-0.25)}], weight_versions=spans)
-        yield type("Out", (), {"outputs": [completion]})()
+        yield two_tokens(weight_versions=spans)
 
     async def add_lora(self, lora_request: Any) -> bool:
         if self.fail_load:

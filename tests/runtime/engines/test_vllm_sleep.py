@@ -30,23 +30,10 @@ from polyrl_runtime.weights.collective import GroupAddress
 from polyrl_runtime.weights.cudaipc import LAYOUT_ALIGN
 from polyrl_runtime.weights.cudaipc_handle import CudaIpcHandle, handle_from_args
 from polyrl_runtime.weights.staging import ALIGN
+from polyrl_testenv.vllm_outputs import two_tokens
 
 WEIGHTS = 600  # bytes a level-1 sleep frees on the stand-in's device (level 2: KV cache too)
 KV = 300
-
-
-@dataclass
-class _Completion:
-    token_ids: list[int]
-    logprobs: list[dict[int, Any]]
-    finish_reason: str = "length"
-    stop_reason: Any = None
-    weight_versions: Any = None
-
-
-@dataclass
-class _Logprob:
-    logprob: float
 
 
 @dataclass
@@ -71,9 +58,7 @@ class FakeLLM:
     ) -> AsyncIterator[Any]:
         while self.asleep:
             await asyncio.sleep(0.001)
-        yield type(
-            "Out", (), {"outputs": [_Completion([7, 8], [{7: _Logprob(-0.5)}, {8: _Logprob(-0.25)}])]}
-        )()
+        yield two_tokens()
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.calls.append(("sleep", level, mode))
