@@ -106,14 +106,19 @@ def staging_target(manifest: WeightManifest, layout: AdapterLayout) -> TensorTar
     shape differs from the layout, before anything is received."""
     shapes = layout.shapes()
     sent = {s.name: s for s in manifest.layout.specs}
+    policy, version = manifest.policy, manifest.version
     for name, spec in sent.items():
         if name not in shapes:
-            raise WeightMismatchError(name, f"policy {layout.policy}'s adapter has no tensor of that name")
+            raise WeightMismatchError(name, "the adapter has no tensor of that name", policy, version)
         if tuple(spec.shape) != tuple(shapes[name]):
-            raise WeightMismatchError(name, f"shape {spec.shape} != the adapter's {tuple(shapes[name])}")
+            raise WeightMismatchError(
+                name, f"shape {spec.shape} != the adapter's {tuple(shapes[name])}", policy, version
+            )
     for name in shapes:
         if name not in sent:
-            raise WeightMismatchError(name, "the update does not contain this adapter tensor")
+            raise WeightMismatchError(
+                name, "the update does not contain this adapter tensor", policy, version
+            )
     return TensorTarget({n: torch.empty(s.shape, dtype=s.dtype) for n, s in sent.items()})
 
 
@@ -147,6 +152,9 @@ def receive_version(
         target = staging_target(manifest, layout)
         receiver.receive(manifest, target)
         write_adapter(path, target.named_tensors(), layout, lora)
+    except WeightMismatchError:  # it names the policy, the version and the tensor
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     except WeightSyncError as e:
         shutil.rmtree(path, ignore_errors=True)
         raise WeightSyncError(f"{where}: {e}") from e

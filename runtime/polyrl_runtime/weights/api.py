@@ -27,16 +27,17 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightMismatchError(WeightSyncError):
-    """The manifest does not match the engine's parameters; `name` is the first offending tensor."""
+    """The manifest does not match the engine's parameters; `name` is the first offending tensor, of
+    `policy`'s `version` (when known)."""
 
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"weight update rejected at tensor {name!r}: {reason}")
-        self.name = name
-        self.reason = reason
+    def __init__(self, name: str, reason: str, policy: str = "", version: int | None = None) -> None:
+        where = f"policy {policy} version {version}: " if policy and version is not None else ""
+        super().__init__(f"{where}weight update rejected at tensor {name!r}: {reason}")
+        self.name, self.reason, self.policy, self.version = name, reason, policy, version
 
-    def __reduce__(self) -> tuple[type[WeightMismatchError], tuple[str, str]]:
-        # Crosses Ray actor boundaries: rebuild from (name, reason), not from the formatted message.
-        return (type(self), (self.name, self.reason))
+    def __reduce__(self) -> tuple[type[WeightMismatchError], tuple[str, str, str, int | None]]:
+        # Crosses Ray actor boundaries: rebuild from its fields, not from the formatted message.
+        return (type(self), (self.name, self.reason, self.policy, self.version))
 
 
 class VersionError(WeightSyncError):
@@ -189,23 +190,28 @@ class TensorTarget:
 
 
 def check_manifest(manifest: WeightManifest, target: WeightTarget) -> None:
-    """Raise `WeightMismatchError` naming the first tensor whose name, shape or dtype differs."""
+    """Raise `WeightMismatchError` naming the policy, the version and the first tensor whose name,
+    shape or dtype differs."""
     own = target.named_tensors()
     seen: set[str] = set()
+
+    def mismatch(name: str, reason: str) -> WeightMismatchError:
+        return WeightMismatchError(name, reason, manifest.policy, manifest.version)
+
     for spec in manifest.layout.specs:
         seen.add(spec.name)
         t = own.get(spec.name)
         if t is None:
-            raise WeightMismatchError(spec.name, "the engine has no tensor of that name")
+            raise mismatch(spec.name, "the engine has no tensor of that name")
         if tuple(t.shape) != spec.shape:
-            raise WeightMismatchError(spec.name, f"shape {spec.shape} != engine's {tuple(t.shape)}")
+            raise mismatch(spec.name, f"shape {spec.shape} != engine's {tuple(t.shape)}")
         if t.dtype != spec.dtype:
-            raise WeightMismatchError(spec.name, f"dtype {spec.dtype} != engine's {t.dtype}")
+            raise mismatch(spec.name, f"dtype {spec.dtype} != engine's {t.dtype}")
         if not t.is_contiguous():
-            raise WeightMismatchError(spec.name, "the engine's tensor is not contiguous")
+            raise mismatch(spec.name, "the engine's tensor is not contiguous")
     for name in own:
         if name not in seen:
-            raise WeightMismatchError(name, "the update does not contain this engine tensor")
+            raise mismatch(name, "the update does not contain this engine tensor")
     if manifest.version < target.version:
         raise VersionError(
             f"{manifest.policy}: update to version {manifest.version} is older than the engine's "

@@ -196,7 +196,9 @@ def test_unknown_policies_and_mismatched_versions_are_refused_by_name(model_dir:
         await _load(eng, reference, {"solver": 1})
         sender = make_sender("shm", "solver", 1 << 20)
         try:  # the verifier's tensors (another layout) as the solver's next version: refused whole
-            with pytest.raises(WeightMismatchError):
+            with pytest.raises(
+                WeightMismatchError, match="policy solver version 2: weight update rejected at tensor"
+            ):
                 await eng.receive_weights(sender.publish(2, _tensors(reference, "verifier")))
         finally:
             sender.close()

@@ -371,3 +371,20 @@ def test_collective_members_wait_for_each_other_interruptibly() -> None:
     joiner.start()
     await_members(store, 7, 2, lambda: False, datetime.timedelta(seconds=60))  # returns once it joins
     joiner.join()
+
+
+def test_a_mismatch_names_policy_version_and_tensor_and_survives_pickling() -> None:
+    import pickle
+
+    from polyrl_runtime.weights.api import WeightMismatchError
+
+    err = WeightMismatchError("model.w", "shape (3,) != engine's (4,)", "solver", 7)
+    again = pickle.loads(pickle.dumps(err))  # as it crosses a Ray actor boundary
+    assert (
+        str(again)
+        == str(err)
+        == (
+            "policy solver version 7: weight update rejected at tensor 'model.w': shape (3,) != engine's (4,)"
+        )
+    )
+    assert (again.name, again.policy, again.version) == ("model.w", "solver", 7)
