@@ -68,6 +68,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from polyrl_runtime.netmap import free_port
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, Workflow
 
 HERE = Path(__file__).resolve().parent
@@ -226,15 +227,19 @@ def _trl_command(h: Hyper, model_dir: Path, data_path: Path, threads: int) -> li
 def trl_processes(h: Hyper, model_dir: Path, data_path: Path, threads: int, n: int) -> list[Result]:
     """`n` TRL runs as concurrent processes (n=1: one run); each prints its Result as JSON."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    procs = [
-        subprocess.Popen(
-            _trl_command(h, model_dir, data_path, threads),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
+    procs = []
+    for _ in range(n):
+        # Each TRL process rendezvouses on a port of its own: one inherited from this process (a
+        # trainer of the polyrl run set MASTER_PORT) may be taken by then, by anything on the host.
+        env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        procs.append(
+            subprocess.Popen(
+                _trl_command(h, model_dir, data_path, threads),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+            )
         )
-        for _ in range(n)
-    ]
     results = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=3600)
