@@ -22,12 +22,11 @@ CHECK_TESTS := not slow and not ray and not training and not controlplane and no
 
 # Two pytest workers, each with its own Ray session, control plane and S3 server: much of a test's
 # time is spent waiting (actors starting, a reconcile, a pod's process), which the other worker fills.
-# Whole files go to whichever worker is free, the files with long tests first (tests/conftest.py), so
-# the run ends on short ones. PYTEST_ARGS adds options (say, --junitxml=FILE).
+# Work stealing keeps both busy to the end. PYTEST_ARGS adds options (say, --junitxml=FILE).
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 test: install controlplane helm lint
-	$(BIN)/pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS) tests
+	$(BIN)/pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=25 $(PYTEST_ARGS) tests
 
 # The loop while you work: lint, types and the tests that need no Ray cluster, no control plane and
 # no training (a few minutes on 2 cores).

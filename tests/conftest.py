@@ -35,15 +35,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
         if TRAINING_FIXTURES & fixtures:
             item.add_marker(pytest.mark.training)
-    # Modules with long tests first, each kept whole: `make test`'s workers take whole files, the next
-    # one as each is free (xdist's loadfile), so they start on the long ones and end on short ones,
-    # and neither waits long for the other at the end.
-    weight: dict[str, int] = {}
-    for item in items:
-        heavy = 0 if item.get_closest_marker("slow") or item.get_closest_marker("e2e") else 1
-        path = str(item.path)
-        weight[path] = min(weight.get(path, heavy), heavy)
-    items.sort(key=lambda item: weight[str(item.path)])  # stable: the order within a weight stays
 
 
 @pytest.fixture(scope="session")
