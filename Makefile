@@ -36,7 +36,7 @@ check: install lint
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy operator/polyrl_operator runtime/polyrl_runtime tests/support tests/e2e
+	$(BIN)/mypy --cache-dir $(CACHE)/mypy operator/polyrl_operator runtime/polyrl_runtime tests/support tests/e2e
 	$(BIN)/lint-imports
 	$(BIN)/polyrl crds check
 
@@ -51,14 +51,10 @@ laptop: install controlplane
 
 install: $(STAMP)
 
-# torch first, from the pinned CPU wheel; deepspeed's sdist imports torch in setup.py, so it
-# is built against the venv's torch (no build isolation, which would fetch a CUDA torch).
-$(STAMP): operator/pyproject.toml runtime/pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q "torch==2.13.*"
-	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "deepspeed>=0.16"
-	$(BIN)/pip install -q -e "operator[test]" -e "runtime[test]"
+# torch from the pinned CPU wheel, DeepSpeed built against it, both packages: hack/venv/install.sh
+# (uv, handed pip's configured sources; pip if uv fails).
+$(STAMP): operator/pyproject.toml runtime/pyproject.toml hack/venv/install.sh
+	PY=$(PY) VENV=$(VENV) bash hack/venv/install.sh
 	touch $(STAMP)
 
 # Builds (once, cached under $(CACHE)) etcd, the Kubernetes CRD server and kubectl for the
