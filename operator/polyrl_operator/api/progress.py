@@ -66,6 +66,12 @@ class PolicyProgress(_Wire):
     evaluation: EvalProgress | None = Field(
         None, description="The latest evaluation pass, if the job evaluates."
     )
+    version_skew: dict[str, int] | None = Field(
+        None,
+        description="Per other policy met in its episodes: the largest number of versions they were "
+        "apart among the episodes of its latest step that had any (each policy's version in an episode: "
+        "the oldest of its sampled tokens). Unset before the first step or when it plays alone.",
+    )
 
 
 class WorkflowProgress(_Wire):

@@ -169,6 +169,23 @@ class RLJobSpec(ApiModel):
             field=".maxStaleness",
         ),
         Rule(
+            cel="!has(self.onVersionSkew) || has(self.maxVersionSkew)",
+            message="needs maxVersionSkew: it says what happens to an episode over that bound",
+            check=lambda s: s.on_version_skew is None or s.max_version_skew is not None,
+            field=".onVersionSkew",
+        ),
+        Rule(
+            cel="!has(self.maxVersionSkew) || self.maxVersionSkew >= 1 || "
+            "(has(self.onVersionSkew) && self.onVersionSkew == 'drop')",
+            message="must be >= 1 with onVersionSkew wait (the default): policies take their steps one "
+            "at a time, so while one trains the policy that stepped last is a version ahead; 0 needs "
+            "onVersionSkew drop",
+            check=lambda s: (
+                s.max_version_skew is None or s.max_version_skew >= 1 or s.on_version_skew == "drop"
+            ),
+            field=".maxVersionSkew",
+        ),
+        Rule(
             cel="!has(self.evaluation) || (has(self.data) && has(self.data.eval))",
             message="needs eval rows: set data.eval",
             check=lambda s: s.evaluation is None or (s.data is not None and s.data.eval is not None),
@@ -317,6 +334,23 @@ class RLJobSpec(ApiModel):
         ge=0,
         le=64,
         description="async only: how many versions a sample may lag its policy (default 2).",
+    )
+    max_version_skew: int | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="How many versions apart the policies of one episode may be (a policy's version in "
+        "an episode: the oldest of its sampled tokens; policies that finished training do not count). "
+        "What happens over the bound: onVersionSkew. Unset: no bound.",
+    )
+    on_version_skew: Literal["wait", "drop"] | None = Field(
+        None,
+        description="With maxVersionSkew: wait (the default) holds a policy back before a step that "
+        "would take it more than maxVersionSkew versions ahead of the slowest policy still training, "
+        "and keeps every episode (one may still span up to maxStaleness more, through its samples' "
+        "staleness); drop trains every policy freely and drops, on arrival, an episode whose policies "
+        "are further apart (counted as version_skew), failing the job if one policy can then no longer "
+        "get a sample.",
     )
     training: Training = Field(..., description="Length of training and experience per step.")
     workflow: Workflow = Field(..., description="The multi-agent episode program.")

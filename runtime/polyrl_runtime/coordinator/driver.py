@@ -56,6 +56,7 @@ from polyrl_runtime.coordinator.report import (
     worker_views,
 )
 from polyrl_runtime.coordinator.training import PolicyTrainer, ProducerEventSink, StepLimits, TrainingParts
+from polyrl_runtime.coordinator.version_skew import SkewGate
 from polyrl_runtime.data import DataError
 from polyrl_runtime.experience.buffer import PolicyConfig
 from polyrl_runtime.experience.client import BufferClient
@@ -229,7 +230,14 @@ class Driver:
         ref = self.store.latest() if self.opts.resume else None
         fleet, s = self.fleet, spec.effective_max_staleness
         configs = [
-            PolicyConfig(p.name, self.episodes_per_step, s, final_version=self.total) for p in spec.policies
+            PolicyConfig(
+                p.name,
+                self.episodes_per_step,
+                s,
+                final_version=self.total,
+                max_version_skew=spec.max_version_skew if spec.on_version_skew == "drop" else None,
+            )
+            for p in spec.policies
         ]
         capacity = (s + 2) * self.episodes_per_step * len(configs) + 4 * self.group_size
         snapshot = ref.buffer() if ref is not None else None
@@ -262,6 +270,7 @@ class Driver:
             record=self.metrics.add,
             evaluator=evaluator,
             pools=self.pools,
+            skew=SkewGate.of(spec, self.runs),
         )
         limits = StepLimits(self.group_size, self.opts.stall_timeout_s)
         trainers = {n: PolicyTrainer(self.job, run, shared, limits) for n, run in self.runs.items()}

@@ -79,6 +79,8 @@ class PolicyRun:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     stats: PolicyStats | None = None
     staleness: tuple[float, int] = (0.0, 0)
+    # The largest version skew to each other policy among the episodes of its last step.
+    version_skew: dict[str, int] = field(default_factory=dict)
     last_reward: float | None = None
     last_ckpt_step: int | None = None
     last_eval: EvalProgress | None = None  # the latest evaluation pass (coordinator/evaluation.py)

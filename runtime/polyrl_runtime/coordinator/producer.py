@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,8 +36,11 @@ class ProducerEvents(Protocol):
 
     def still_training(self, policy: str) -> bool: ...
 
-    def episode(self, policy: str, reward: float, success: float | None, samples: int) -> None:
-        """A finished episode: the policy's agents' reward, its success metric if any, its samples."""
+    def episode(
+        self, policy: str, reward: float, success: float | None, samples: int, skew: Mapping[str, int]
+    ) -> None:
+        """A finished episode: the policy's agents' reward, its success metric if any, its samples,
+        and how many versions the policy was apart from each other policy of the episode."""
 
     def fail(self, message: str, retryable: bool) -> None: ...
 
@@ -225,11 +228,18 @@ class EpisodeProducer:
             self._check_used(ep.samples)
             success = ep.metadata.get("success")
             for policy, reward in ep.policy_rewards.items():
+                mine = ep.versions.get(policy)
+                skew = {
+                    other: abs(v - mine)
+                    for other, v in ep.versions.items()
+                    if other != policy and mine is not None
+                }
                 self._on_episode(
                     policy,
                     reward,
                     float(success) if isinstance(success, int | float) else None,
                     ep.samples[policy],
+                    skew,
                 )
             self.signals.extend(ep.rewards.values())
         if report.dead_engines:

@@ -44,6 +44,7 @@ class PolicySnapshot:
     engines: list[Worker]  # the live engines
     backlog: int  # requests queued on the live engines
     evaluation: EvalProgress | None = None
+    version_skew: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def policy_snapshot(run: PolicyRun, fleet: Fleet) -> PolicySnapshot:
         engines=[_worker(s, max(s.version, 0)) for s in live],
         backlog=sum(s.queued for s in live),
         evaluation=run.last_eval,
+        version_skew=dict(run.version_skew),
     )
 
 
@@ -138,6 +140,7 @@ def progress_report(s: JobSnapshot) -> Progress:
                 engines=p.engines,
                 last_checkpoint_step=p.last_ckpt_step,
                 evaluation=p.evaluation,
+                version_skew=p.version_skew or None,
             )
             for p in s.policies
         ],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -29,7 +29,8 @@ from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
 from polyrl_runtime.coordinator.pool_scheduler import DevicePools
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.coordinator.slots import Slot
-from polyrl_runtime.experience.buffer import PolicyStats
+from polyrl_runtime.coordinator.version_skew import SkewGate
+from polyrl_runtime.experience.buffer import DropReason, PolicyStats
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.api import StepResult, node_local_ranks
 from polyrl_runtime.weights import VersionRegistry, sender_options
@@ -47,9 +48,11 @@ class ProducerEventSink:
     def still_training(self, policy: str) -> bool:
         return self.runs[policy].step < self.total
 
-    def episode(self, policy: str, reward: float, success: float | None, samples: int) -> None:
+    def episode(
+        self, policy: str, reward: float, success: float | None, samples: int, skew: Mapping[str, int]
+    ) -> None:
         run = self.runs[policy]
-        run.window.add(reward, success)
+        run.window.add(reward, success, skew)
         run.samples_per_episode = samples
 
     def fail(self, message: str, retryable: bool) -> None:
@@ -75,6 +78,7 @@ class TrainingParts:
     record: Callable[[StepRecord], Awaitable[None]]  # where each step's record goes (metrics/log.py)
     evaluator: Evaluator | None
     pools: DevicePools  # turns on the device pools the policies' roles share
+    skew: SkewGate  # holds a policy back that would get too far ahead (spec.maxVersionSkew, wait)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,21 @@ class StepLimits:
 
     group_size: int  # episodes of one group: credit for less is never granted
     stall_timeout_s: float  # no credit, nothing buffered or in flight this long: the job fails
+
+
+class SkewStarvation:
+    """Whether, while a policy waits for a step, samples stopped arriving and episodes were dropped
+    for version skew all the while (onVersionSkew drop)."""
+
+    def __init__(self, now: float) -> None:
+        self.arrived_at, self.buffered, self.dropped = now, 0, -1
+
+    def starved(self, st: PolicyStats, timeout_s: float) -> bool:
+        now, dropped = time.monotonic(), st.dropped.get(DropReason.VERSION_SKEW, 0)
+        if self.dropped < 0 or st.buffered > self.buffered or st.leased:
+            self.arrived_at, self.dropped = now, dropped  # a sample arrived: starving starts again
+        self.buffered = st.buffered
+        return dropped > self.dropped and now - self.arrived_at > timeout_s
 
 
 class PolicyTrainer:
@@ -94,7 +113,10 @@ class PolicyTrainer:
         self.policy = next(p for p in job.spec.policies if p.name == run.name)
         self.buffer, self.fleet, self.producer = parts.buffer, parts.fleet, parts.producer
         self.checkpointer, self.registry, self.record = parts.checkpointer, parts.registry, parts.record
-        self.pools = parts.pools
+        self.pools, self.skew = parts.pools, parts.skew
+        # Episodes over the job's version skew are dropped (onVersionSkew drop): a policy that only
+        # gets such episodes can never step, and the job must fail rather than drop on forever.
+        self.drops_skewed = job.spec.max_version_skew is not None and job.spec.on_version_skew == "drop"
         self.stall_timeout_s, self.group_size = limits.stall_timeout_s, limits.group_size
         self.episodes_per_step = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps
@@ -130,11 +152,19 @@ class PolicyTrainer:
         return Totals(dict(stats.dropped), sum(self.producer.failures.values()))
 
     async def loop(self) -> None:
-        run, stop = self.run, self.control.stop
+        run = self.run
         # Per-step counters count from here: a resumed job's restored totals are not its first step's.
         start = await self.buffer.stats()
         self._totals = self._read_totals(start[run.name])
+        try:
+            await self._steps()
+        finally:
+            self.skew.ended(run.name)
+
+    async def _steps(self) -> None:
+        run, stop = self.run, self.control.stop
         while run.step < self.total and not stop.is_set():
+            await self.skew.wait(run.name, stop)
             n = await self._wait_for_step()
             if not n:
                 break
@@ -180,6 +210,7 @@ class PolicyTrainer:
         run = self.run
         sync = self.spec.effective_max_staleness == 0
         stalled_since: float | None = None
+        starving = SkewStarvation(time.monotonic())
         while not self.control.stop.is_set():
             # Read once: the first report sets it while we wait, and a step's size must not change
             # under us (unknown: wait for the first episode's report before counting samples).
@@ -206,6 +237,16 @@ class PolicyTrainer:
                 # Credit for less than a group is not granted (episodes start in whole groups).
                 if st.buffered and (st.credit < self.group_size or data_done) and in_flight == 0:
                     return int(st.buffered)
+            if self.drops_skewed and starving.starved(st, self.stall_timeout_s):
+                self.control.fail(
+                    f"policy {run.name}: at step {run.step}, every episode of the last "
+                    f"{self.stall_timeout_s:.0f} s was dropped for version skew (maxVersionSkew "
+                    f"{self.spec.max_version_skew}, onVersionSkew drop; policy steps: "
+                    f"{self.skew.steps()}): it cannot catch up with the others. onVersionSkew wait "
+                    "holds the policies ahead back instead",
+                    retryable=False,
+                )
+                return 0
             # No credit, nothing buffered, leased or on its way: nothing can ever change (credit only
             # grows when this policy trains). A bug, but the job must fail clearly, never hang.
             has_credit = st.credit > 0 if sync else st.credit >= self.group_size
@@ -251,9 +292,17 @@ class PolicyTrainer:
         run.step = version
         sync_s = time.perf_counter() - t1
         rewards = run.window.take()  # before any await: no episode the new credit starts is in it
+        skew = run.window.take_skew()
+        if skew:  # a step on episodes reported before the previous one keeps the last reading
+            run.version_skew = {other: hi for other, (_, hi) in skew.items()}
         stats = run.stats = (await self.buffer.stats())[run.name]
         run.staleness = (stats.staleness_mean, stats.staleness_max)
         rec = self._record(version, results, rewards, stats, train_s=t1 - t0, sync_s=sync_s, started=t0)
+        rec = replace(
+            rec,
+            version_skew_mean={k: mean for k, (mean, _) in skew.items()},
+            version_skew_max={k: hi for k, (_, hi) in skew.items()},
+        )
         return rec if turn is None else replace(rec, **asdict(self.pools.turn_metrics(turn)))
 
     async def _train_ranks(self, version: int, n: int) -> list[StepResult]:

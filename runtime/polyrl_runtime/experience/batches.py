@@ -7,7 +7,7 @@ out of band, with no per-element pickling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,9 @@ class SampleBatch:
     # Ragged per-sample decoding constraints (see Turn.allowed_ids); empty rows mean unconstrained.
     allowed_ids: IntArray = field(default_factory=_no_ids)
     allowed_offsets: npt.NDArray[np.int64] | None = None
+    # Each episode's version vector (`Episode.versions`), by episode id: the rows of one episode
+    # share it.
+    episode_versions: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     @classmethod
     def from_samples(cls, policy: str, samples: Sequence[Sample]) -> SampleBatch:
@@ -78,6 +81,7 @@ class SampleBatch:
             versions=_flat([s.versions for s in samples], np.int32),
             allowed_ids=_flat(allowed, np.int32) if any(a_len) else _EMPTY_IDS,
             allowed_offsets=_offsets(a_len),
+            episode_versions={s.episode_id: s.episode_versions for s in samples},
         )
 
     def __reduce__(self) -> Any:
@@ -91,7 +95,12 @@ class SampleBatch:
         columns.append(np.ascontiguousarray(self.logprobs, dtype=np.float32).view(np.int32))
         return _rebuild_sample_batch, (
             self.policy,
-            (self.sample_ids, self.episode_ids, self.agents),
+            (
+                self.sample_ids,
+                self.episode_ids,
+                self.agents,
+                {e: dict(v) for e, v in self.episode_versions.items()},
+            ),
             (self.turn_index.tolist(), self.rewards.tolist()),
             (
                 self.prompt_offsets.tolist(),
@@ -128,6 +137,7 @@ class SampleBatch:
 
     def samples(self) -> list[Sample]:
         out = []
+        vectors = self.episode_versions
         for i, sid in enumerate(self.sample_ids):
             p = slice(self.prompt_offsets[i], self.prompt_offsets[i + 1])
             r = slice(self.response_offsets[i], self.response_offsets[i + 1])
@@ -144,6 +154,7 @@ class SampleBatch:
                     versions=self.versions[r],
                     reward=float(self.rewards[i]),
                     allowed_ids=self.allowed(i),
+                    episode_versions=vectors.get(self.episode_ids[i], {}),
                 )
             )
         return out
@@ -174,12 +185,13 @@ def _back_to_back(columns: Sequence[IntArray]) -> IntArray:
 
 def _rebuild_sample_batch(
     policy: str,
-    ids: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]],
+    # sample ids, episode ids, agents, and the episodes' version vectors
+    ids: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], dict[str, dict[str, int]]],
     per_row: tuple[list[int], list[float]],
     offsets: tuple[list[int], list[int], list[int] | None],
     flat: IntArray,
 ) -> SampleBatch:
-    (sample_ids, episode_ids, agents), (turn_index, rewards) = ids, per_row
+    (sample_ids, episode_ids, agents, episode_versions), (turn_index, rewards) = ids, per_row
     prompt_offsets, response_offsets, allowed_offsets = offsets
     n_allowed = allowed_offsets[-1] if allowed_offsets is not None else 0
     (prompts, responses, versions, allowed, logprobs), _ = _cut(
@@ -200,4 +212,5 @@ def _rebuild_sample_batch(
         versions=versions,
         allowed_ids=allowed if n_allowed else _EMPTY_IDS,
         allowed_offsets=np.array(allowed_offsets, dtype=np.int64) if allowed_offsets is not None else None,
+        episode_versions=episode_versions,
     )

@@ -202,13 +202,14 @@ class ExperienceBuffer(BufferCore):
         # the first of a pair's samples early would close the pair under the others.
         for c in kept:
             p = self._p[c.policy]
-            if p.version - c.oldest <= p.cfg.max_staleness:
-                p.queue.append((c, 0, len(c)))
-                p.buffered += len(c)
-            else:
-                fresh = self._drop_stale(p, c, 0, len(c))
-                p.queue += fresh
-                p.buffered += sum(j - i for _, i, j in fresh)
+            for _, i, j in self._drop_skewed(p, c):
+                if p.version - c.oldest <= p.cfg.max_staleness:
+                    p.queue.append((c, i, j))
+                    p.buffered += j - i
+                else:
+                    fresh = self._drop_stale(p, c, i, j)
+                    p.queue += fresh
+                    p.buffered += sum(b - a for _, a, b in fresh)
 
     # -- consumers ---------------------------------------------------------------------------
 

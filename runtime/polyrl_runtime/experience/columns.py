@@ -10,7 +10,7 @@ of the buffer actor's CPU (docs/performance.md, experience streaming).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, overload
@@ -31,6 +31,7 @@ from polyrl_runtime.experience.types import (
     oldest_versions,
     pack_episodes,
     unpack_episodes,
+    version_vector,
 )
 
 Counts = npt.NDArray[np.int64]
@@ -101,6 +102,8 @@ class Chunk:
     # Per episode of the put (shared by its chunks, changed in place): samples not yet consumed or
     # dropped, across all its policies.
     episode_live: Counts
+    # Per episode of the put (shared by its chunks): its version vector (`Episode.versions`).
+    episode_versions: list[Mapping[str, int]]
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -123,6 +126,7 @@ def split(packed: PackedEpisodes) -> tuple[dict[str, Chunk], list[frozenset[str]
                 rows = by_policy[turn[1]] = []
             rows.append((e, k, turn))
     episodes = np.zeros(len(heads), dtype=np.int64)
+    vectors: list[Mapping[str, int]] = []
     chunks: dict[str, Chunk] = {}
     end = 0
     for policy, rows in by_policy.items():
@@ -138,7 +142,14 @@ def split(packed: PackedEpisodes) -> tuple[dict[str, Chunk], list[frozenset[str]
             rewards=[heads[e][2][turn[0]] for e, _, turn in rows],
             row_episode=[e for e, _, _ in rows],
             episodes=episodes,
+            vectors=vectors,
         )
+    # Filled in place once every chunk's oldest versions are known (the chunks share the list).
+    pairs: list[list[tuple[str, int]]] = [[] for _ in heads]
+    for policy, c in chunks.items():
+        for e, v in zip(c.row_episode.tolist(), c.min_version.tolist(), strict=True):
+            pairs[e].append((policy, v))
+    vectors += [version_vector(p) for p in pairs]
     return chunks, [frozenset(t[1] for t in head[1]) for head in heads], episodes
 
 
@@ -153,6 +164,7 @@ def _chunk(
     rewards: list[float],
     row_episode: list[int],
     episodes: Counts,
+    vectors: list[Mapping[str, int]],
 ) -> Chunk:
     mins = oldest_versions(rows.versions, rows.response_offsets[:-1])  # context tokens (-1) ignored
     # A pair is an episode's rows of this policy; mostly one row each (one turn per agent).
@@ -179,6 +191,7 @@ def _chunk(
         pair_episode=pair_episode,
         row_episode=np.array(row_episode, dtype=np.intp),
         episode_live=episodes,
+        episode_versions=vectors,
     )
 
 
@@ -211,6 +224,7 @@ def segment_batch(c: Chunk, i: int, j: int) -> SampleBatch:
     """Rows i..j-1 as a batch: slices (views) of the chunk's columns, no per-sample copy."""
     r = c.rows
     po, ro, ao = r.prompt_offsets, r.response_offsets, r.allowed_offsets
+    vectors, eids = c.episode_versions, c.episode_ids
     return SampleBatch(
         policy=c.policy,
         sample_ids=tuple(c.sample_ids[i:j]),
@@ -226,6 +240,7 @@ def segment_batch(c: Chunk, i: int, j: int) -> SampleBatch:
         versions=r.versions[ro[i] : ro[j]],
         allowed_ids=r.allowed_ids[ao[i] : ao[j]] if ao[j] > ao[i] else _EMPTY_IDS,
         allowed_offsets=ao[i : j + 1] - ao[i],
+        episode_versions={eids[k]: vectors[e] for k, e in enumerate(c.row_episode[i:j].tolist(), i)},
     )
 
 
@@ -261,6 +276,7 @@ def lease_batch(policy: str, segments: Sequence[Segment]) -> SampleBatch:
         versions=cat("versions"),
         allowed_ids=cat("allowed_ids"),
         allowed_offsets=offsets("allowed_offsets"),
+        episode_versions={e: v for b in parts for e, v in b.episode_versions.items()},
     )
 
 
@@ -288,6 +304,10 @@ def restored(
         for s in ss:
             episode_index.setdefault(s.episode_id, len(episode_index))
     episodes = np.zeros(len(episode_index), dtype=np.int64)
+    vectors: list[Mapping[str, int]] = [{} for _ in episode_index]
+    for ss in by_policy.values():
+        for s in ss:
+            vectors[episode_index[s.episode_id]] = s.episode_versions
     chunks: dict[str, Chunk] = {}
     for policy, ss in by_policy.items():
         if not ss:
@@ -315,6 +335,7 @@ def restored(
             rewards=batch.rewards.tolist(),
             row_episode=[episode_index[s.episode_id] for s in ss],
             episodes=episodes,
+            vectors=vectors,
         )
         c.pair_consumed[:] = [consumed.get((eid, policy), 0) for eid in c.pair_episode]
         np.add.at(episodes, c.row_episode, 1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import structlog
@@ -22,7 +22,7 @@ from polyrl_runtime.experience.state import (
     UnknownLeaseError,
     UnknownTicketError,
 )
-from polyrl_runtime.experience.types import Ticket
+from polyrl_runtime.experience.types import Ticket, version_skew
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +79,26 @@ class BufferCore:
         if len(rows):
             self._drop(p, c, rows + i, len(rows), DropReason.STALE)
         return [(c, i + a, i + b) for a, b in columns.runs(~stale)]
+
+    def _drop_skewed(self, p: PolicyState, c: Chunk) -> list[Segment]:
+        """Drop the rows of `c` whose episodes' policies still training are further apart than
+        `p`'s bound; returns the ranges of those kept. Every chunk of a put decides alike: they share
+        the episodes' version vectors, and no policy finishes during a put."""
+        bound = p.cfg.max_version_skew
+        if bound is None:
+            return [(c, 0, len(c))]
+        over = np.array([self._skew(v) > bound for v in c.episode_versions], dtype=np.bool_)
+        skewed = over[c.row_episode]
+        rows = np.flatnonzero(skewed)
+        if not len(rows):
+            return [(c, 0, len(c))]
+        self._drop(p, c, rows, len(rows), DropReason.VERSION_SKEW)
+        return [(c, a, b) for a, b in columns.runs(~skewed)]
+
+    def _skew(self, vector: Mapping[str, int]) -> int:
+        """The version skew of an episode among its policies still training: a policy that has
+        finished stays at its last version, and the others must still be able to catch up."""
+        return version_skew({n: v for n, v in vector.items() if not self._p[n].finished})
 
     def _drop_queue(self, p: PolicyState, reason: DropReason) -> None:
         for c, i, j in p.queue:

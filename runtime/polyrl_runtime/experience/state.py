@@ -16,6 +16,8 @@ class DropReason(StrEnum):
     STALE = "stale"  # older than max_staleness versions behind the trainer
     POLICY_FINISHED = "policy_finished"  # the policy's training is over
     JOB_CANCELLED = "job_cancelled"
+    # its episode's policies were further apart than the job's maxVersionSkew (onVersionSkew drop)
+    VERSION_SKEW = "version_skew"
 
 
 class UnknownTicketError(KeyError):
@@ -36,10 +38,15 @@ class PolicyConfig:
     # admit maxStaleness steps' worth of episodes that no step can train on (dropped as
     # policy_finished: 112 samples per policy in the local example, a seventh of its last steps).
     final_version: int | None = None
+    # Drop, on arrival, the samples of an episode whose policies still training are more than this
+    # many versions apart (each policy's version: the oldest of its sampled tokens). None: no bound.
+    max_version_skew: int | None = None
 
     def __post_init__(self) -> None:
         if self.episodes_per_version < 1 or self.max_staleness < 0:
             raise ValueError(f"{self.name}: episodes_per_version >= 1 and max_staleness >= 0 required")
+        if self.max_version_skew is not None and self.max_version_skew < 0:
+            raise ValueError(f"{self.name}: max_version_skew >= 0 required (or None)")
         if self.final_version is not None and self.final_version < 1:
             raise ValueError(f"{self.name}: final_version >= 1 required (or None)")
 

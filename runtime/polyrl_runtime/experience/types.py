@@ -15,7 +15,7 @@ token sampled) is all ones as before.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
@@ -159,9 +159,15 @@ class Episode:
     def policies(self) -> frozenset[str]:
         return frozenset(t.policy for t in self.turns)
 
+    @cached_property
+    def versions(self) -> Mapping[str, int]:
+        """The episode's version vector: for each policy that took part, the oldest version among
+        its sampled tokens (what staleness is measured from, and version skew)."""
+        return version_vector((t.policy, t.min_version) for t in self.turns)
+
     def samples(self) -> list[Sample]:
         """One sample per turn; they share the episode id and carry the turn's agent reward."""
-        eid, rewards = self.episode_id, self.rewards
+        eid, rewards, versions = self.episode_id, self.rewards, self.versions
         # Built unchecked: every field comes from this (validated) episode.
         out = []
         for i, t in enumerate(self.turns):
@@ -178,6 +184,7 @@ class Episode:
                 "versions": d["versions"],
                 "reward": rewards[d["agent"]],
                 "allowed_ids": d["allowed_ids"],
+                "episode_versions": versions,
                 "min_version": t.min_version,
             }
             out.append(_unchecked(Sample, sample))
@@ -320,6 +327,26 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
     return out
 
 
+# Plain dicts, not MappingProxyType: samples are pickled into checkpoints. Read only by convention
+# (the samples of one episode share theirs).
+_NO_VECTOR: Mapping[str, int] = {}
+
+
+def version_vector(pairs: Iterable[tuple[str, int]]) -> Mapping[str, int]:
+    """Per policy, the oldest of its (policy, version) pairs: an episode's version vector."""
+    out: dict[str, int] = {}
+    for policy, version in pairs:
+        old = out.get(policy)
+        if old is None or version < old:
+            out[policy] = version
+    return out
+
+
+def version_skew(vector: Mapping[str, int]) -> int:
+    """How many versions apart the policies of one episode are (0 for a single policy)."""
+    return max(vector.values()) - min(vector.values()) if len(vector) > 1 else 0
+
+
 def _rebuild_episode(heads: list[EpisodeHead], flat: IntArray) -> Episode:
     return unpack_episodes(heads, flat)[0]
 
@@ -348,6 +375,9 @@ class Sample:
     versions: IntArray
     reward: float
     allowed_ids: IntArray = field(default_factory=_no_ids)  # empty: any
+    # The version vector of the sample's episode (`Episode.versions`): every policy that took part,
+    # this one included, with the oldest version among its sampled tokens.
+    episode_versions: Mapping[str, int] = field(default_factory=lambda: _NO_VECTOR)
 
     @cached_property
     def min_version(self) -> int:

@@ -48,6 +48,7 @@ class EpisodeReport:
     reason: str = ""  # failure: workflow_error | engine_error | reward_error | timeout | bad_result
     error: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)  # the episode's version vector
 
 
 @dataclass
@@ -182,7 +183,9 @@ class WorkflowWorker:
                 per_policy.setdefault(t.policy, []).append(rewards[t.agent])
             report.policy_rewards = {p: sum(v) / len(v) for p, v in per_policy.items()}
             meta = {"rewards": rewards, "group": ctx.group_id, **outcome.metadata}
-            return report, Episode(ctx.episode_id, tuple(ctx.turns), rewards, meta)
+            episode = Episode(ctx.episode_id, tuple(ctx.turns), rewards, meta)
+            report.versions = dict(episode.versions)
+            return report, episode
         return report, None
 
     async def run_group(

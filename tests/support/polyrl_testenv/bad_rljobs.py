@@ -308,6 +308,30 @@ BAD_CASES: tuple[BadCase, ...] = (
     BadCase(
         "negative-max-staleness", _set("spec.maxStaleness", -1), "spec.maxStaleness", ("spec.maxStaleness",)
     ),
+    BadCase(
+        "negative-max-version-skew",
+        _set("spec.maxVersionSkew", -1),
+        "spec.maxVersionSkew",
+        ("spec.maxVersionSkew",),
+    ),
+    BadCase(
+        "version-skew-action-without-bound",
+        _set("spec.onVersionSkew", "drop"),
+        "spec.onVersionSkew",
+        ("spec.onVersionSkew", "needs maxVersionSkew"),
+    ),
+    BadCase(
+        "zero-version-skew-that-waits",
+        _set("spec.maxVersionSkew", 0),
+        "spec.maxVersionSkew",
+        ("spec.maxVersionSkew", "onVersionSkew drop"),
+    ),
+    BadCase(
+        "unknown-version-skew-action",
+        _set("spec.onVersionSkew", "pause"),
+        "spec.onVersionSkew",
+        ("spec.onVersionSkew", "pause"),
+    ),
     BadCase("unknown-mode", _set("spec.mode", "turbo"), "spec.mode", ("spec.mode", "turbo")),
     BadCase(
         "unknown-engine",

@@ -69,6 +69,10 @@ class StepRecord:
     pool_switch_s: float | None = None
     pool_switches_total: int | None = None
     pool_busy_fraction: float | None = None
+    # Per other policy this one met in its episodes since the previous step: how many versions
+    # apart they were (each policy's version in an episode: the oldest of its sampled tokens).
+    version_skew_mean: dict[str, float] = field(default_factory=dict)
+    version_skew_max: dict[str, int] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
@@ -76,6 +80,9 @@ class StepRecord:
             d[f"dropped_{k}"] = v
         for k, v in sorted(d.pop("dropped_total").items()):
             d[f"dropped_{k}_total"] = v
+        for name in ("version_skew_mean", "version_skew_max"):
+            for k, v in sorted(d.pop(name).items()):
+                d[f"{name}_{k}"] = v
         return d
 
 
@@ -90,9 +97,16 @@ class RewardWindow:
         self.recent: deque[float] = deque(maxlen=size)
         self.success: deque[float] = deque(maxlen=size)
         self.since_step = 0
+        # Since the last step, per other policy met in an episode: [episodes, summed skew, largest].
+        self.skew: dict[str, list[int]] = {}
 
     def state(self) -> dict[str, Any]:
-        return {"recent": list(self.recent), "success": list(self.success), "since_step": self.since_step}
+        return {
+            "recent": list(self.recent),
+            "success": list(self.success),
+            "since_step": self.since_step,
+            "skew": {k: list(v) for k, v in self.skew.items()},
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         self.recent.clear()
@@ -100,12 +114,25 @@ class RewardWindow:
         self.success.clear()
         self.success.extend(float(x) for x in state.get("success", []))
         self.since_step = int(state.get("since_step", 0))
+        self.skew = {str(k): [int(x) for x in v] for k, v in state.get("skew", {}).items()}
 
-    def add(self, reward: float, success: float | None) -> None:
+    def add(self, reward: float, success: float | None, skew: Mapping[str, int] | None = None) -> None:
         self.recent.append(reward)
         if success is not None:
             self.success.append(success)
         self.since_step += 1
+        for other, apart in (skew or {}).items():
+            acc = self.skew.setdefault(other, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += apart
+            acc[2] = max(acc[2], apart)
+
+    def take_skew(self) -> dict[str, tuple[float, int]]:
+        """Per other policy met since the last step: the mean and the largest version skew of the
+        episodes they played together (and resets)."""
+        out = {k: (total / n, hi) for k, (n, total, hi) in sorted(self.skew.items())}
+        self.skew = {}
+        return out
 
     def take(self) -> tuple[float | None, float | None, int]:
         n = self.since_step
