@@ -66,6 +66,17 @@ class WeightSync(ApiModel):
         "copy the trainer's GPU memory through CUDA IPC, no network; auto picks it there).",
     )
     bucket_mb: int = Field(256, ge=1, le=16384, alias="bucketMB", description="Flattened bucket size in MiB.")
+    deltas: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Beside each version, also publish the bit-exact deltas from the version before "
+        "(changed elements and a checksum per tensor, the whole tensor where that is smaller), and "
+        "list those of the last N versions in each update: an engine that holds one of those versions "
+        "fetches the deltas instead of the whole version, checks every tensor, and fetches the whole "
+        "version if any check fails. The trainer keeps a host copy of its last version. 0: off. Needs "
+        "transport objectstore.",
+    )
     inflight: Literal["keep", "wait", "abort"] = Field(
         "keep",
         description="What a weight update does to generations in progress (engine vllm): keep pauses "
@@ -257,6 +268,14 @@ class RLJobSpec(ApiModel):
                 for p in s.policies
             ),
             field=".policies",
+        ),
+        Rule(
+            cel="!has(self.weightSync) || !has(self.weightSync.deltas) || self.weightSync.deltas == 0 || "
+            "(has(self.weightSync.transport) && self.weightSync.transport == 'objectstore')",
+            message="deltas need transport objectstore: it keeps versions in a store an engine fetches "
+            "from, where shm, collective and cudaipc hand each version over whole",
+            check=lambda s: s.weight_sync.deltas == 0 or s.weight_sync.transport == "objectstore",
+            field=".weightSync.deltas",
         ),
         Rule(
             cel="!has(self.weightSync) || self.weightSync.transport != 'cudaipc' || self.policies.all(p, "

@@ -140,7 +140,7 @@ class PolicyTrainer:
         """Connect the weight sync to the policy's engines and publish the starting weights."""
         run = self.run
         engines = {n: s.actor for n, s in self.fleet.engines[run.name].items()}
-        kwargs = sender_options(transport, receivers=len(engines))
+        kwargs = sender_options(transport, receivers=len(engines), deltas=self.spec.weight_sync.deltas)
         bucket = self.spec.weight_sync.bucket_mb << 20
         await run.ranks[0].init_sender(transport, bucket, kwargs)
         run.sync = await asyncio.to_thread(

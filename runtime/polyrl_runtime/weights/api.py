@@ -45,6 +45,17 @@ class VersionError(WeightSyncError):
 
 
 @dataclass(frozen=True)
+class DeltaLink:
+    """The bit-exact deltas (weights/delta.py) that turn version `base` into `version`, one per
+    tensor, `nbytes` to fetch; `handle` is the transport's (a Ray ObjectRef for objectstore)."""
+
+    base: int
+    version: int
+    nbytes: int
+    handle: Any
+
+
+@dataclass(frozen=True)
 class WeightManifest:
     """The single control message of one sync (O(1) per sync, independent of the tensor count)."""
 
@@ -55,6 +66,10 @@ class WeightManifest:
     # Transport-specific: list of Ray ObjectRefs (objectstore), a file path (shm), a rendezvous
     # address (collective). Opaque to everyone except that transport's receiver.
     handle: Any = None
+    # Deltas from the versions before this one (oldest first; each link's `version` is the next
+    # link's `base`, the last one's is this version): a receiver at one of those bases may apply
+    # them instead of fetching the whole version. Empty: whole versions only.
+    deltas: tuple[DeltaLink, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -268,13 +283,16 @@ class WeightReceiver(ABC):
         """Release cached mappings or groups."""
 
 
-def make_report(manifest: WeightManifest, start: float, pause_s: float, *, applied: bool) -> SyncReport:
-    """The report of one receive that began at `start` (a `time.perf_counter()` reading)."""
+def make_report(
+    manifest: WeightManifest, start: float, pause_s: float, *, applied: bool, nbytes: int | None = None
+) -> SyncReport:
+    """The report of one receive that began at `start` (a `time.perf_counter()` reading); `nbytes`:
+    what it fetched, when not the whole version (deltas)."""
     return SyncReport(
         policy=manifest.policy,
         version=manifest.version,
         transport=manifest.transport,
-        nbytes=manifest.nbytes if applied else 0,
+        nbytes=(manifest.nbytes if nbytes is None else nbytes) if applied else 0,
         num_tensors=len(manifest.layout.specs),
         num_buckets=len(manifest.layout.buckets),
         control_messages=1,

@@ -28,7 +28,15 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class DeltaError(ValueError):
-    """A delta that cannot be applied, or whose result is not the tensor it was made for; names it."""
+    """A delta that cannot be applied, or whose result is not the tensor it was made for; `tensor`
+    names it."""
+
+    def __init__(self, tensor: str, reason: str) -> None:
+        super().__init__(f"tensor {tensor!r}: {reason}")
+        self.tensor, self.reason = tensor, reason
+
+    def __reduce__(self) -> tuple[type[DeltaError], tuple[str, str]]:
+        return (type(self), (self.tensor, self.reason))
 
 
 @dataclass(frozen=True)
@@ -68,15 +76,17 @@ def make_delta(name: str, base: torch.Tensor, new: torch.Tensor) -> TensorDelta:
     """The delta that turns `base` into `new` (the whole of `new` when that is smaller)."""
     if base.shape != new.shape or base.dtype != new.dtype:
         raise DeltaError(
-            f"tensor {name!r}: base {tuple(base.shape)} {base.dtype} and new {tuple(new.shape)} {new.dtype} differ"
+            name, f"base {tuple(base.shape)} {base.dtype} and new {tuple(new.shape)} {new.dtype} differ"
         )
     if new.element_size() not in _BITS:
-        raise DeltaError(f"tensor {name!r}: no delta for elements of {new.element_size()} bytes")
+        raise DeltaError(name, f"no delta for elements of {new.element_size()} bytes")
     old_bits, new_bits = _bits(base), _bits(new)
     mask = old_bits != new_bits
     changed = int(mask.sum())
     full_bytes = new.numel() * new.element_size()
     crc = checksum(new)
+    if not changed:  # nothing to send but the checksum
+        return TensorDelta(name, tuple(new.shape), new.dtype, False, b"", b"", 0, crc)
     if changed * new.element_size() < full_bytes:
         positions = zlib.compress(np.packbits(mask.cpu().numpy()).tobytes(), 1)
         values = new_bits[mask].cpu().numpy().view(np.uint8).tobytes()
@@ -91,28 +101,29 @@ def apply_delta(delta: TensorDelta, base: torch.Tensor) -> torch.Tensor:
     name = delta.name
     if tuple(base.shape) != delta.shape or base.dtype != delta.dtype:
         raise DeltaError(
-            f"tensor {name!r}: the delta is for {delta.shape} {delta.dtype}, the base is "
-            f"{tuple(base.shape)} {base.dtype}"
+            name,
+            f"the delta is for {delta.shape} {delta.dtype}, the base is {tuple(base.shape)} {base.dtype}",
         )
     out = base.detach().to("cpu", copy=True).contiguous()
     bits = _bits(out)
     width = out.element_size()
     if delta.full:
         if len(delta.values) != out.numel() * width:
-            raise DeltaError(f"tensor {name!r}: {len(delta.values)} bytes for {out.numel()} elements")
+            raise DeltaError(name, f"{len(delta.values)} bytes for {out.numel()} elements")
         bits.copy_(torch.frombuffer(bytearray(delta.values), dtype=bits.dtype))
     elif delta.changed:
         try:
             packed = np.frombuffer(zlib.decompress(delta.positions), dtype=np.uint8)
         except zlib.error as e:
-            raise DeltaError(f"tensor {name!r}: the positions do not decompress ({e})") from e
+            raise DeltaError(name, f"the positions do not decompress ({e})") from e
         mask = np.unpackbits(packed, count=out.numel()).astype(bool)
         if int(mask.sum()) != delta.changed or len(delta.values) != delta.changed * width:
-            raise DeltaError(f"tensor {name!r}: {delta.changed} changes announced, the delta holds others")
+            raise DeltaError(name, f"{delta.changed} changes announced, the delta holds others")
         bits[torch.from_numpy(mask)] = torch.frombuffer(bytearray(delta.values), dtype=bits.dtype)
     if checksum(out) != delta.checksum:
         raise DeltaError(
-            f"tensor {name!r}: the result does not match the version's checksum (a delta made against "
-            "another base, or damaged on the way)"
+            name,
+            "the result does not match the version's checksum (a delta made against another base, or "
+            "damaged on the way)",
         )
     return out.to(base.device)

@@ -49,6 +49,7 @@ import structlog
 import torch
 
 from polyrl_runtime.weights.api import (
+    DeltaLink,
     SyncReport,
     WeightManifest,
     WeightReceiver,
@@ -71,6 +72,8 @@ from polyrl_runtime.weights.buckets import (
     plan_copies,
     run_copies,
 )
+from polyrl_runtime.weights.delta import DeltaError
+from polyrl_runtime.weights.delta_chain import DeltaChain, apply_chain, chain_from, decode_link
 from polyrl_runtime.weights.staging import ALIGN, swappable
 
 log = structlog.get_logger(__name__)
@@ -179,10 +182,14 @@ def _host_bytes(t: torch.Tensor) -> _Bytes:
 
 
 class ObjectStoreSender(WeightSender):
+    """Puts each version whole; with `deltas` > 0 also the bit-exact deltas from the previous version,
+    and lists those of the last `deltas` versions in each manifest (weights/delta_chain.py)."""
+
     transport: ClassVar[str] = "objectstore"
 
-    def __init__(self, policy: str, bucket_bytes: int) -> None:
+    def __init__(self, policy: str, bucket_bytes: int, deltas: int = 0) -> None:
         super().__init__(policy, bucket_bytes)
+        self._chain = DeltaChain(deltas) if deltas > 0 else None
         self._refs: list[Any] = []
         self._pack: torch.Tensor | None = None
         self._key: tuple[object, ...] | None = None
@@ -240,13 +247,18 @@ class ObjectStoreSender(WeightSender):
         # Replacing the list drops our references to the previous version; engines still reading it
         # hold their own (borrowed) references through the manifest, so Ray frees it after them.
         self._refs = refs
-        self.latest = WeightManifest(self.policy, version, self.transport, layout, handle=tuple(refs))
+        links = self._chain.extend(version, tensors, ray.put) if self._chain is not None else ()
+        self.latest = WeightManifest(
+            self.policy, version, self.transport, layout, handle=tuple(refs), deltas=links
+        )
         log.debug("weights.published", policy=self.policy, version=version, buckets=len(refs))
         return self.latest
 
     def close(self) -> None:
         self._refs = []
         self._pack, self._key, self._objects = None, None, []
+        if self._chain is not None:
+            self._chain.clear()
         self.latest = None
 
 
@@ -259,6 +271,19 @@ class ObjectStoreReceiver(WeightReceiver):
         layout = manifest.layout
         if manifest.version == target.version:
             return make_report(manifest, start, 0.0, applied=False)
+        links = chain_from(manifest, target.version)
+        if links:
+            try:
+                return self._receive_deltas(manifest, links, target, start)
+            except DeltaError as e:  # this update only: the whole version follows
+                log.warning(
+                    "weights.delta_rejected",
+                    policy=manifest.policy,
+                    version=manifest.version,
+                    base=target.version,
+                    tensor=e.tensor,
+                    reason=e.reason,
+                )
         # Fetch every bucket before touching the engine: a failed fetch leaves the old version intact.
         handle: tuple[tuple[Any, ...], ...] = manifest.handle
         fetched: list[list[_Bytes]] = ray.get([ref for bucket in handle for ref in bucket])
@@ -289,6 +314,25 @@ class ObjectStoreReceiver(WeightReceiver):
                 copy_pairs(pairs)
         pause = time.perf_counter() - pause_start
         return make_report(manifest, start, pause, applied=True)
+
+    @staticmethod
+    def _receive_deltas(
+        manifest: WeightManifest, links: list[DeltaLink], target: WeightTarget, start: float
+    ) -> SyncReport:
+        """Apply the chain from the engine's version: every tensor checked before any is served."""
+        data: list[bytes] = ray.get([link.handle for link in links])
+        new, changed = apply_chain(target.named_tensors(), [decode_link(d) for d in data])
+        pause_start = time.perf_counter()
+        with target.paused(manifest.version):
+            if swappable(target):
+                target.swap(new)  # type: ignore[attr-defined]  # swappable() checked it is a TensorTarget
+            else:
+                own = target.named_tensors()
+                for name in changed:
+                    own[name].copy_(new[name])
+        pause = time.perf_counter() - pause_start
+        log.debug("weights.delta_applied", policy=manifest.policy, version=manifest.version, links=len(links))
+        return make_report(manifest, start, pause, applied=True, nbytes=sum(link.nbytes for link in links))
 
 
 def _serves_from_store(target: WeightTarget) -> bool:

@@ -36,6 +36,8 @@ class Transport:
     # that joins later loads; False: it serves the trainer's tensors only until they change, and a
     # late joiner waits for the next publish.
     keeps_latest: bool = True
+    # The sender can publish deltas beside each version (`deltas=` keyword, weights/delta_chain.py).
+    deltas: bool = False
 
 
 _REGISTRY: dict[str, Transport] = {}
@@ -48,10 +50,11 @@ def register_transport(
     *,
     sized_group: bool = False,
     keeps_latest: bool = True,
+    deltas: bool = False,
 ) -> None:
     if name == "auto":
         raise ValueError("'auto' is a choice among transports, not a transport")
-    _REGISTRY[name] = Transport(name, sender, receiver, sized_group, keeps_latest)
+    _REGISTRY[name] = Transport(name, sender, receiver, sized_group, keeps_latest, deltas)
 
 
 def get_transport(name: str) -> Transport:
@@ -89,9 +92,15 @@ def choose_transport(
     return "objectstore" if ray_available else "collective"
 
 
-def sender_options(name: str, *, receivers: int) -> dict[str, Any]:
-    """The `make_sender` keyword arguments that depend on the engines it serves (`receivers` of them)."""
-    return {"num_receivers": receivers} if get_transport(name).sized_group else {}
+def sender_options(name: str, *, receivers: int, deltas: int = 0) -> dict[str, Any]:
+    """The `make_sender` keyword arguments that depend on the engines it serves (`receivers` of them)
+    and on the job (`deltas`: versions whose deltas each manifest lists, 0 for none)."""
+    options: dict[str, Any] = {"num_receivers": receivers} if get_transport(name).sized_group else {}
+    if deltas:
+        if not get_transport(name).deltas:
+            raise ValueError(f"weight-sync transport {name!r} does not carry deltas")
+        options["deltas"] = deltas
+    return options
 
 
 def make_sender(name: str, policy: str, bucket_bytes: int, **kwargs: Any) -> WeightSender:
@@ -122,7 +131,7 @@ def _register_builtins() -> None:
     from polyrl_runtime.weights.cudaipc import CudaIpcReceiver, CudaIpcSender
     from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
 
-    register_transport(DEFAULT_TRANSPORT, _objectstore_sender, _objectstore_receiver)
+    register_transport(DEFAULT_TRANSPORT, _objectstore_sender, _objectstore_receiver, deltas=True)
     register_transport("shm", ShmSender, ShmReceiver)
     register_transport(COLLECTIVE, CollectiveSender, CollectiveReceiver, sized_group=True, keeps_latest=False)
     register_transport(CUDAIPC, CudaIpcSender, CudaIpcReceiver, keeps_latest=False)

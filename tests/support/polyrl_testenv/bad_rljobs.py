@@ -332,6 +332,12 @@ BAD_CASES: tuple[BadCase, ...] = (
         "spec.onVersionSkew",
         ("spec.onVersionSkew", "pause"),
     ),
+    BadCase(
+        "deltas-over-a-transport-without-them",
+        _set("spec.weightSync", {"transport": "shm", "deltas": 4}),
+        "spec.weightSync.deltas",
+        ("spec.weightSync.deltas", "need transport objectstore"),
+    ),
     BadCase("unknown-mode", _set("spec.mode", "turbo"), "spec.mode", ("spec.mode", "turbo")),
     BadCase(
         "unknown-engine",
