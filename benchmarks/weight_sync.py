@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/weight_sync.py [--sizes 64,256] [--bucket-mb 256] [--repeats 10]
         [--layout-scale 4] [--tables layout,bounds,messages] [--quick]
+    .venv/bin/python benchmarks/weight_sync.py --deltas [--layout-scale 4] [--repeats 3] [--quick]
 
 The first table moves a real model's layout: the 290 parameters of a Qwen2.5-0.5B-sized
 Qwen2ForCausalLM (24 layers, hidden 896, intermediate 4864, 14 heads / 2 KV heads, vocabulary
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import math
 import os
 import time
@@ -379,6 +381,12 @@ def main() -> None:
     ap.add_argument(
         "--tables", default="layout,bounds,messages", help="which tables: layout, bounds, messages"
     )
+    ap.add_argument(
+        "--deltas",
+        action="store_true",
+        help="instead of the tables above, those of weightSync.deltas (benchmarks/_deltas.py): bytes and "
+        "times at 1/10/100%% changed on the real layout, real training steps, a catch-up",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks that it runs")
     args = ap.parse_args()
     if args.quick:
@@ -397,6 +405,10 @@ def main() -> None:
         object_store_memory=max(max(sizes) * MiB, layout_bytes) * 3 + (512 * MiB),
     )
 
+    if args.deltas:
+        deltas_tables(args, layout)
+        ray.shutdown()
+        return
     worker = ray.remote(num_cpus=0)(Worker)
     a, b, c, d = (worker.remote() for _ in range(4))
     ray.get([w.reset.remote() for w in (a, b, c, d)])
@@ -410,6 +422,20 @@ def main() -> None:
     if args.gloo_pieces:
         pieces_table(args, a, b, min(sizes) * MiB)
     ray.shutdown()
+
+
+def deltas_tables(args: argparse.Namespace, specs: list[Spec]) -> None:
+    import _deltas
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    g = torch.Generator().manual_seed(0)
+    layout = {name: torch.randn(shape, generator=g).to(LAYOUT_DTYPE) for name, shape in specs}
+    exact = _deltas.layout_table(layout, args.repeats)
+    _deltas.training_table(steps=3 if args.quick else 10)
+    _deltas.catch_up_table(layout, behind=3 if args.quick else 10, repeats=args.repeats)
+    if not exact:
+        raise SystemExit("a delta sync was not bit-exact")
 
 
 def bounds_table(args: argparse.Namespace, a: Any, b: Any, sizes: list[int], bucket: int) -> None:

@@ -41,7 +41,9 @@ def target(tensors: dict[str, torch.Tensor], version: int, swap: bool) -> Tensor
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a
+    )
 
 
 def test_a_chain_leads_from_any_version_it_covers_and_only_from_those() -> None:
