@@ -213,7 +213,21 @@ class PolicyWeightSync:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(engine.weight_version())
         with self._lock:
-            return self._admit(name, engine)
+            start = time.perf_counter()
+            result = self._admit(name, engine)
+        report = result.reports.get(name) if result is not None else None
+        if report is not None:  # how long the engine took to catch up, and what it fetched
+            log.info(
+                "weights.engine_caught_up",
+                policy=self.policy,
+                engine=name,
+                version=report.version,
+                seconds=round(time.perf_counter() - start, 3),
+                receive_seconds=round(report.wall_s, 3),
+                bytes=report.nbytes,
+                whole_bytes=result.manifest.nbytes if result is not None else 0,
+            )
+        return result
 
     def _admit(self, name: str, engine: WeightSink) -> SyncResult | None:
         self.engines[name] = engine

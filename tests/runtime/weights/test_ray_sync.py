@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.trainers.client import TrainerRankClient
@@ -86,8 +87,11 @@ def test_sync_and_scale_out_across_actors(ray_session: Any, transport: str) -> N
 
         late = remote_engine.remote(transport)
         actors.append(late)
-        catch_up = wsync.add_engine("e1", EngineClient(late))
+        with capture_logs() as logs:
+            catch_up = wsync.add_engine("e1", EngineClient(late))
         assert catch_up is not None and not catch_up.failures
+        (caught_up,) = [x for x in logs if x["event"] == "weights.engine_caught_up"]  # and how long it took
+        assert caught_up["engine"] == "e1" and caught_up["version"] == 1 and caught_up["seconds"] >= 0
         assert ray.get(late.weight_version.remote()) == 1
         assert ray.get(late.fingerprint.remote()) == _expected(2)
         assert registry.ready("alice", "e1") and registry.ready("alice", "e0")
