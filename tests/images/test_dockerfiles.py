@@ -155,8 +155,9 @@ def test_runtime_pins_agree_with_pyproject() -> None:
     args = dict(a.split("=", 1) for o, a in instructions(RUNTIME) if o == "ARG" and "=" in a)
     torch_spec = args["TORCH_SPEC"].strip('"')
     assert torch_spec == requirement("runtime", "torch")
-    makefile = (REPO / "Makefile").read_text()
-    assert f'"{torch_spec}"' in makefile, "the Makefile installs another torch than the image"
+    installer = (REPO / "hack" / "venv" / "install.sh").read_text()  # what `make install` runs
+    assert f'TORCH_SPEC="{torch_spec}"' in installer, "make install installs another torch than the image"
+    assert f'DEEPSPEED_SPEC="{requirement("runtime", "deepspeed")}"' in installer
     runs = " ".join(a for o, a in instructions(RUNTIME) if o == "RUN")
     deepspeed = re.search(r'"(deepspeed[^"]*)"', runs)
     assert deepspeed and deepspeed[1] == requirement("runtime", "deepspeed")
