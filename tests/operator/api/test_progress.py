@@ -21,3 +21,9 @@ def test_progress_without_the_field_still_parses() -> None:
     doc = {"schemaVersion": 1, "state": "running", "policies": [{"name": "agent", "step": 2}]}
     parsed = Progress.model_validate(doc)
     assert parsed.policies[0].evaluation is None and parsed.pools == []
+
+
+def test_the_version_skew_per_other_policy_parses() -> None:
+    doc = Progress.model_validate_json((PROGRESS_SAMPLES / "running.json").read_text())
+    speaker, listener = doc.policies
+    assert speaker.version_skew == {"listener": 1} and listener.version_skew is None
