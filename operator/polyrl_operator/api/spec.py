@@ -510,6 +510,14 @@ class RLJobSpec(ApiModel):
         return Placement(t.pool, gpus, gpu_type, pods, pods, t.ranks_per_pod or max(gpus, 1))
 
     @property
+    def version_skew_action(self) -> Literal["wait", "drop"] | None:
+        """What bounds the policies' version skew: None when maxVersionSkew is unset, else
+        onVersionSkew (default wait)."""
+        if self.max_version_skew is None:
+            return None
+        return self.on_version_skew or "wait"
+
+    @property
     def effective_max_staleness(self) -> int:
         """Versions a sample may lag: 0 in sync mode, the spec value (default 2) in async mode."""
         if self.mode == "sync":

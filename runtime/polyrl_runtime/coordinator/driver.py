@@ -235,7 +235,7 @@ class Driver:
                 self.episodes_per_step,
                 s,
                 final_version=self.total,
-                max_version_skew=spec.max_version_skew if spec.on_version_skew == "drop" else None,
+                max_version_skew=spec.max_version_skew if spec.version_skew_action == "drop" else None,
             )
             for p in spec.policies
         ]

@@ -229,11 +229,11 @@ class EpisodeProducer:
             success = ep.metadata.get("success")
             for policy, reward in ep.policy_rewards.items():
                 mine = ep.versions.get(policy)
-                skew = {
-                    other: abs(v - mine)
-                    for other, v in ep.versions.items()
-                    if other != policy and mine is not None
-                }
+                skew = (
+                    {o: abs(v - mine) for o, v in ep.versions.items() if o != policy}
+                    if mine is not None
+                    else {}
+                )
                 self._on_episode(
                     policy,
                     reward,

@@ -116,7 +116,7 @@ class PolicyTrainer:
         self.pools, self.skew = parts.pools, parts.skew
         # Episodes over the job's version skew are dropped (onVersionSkew drop): a policy that only
         # gets such episodes can never step, and the job must fail rather than drop on forever.
-        self.drops_skewed = job.spec.max_version_skew is not None and job.spec.on_version_skew == "drop"
+        self.drops_skewed = job.spec.version_skew_action == "drop"
         self.stall_timeout_s, self.group_size = limits.stall_timeout_s, limits.group_size
         self.episodes_per_step = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps

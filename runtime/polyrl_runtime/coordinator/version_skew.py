@@ -41,8 +41,8 @@ class SkewGate:
     @classmethod
     def of(cls, spec: RLJobSpec, runs: Mapping[str, PolicyRun]) -> SkewGate:
         """The job's gate: bounded when the job sets maxVersionSkew and waits on it."""
-        waits = spec.max_version_skew is not None and spec.on_version_skew != "drop"
-        return cls(runs, spec.max_version_skew if waits else None, spec.training.total_steps)
+        bound = spec.max_version_skew if spec.version_skew_action == "wait" else None
+        return cls(runs, bound, spec.training.total_steps)
 
     def steps(self) -> dict[str, int]:
         """Every policy's step (for messages)."""
