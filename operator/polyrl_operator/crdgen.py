@@ -71,7 +71,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "name": "Restarts",
         "type": "integer",
         "jsonPath": ".status.restarts",
-        "description": "Restarts of the training roles.",
+        "description": "Restarts of the whole job (a policy's trainer restarting alone: policies[].restarts).",
         "priority": 1,
     },
     {

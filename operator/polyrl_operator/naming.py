@@ -23,7 +23,7 @@ LABEL_INDEX: Final = f"{DOMAIN}/index"
 LABEL_ATTEMPT: Final = f"{DOMAIN}/attempt"
 """Coordinator and trainer pods (and pool pods hosting a trainer) carry the restart attempt they
 belong to (status.restarts when created); a failure of a pod of an older attempt was already
-counted."""
+counted. A trainer pod replaced alone is created again with the same attempt."""
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_KUEUE_QUEUE: Final = "kueue.x-k8s.io/queue-name"
 """Kueue's label naming a job's LocalQueue; read when ``spec.scheduling.queueName`` is unset."""

@@ -12,7 +12,9 @@ slot of its own; its pool's slot lists it (``RoleSlot.placed``). What a pool pod
 pool's own traits depends on what it hosts: ``RoleSlot.traits_at(index)`` adds the traits of every
 role that pod hosts (``hosting``), so a pool pod hosting a trainer restarts the job, listens on the
 rendezvous port and mounts the checkpoint like a trainer pod, and one hosting only rollout engines
-is replaced alone like a rollout pod.
+is replaced alone like a rollout pod. A failed trainer pod of its own is replaced alone (the runtime
+restarts that policy's trainer by itself); a failed pool pod hosting a trainer still restarts the
+job, since the pool's other roles and turns go with it (``replaced_alone_on_failure`` is not hosted).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ class RoleTraits:
     index first. Kueue reserves the maximum."""
     restarts_job: bool
     """Its pods belong to a restart attempt (``polyrl.dev/attempt`` label, ``POLYRL_ATTEMPT``): a
-    failed pod of the current attempt restarts the training roles from the last checkpoint,
-    counted in ``status.restarts``."""
+    restart of the job (a new attempt) recreates them. A failed pod of the current attempt restarts
+    the training roles from the last checkpoint, counted in ``status.restarts``, unless the role is
+    ``replaced_alone_on_failure``."""
     entry_point: EntryPoint
     """The runtime command its container runs (``polyrl-runtime coordinator|worker``)."""
     gpus: bool
@@ -72,6 +75,12 @@ class RoleTraits:
     per_pool: bool = False
     """One set of pods per device pool (``<job>-pool-<pool>-<i>``): the pods of the roles placed
     on that pool."""
+    replaced_alone_on_failure: bool = False
+    """A failed pod of the current attempt is replaced on its own instead of restarting the job:
+    deleted now (a ``Replacing`` event), created again next round with the same attempt label. The
+    runtime restarts the ranks it hosted by themselves, from their policy's latest checkpoint,
+    counted per policy against ``failurePolicy.maxRestarts``. Only a role's own pods: ``hosting``
+    never passes it on, so a pool pod hosting such a role restarts the job."""
 
 
 ROLE_TRAITS: Final[Mapping[Role, RoleTraits]] = MappingProxyType(
@@ -131,6 +140,7 @@ ROLE_TRAITS: Final[Mapping[Role, RoleTraits]] = MappingProxyType(
             mounts_checkpoint=True,
             mounts_data=False,
             metrics_sinks=False,
+            replaced_alone_on_failure=True,
         ),
         # A pool's own traits are those of a pod that hosts nothing; ``hosting`` adds, per pod,
         # the traits of the roles placed on it that the pod runs (RoleSlot.traits_at).
@@ -162,7 +172,9 @@ def traits_of(role: str | None) -> RoleTraits | None:
 def hosting(traits: RoleTraits, roles: Iterable[Role]) -> RoleTraits:
     """``traits`` (a pool's) plus what each of ``roles`` (those a pod of the pool hosts) needs: the
     restart attempt, the rendezvous port, the checkpoint and data claims and the metrics secret when
-    any of them needs it, the model claim the strongest way any of them mounts it."""
+    any of them needs it, the model claim the strongest way any of them mounts it. Never
+    ``replaced_alone_on_failure`` from what it hosts: the runtime restarts a trainer alone only on
+    pods of its own, so a failed pool pod hosting one restarts the job."""
     hosted = [ROLE_TRAITS[role] for role in roles]
     return replace(
         traits,

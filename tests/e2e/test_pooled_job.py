@@ -74,9 +74,9 @@ def test_a_pool_pod_that_dies_is_replaced_and_its_roles_resume_from_the_checkpoi
     e2e: E2E, namespace: str
 ) -> None:
     """The pool pod hosts the engine and the trainer of two policies that share a base as LoRA adapters:
-    its death restarts the training roles from the last checkpoint (as a trainer pod's does), the pod
-    is created again, both policies resume from their own checkpoints, and no sample is lost or
-    trained twice."""
+    its death restarts the training roles from the last checkpoint (as the coordinator's does; a
+    trainer pod of its own restarts only its policy's trainer), the pod is created again, both
+    policies resume from their own checkpoints, and no sample is lost or trained twice."""
     steps = 16
     doc = shared_lora(steps)
     doc["spec"]["workflow"]["args"]["latency_s"] = 1.0  # steps of >= 0.5 s: the kill lands mid-run

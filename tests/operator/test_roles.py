@@ -59,25 +59,31 @@ def test_a_policy_the_job_lacks_is_named() -> None:
         role_slot(JOB, "rollout", "nobody")
 
 
+# (role label, owner, index, in a restart attempt, replaced alone when it fails)
 @pytest.mark.parametrize(
-    ("label", "owner", "index", "restarts"),
+    ("label", "owner", "index", "restarts", "alone"),
     [
-        ("coordinator", None, 0, True),
-        ("trainer", "judge", 0, True),
-        ("rollout", "judge", 0, False),
-        ("workflow", None, 1, False),
-        # Pool h100 hosts the proposer's trainer on its first replicas.min (2) pods only.
-        ("pool", "h100", 0, True),
-        ("pool", "h100", 1, True),
-        ("pool", "h100", 2, False),
-        ("pool", "gone", 0, False),
-        ("other", None, 0, False),
-        (None, None, 0, False),
+        ("coordinator", None, 0, True, False),
+        # A trainer's own pod: in the attempt, but its failure restarts that trainer alone.
+        ("trainer", "judge", 0, True, True),
+        ("rollout", "judge", 0, False, False),
+        ("workflow", None, 1, False, False),
+        # Pool h100 hosts the proposer's trainer on its first replicas.min (2) pods only; their
+        # failure restarts the job.
+        ("pool", "h100", 0, True, False),
+        ("pool", "h100", 1, True, False),
+        ("pool", "h100", 2, False, False),
+        ("pool", "gone", 0, False, False),
+        ("other", None, 0, False, False),
+        (None, None, 0, False, False),
     ],
 )
-def test_which_pods_restart_the_job(label: str | None, owner: str | None, index: int, restarts: bool) -> None:
+def test_which_pods_restart_the_job(
+    label: str | None, owner: str | None, index: int, restarts: bool, alone: bool
+) -> None:
     traits = pod_traits(POOLED, label, owner, index)
     assert (traits is not None and traits.restarts_job) is restarts
+    assert (traits is not None and traits.replaced_alone_on_failure) is alone
     assert (traits_of(label) is None) is (label not in ROLES)
 
 

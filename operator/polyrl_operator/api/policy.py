@@ -304,6 +304,21 @@ class Trainer(RoleOverrides):
     )
 
 
+class PolicyFailurePolicy(ApiModel):
+    """What to do when this policy's trainer fails; unset fields take the job's failurePolicy."""
+
+    max_restarts: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="Restarts of this policy's trainer (from its part of the latest complete "
+        "checkpoint) before onPolicyFailure applies. Unset: the job's failurePolicy.maxRestarts.",
+    )
+    on_policy_failure: Literal["failJob", "freeze"] | None = Field(
+        None, description="Unset: the job's failurePolicy.onPolicyFailure."
+    )
+
+
 class Policy(ApiModel):
     """One independently weighted agent policy with its own model, rollout fleet and trainer."""
 
@@ -318,3 +333,6 @@ class Policy(ApiModel):
     algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm.")
     rollout: Rollout = Field(default_factory=Rollout, description="Inference fleet.")
     trainer: Trainer = Field(default_factory=Trainer, description="Training fleet.")
+    failure_policy: PolicyFailurePolicy | None = Field(
+        None, description="Overrides of the job's failurePolicy for this policy's trainer."
+    )

@@ -66,6 +66,15 @@ class PolicyProgress(_Wire):
     evaluation: EvalProgress | None = Field(
         None, description="The latest evaluation pass, if the job evaluates."
     )
+    restarts: int = Field(
+        0, ge=0, description="Restarts of its trainer alone (failurePolicy), in this coordinator's run."
+    )
+    trainer_state: Literal["training", "restarting", "frozen", "done"] = Field(
+        "training",
+        description="restarting: its trainer failed and restarts from its latest checkpoint (its "
+        "engines serve its last version meanwhile); frozen: it ran out of restarts under "
+        "onPolicyFailure freeze and trains no more; done: it took its last step.",
+    )
     version_skew: dict[str, int] | None = Field(
         None,
         description="Per other policy met in its episodes: the largest number of versions they were "

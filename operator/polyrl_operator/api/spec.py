@@ -130,7 +130,18 @@ class FailurePolicy(ApiModel):
         3,
         ge=0,
         le=1000,
-        description="Restarts of the training roles (from the last checkpoint) before Failed.",
+        description="Restarts before the job fails. The coordinator's: the whole job restarts from the "
+        "latest complete checkpoint, counted in status.restarts. A policy's trainer (a rank crashed, "
+        "its pod lost): only that policy's trainer restarts, from that policy's part of the latest "
+        "complete checkpoint, while the other policies train on; counted per policy in "
+        "status.policies[].restarts (policies[].failurePolicy.maxRestarts overrides the limit).",
+    )
+    on_policy_failure: Literal["failJob", "freeze"] = Field(
+        "failJob",
+        description="What a policy whose trainer failed past its maxRestarts does: failJob fails the "
+        "job; freeze stops training that policy (its engines keep serving its last version, its new "
+        "samples are dropped as policy_finished) and trains the others on, reported in "
+        "status.policies[].trainerState and the PolicyFrozen condition. freeze needs two policies or more.",
     )
 
 
@@ -195,6 +206,18 @@ class RLJobSpec(ApiModel):
                 s.max_version_skew is None or s.max_version_skew >= 1 or s.on_version_skew == "drop"
             ),
             field=".maxVersionSkew",
+        ),
+        Rule(
+            cel="size(self.policies) > 1 || ((!has(self.failurePolicy) || "
+            "!has(self.failurePolicy.onPolicyFailure) || self.failurePolicy.onPolicyFailure != 'freeze') "
+            "&& self.policies.all(p, !has(p.failurePolicy) || !has(p.failurePolicy.onPolicyFailure) || "
+            "p.failurePolicy.onPolicyFailure != 'freeze'))",
+            message="freeze needs two policies or more: a job whose only policy is frozen has nothing "
+            "left to train (use failJob)",
+            check=lambda s: (
+                len(s.policies) > 1 or all(s.policy_failure(p.name)[1] != "freeze" for p in s.policies)
+            ),
+            field=".failurePolicy.onPolicyFailure",
         ),
         Rule(
             cel="!has(self.evaluation) || (has(self.data) && has(self.data.eval))",
@@ -508,6 +531,14 @@ class RLJobSpec(ApiModel):
         else:
             pods, gpus, gpu_type = t.replicas or 1, DEFAULT_GPUS if t.gpus is None else t.gpus, t.gpu_type
         return Placement(t.pool, gpus, gpu_type, pods, pods, t.ranks_per_pod or max(gpus, 1))
+
+    def policy_failure(self, name: str) -> tuple[int, Literal["failJob", "freeze"]]:
+        """(maxRestarts, onPolicyFailure) for policy `name`'s trainer: its own failurePolicy's
+        fields where set, else the job's."""
+        own, job = self.policy(name).failure_policy, self.failure_policy
+        limit = own.max_restarts if own is not None and own.max_restarts is not None else job.max_restarts
+        action = own.on_policy_failure if own is not None and own.on_policy_failure else job.on_policy_failure
+        return limit, action
 
     @property
     def version_skew_action(self) -> Literal["wait", "drop"] | None:

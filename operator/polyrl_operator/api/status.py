@@ -11,7 +11,7 @@ from polyrl_operator.api.base import ApiModel
 Phase = Literal["Pending", "Admitted", "Running", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[Phase, ...] = get_args(Phase)
 ConditionType = Literal[
-    "Admitted", "Ready", "Progressing", "Suspended", "Succeeded", "Failed", "QuotaExceeded"
+    "Admitted", "Ready", "Progressing", "Suspended", "Succeeded", "Failed", "QuotaExceeded", "PolicyFrozen"
 ]
 
 
@@ -78,6 +78,18 @@ class PolicyStatus(ApiModel):
     trainer: RoleCounts = Field(default_factory=RoleCounts, description="Trainer pods.")
     last_checkpoint_step: int | None = Field(None, ge=0, description="Step of the newest checkpoint.")
     evaluation: EvalStatus | None = Field(None, description="The latest evaluation pass (spec.evaluation).")
+    restarts: int = Field(
+        0,
+        ge=0,
+        description="Restarts of this policy's trainer alone (failurePolicy.maxRestarts), counted "
+        "since the coordinator last started.",
+    )
+    trainer_state: Literal["training", "restarting", "frozen", "done"] | None = Field(
+        None,
+        description="training, restarting (from its latest checkpoint, the others training on), "
+        "frozen (out of restarts under onPolicyFailure freeze: serving its last version untrained) "
+        "or done. Unset before the coordinator reports.",
+    )
 
 
 class SharedBaseStatus(ApiModel):
@@ -127,7 +139,8 @@ class RLJobStatus(ApiModel):
     observed_generation: int | None = Field(None, ge=0, description="metadata.generation last acted upon.")
     conditions: list[Condition] | None = Field(
         None,
-        description="Admitted, Ready, Progressing, Suspended, Succeeded, Failed, QuotaExceeded.",
+        description="Admitted, Ready, Progressing, Suspended, Succeeded, Failed, QuotaExceeded, "
+        "PolicyFrozen (True while a policy is frozen: out of restarts under onPolicyFailure freeze).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     policies: list[PolicyStatus] | None = Field(
@@ -160,7 +173,13 @@ class RLJobStatus(ApiModel):
         description="Job progress: the smallest step over all policies while it runs; the "
         "final step (the largest) once it Succeeded.",
     )
-    restarts: int = Field(0, ge=0, description="Restarts of the training roles so far.")
+    restarts: int = Field(
+        0,
+        ge=0,
+        description="Restarts of the job's training roles from the latest complete checkpoint so far "
+        "(the coordinator failed, or a pool pod hosting a trainer did). A policy's trainer restarting "
+        "alone counts in policies[].restarts instead.",
+    )
     start_time: str | None = Field(
         None,
         json_schema_extra={"format": "date-time"},

@@ -38,8 +38,8 @@ class PodRequest:
     index: int = 0
     policy: str | None = None
     attempt: int = 0
-    """Restart attempt (status.restarts) the pod belongs to; used for the pods that restart the job
-    (coordinator, trainers, pool pods hosting a trainer)."""
+    """Restart attempt (status.restarts) the pod belongs to; used for the pods a restart of the job
+    recreates (coordinator, trainers, pool pods hosting a trainer)."""
     flavor: Placement | None = None
     """Node placement from the Kueue admission (ResourceFlavor nodeLabels/tolerations)."""
     pool: str | None = None

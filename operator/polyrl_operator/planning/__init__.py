@@ -6,7 +6,8 @@ Layers, bottom to top (an import-linter contract keeps them so):
 * ``conditions``: metav1 conditions and the time and message helpers;
 * ``lifecycle``: finished, restart, admission, deadline, TTL decisions;
 * ``pods``: which pods exist, scale, drain, and the checkpoint-first stop;
-* ``status``: the typed RLJobStatus of an invalid, finished or live job;
+* ``status``: the typed RLJobStatus of an invalid, finished or live job, and the events its changes
+  mark;
 * ``quota``: what a quota refusal reported by apply leaves for the next plan (memory, event, backoff);
 * ``plan``: composes them into one Plan; ``render`` prints a plan's manifests.
 """

@@ -46,9 +46,10 @@ def with_queue(job: RLJob, labels: dict[str, str]) -> RLJob:
 
 
 def _restarts_job(job: RLJob, pod: Child) -> bool:
-    """Whether the pod belongs to a restart attempt (a pool pod: whether it hosts a trainer)."""
+    """Whether the pod's failure restarts the job: it belongs to a restart attempt (a pool pod:
+    it hosts a trainer) and is not replaced alone (a trainer's own pod is: ``plan_pods``)."""
     traits = pod_traits(job, pod.role, pod.owner, pod.index)
-    return traits is not None and traits.restarts_job
+    return traits is not None and traits.restarts_job and not traits.replaced_alone_on_failure
 
 
 def terminal_verdict(
@@ -58,7 +59,12 @@ def terminal_verdict(
     pods: list[Child],
     restarts: int,
 ) -> Verdict | None:
-    """Succeeded, Failed or restart when the observations say so; None while the job runs."""
+    """Succeeded, Failed or restart when the observations say so; None while the job runs.
+
+    A restart is the coordinator's failure (its pod, or its report), or a failed pool pod hosting
+    a trainer. A failed trainer pod of its own is no verdict: that policy's trainer restarts alone
+    (``plan_pods`` replaces the pod; the runtime counts its restarts against the policy's limit and
+    says in its report what follows when they run out: the policy frozen, or the job failed)."""
     if (progress is not None and progress.state == "done") or (
         coordinator is not None and coordinator.phase == "Succeeded"
     ):

@@ -52,6 +52,7 @@ from polyrl_operator.planning.status import (
     active_status,
     finished_status,
     invalid_status,
+    policy_events,
     transition_events,
 )
 from polyrl_operator.planning.types import (
@@ -277,7 +278,9 @@ def _live(
         refusal=frame.refusal if stop_reason in (None, "QuotaExceeded") else None,
     )
     status = active_status(status_inputs)
-    transitions = Actions(events=transition_events(inputs.old, status))
+    transitions = Actions(
+        events=transition_events(inputs.old, status) + policy_events(inputs.job, inputs.old, status)
+    )
     return Plan(
         ref=frame.ref,
         status=status,
@@ -309,11 +312,12 @@ def _finished(frame: _Frame, inputs: PodInputs, verdict: Verdict | None, decided
     )
     expired, wait, event = ttl_expiry(job, status.completion_time, now)
     ttl = Actions(events=(event,) if event else (), requeue_after=wait)
+    befell = Actions(events=policy_events(job, inputs.old, status))
     return Plan(
         ref=frame.ref,
         status=status.model_copy(update={"restarts": inputs.restarts}),
         desired=frame.desired,
-        actions=combine(*decided, Actions(keep=keep), ttl),
+        actions=combine(*decided, befell, Actions(keep=keep), ttl),
         finalizer=frame.finalizer,
         delete_job=expired,
         memory=frame.memory,

@@ -25,7 +25,7 @@ from polyrl_operator.observed import Child, Observed
 from polyrl_operator.planning.conditions import parse_time, rfc3339
 from polyrl_operator.planning.types import Actions, Event, JobMemory, Key, PodPlan, RoleKey, combine
 from polyrl_operator.pod_contract import ANNOTATION_CHECKPOINT_REQUEST, ANNOTATION_DRAIN
-from polyrl_operator.roles import RoleSlot, role_slots
+from polyrl_operator.roles import RoleSlot, RoleTraits, role_slots
 from polyrl_operator.settings import OperatorSettings
 
 CHECKPOINT_FIRST = ("Suspended", "Evicted", "DeadlineExceeded")
@@ -216,11 +216,8 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
                 missing_required += 0 if current else 1
             if existing is not None and existing.unschedulable:
                 unschedulable.append(f"{name}: {existing.unschedulable}")
-            replaced_alone = traits.elastic and not traits.restarts_job
-            if existing is not None and existing.terminated and replaced_alone and not existing.deleting:
-                # A finished worker is replaced: deleted now, created again next round. A pod that
-                # restarts the job is not: the restart (a new attempt) replaces it.
-                why = f"pod {name} {existing.phase.lower()}: {existing.failure or 'exited'}; replacing it"
+            why = _replacing(slot, traits, attempt, existing)
+            if why is not None:
                 parts.append(Actions(events=(Event("Warning", "Replacing", why),), requeue_after=1.0))
                 continue
             pods[("Pod", name)] = manifest
@@ -257,6 +254,27 @@ def plan_pods(inputs: PodInputs, admission: Admission | None) -> PodPlan:
         wait_message=message,
         not_ready_reason=reason,
     )
+
+
+def _replacing(slot: RoleSlot, traits: RoleTraits, attempt: int, existing: Child | None) -> str | None:
+    """Why ``existing`` is replaced alone (deleted now, created again next round, the job carrying
+    on), or None when it is not.
+
+    A finished elastic worker is. So is a failed pod of a role ``replaced_alone_on_failure`` (a
+    trainer's own) of the attempt it would be created in again: its label stays, so a later
+    restart of the job still recreates it. Any other pod that restarts the job is not: the restart
+    (a new attempt) replaces it, and a pod of an earlier attempt goes because its content differs."""
+    if existing is None or existing.deleting or not existing.terminated:
+        return None
+    what = f"pod {existing.name} {existing.phase.lower()}: {existing.failure or 'exited'}"
+    if traits.elastic and not traits.restarts_job:
+        return f"{what}; replacing it"
+    if traits.replaced_alone_on_failure and existing.phase == "Failed" and existing.attempt == attempt:
+        return (
+            f"{what}; replacing it: the trainer of policy {slot.policy} restarts alone from its "
+            "latest checkpoint while the other policies train on"
+        )
+    return None
 
 
 def _describe(slot: RoleSlot) -> str:

@@ -4,7 +4,8 @@ the pod plan counts them), the coordinator's report and the apply outcome to ``R
 Three shapes of job: invalid (nothing runs), finished (Succeeded or Failed) and live; one function
 each. A quota refusal reported by apply is an input of the next plan (``StatusInputs.refusal``),
 so no other code writes status. Events that mark a change of state (admitted, suspended, resumed,
-invalid spec) are derived by comparing the old and the new status, never decided a second time.
+invalid spec, a policy's trainer restarting alone or frozen) are derived by comparing the old and
+the new status, never decided a second time.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ SUMMARY_LIMIT = 4096
 def policy_statuses(
     job: RLJob, old: RLJobStatus, progress: Progress | None, pods: PodPlan
 ) -> list[PolicyStatus]:
-    """Each policy's progress (from the report, else as last written) and its pod counts."""
+    """Each policy's progress (from the report, else as last written) and its pod counts. Its
+    trainer's restarts and state are the report's as they are: the coordinator counts restarts
+    since it started, so a restart of the job starts them again from 0."""
     previous = {p.name: p for p in old.policies or []}
     out = []
     for p in job.spec.policies:
@@ -50,6 +53,8 @@ def policy_statuses(
                         else entry.last_checkpoint_step
                     ),
                     "evaluation": eval_status(prog.evaluation) or entry.evaluation,
+                    "restarts": prog.restarts,
+                    "trainer_state": prog.trainer_state,
                 }
             )
         rollout, trainer = job.spec.rollout_placement(p), job.spec.trainer_placement(p)
@@ -124,6 +129,55 @@ def policy_summary(policies: list[PolicyStatus]) -> str:
     return clip(" ".join(f"{p.name}:v{p.version}" for p in policies), SUMMARY_LIMIT)
 
 
+def frozen_condition(policies: list[PolicyStatus]) -> Setting:
+    """The PolicyFrozen condition: True while a policy's trainer is frozen (out of restarts under
+    onPolicyFailure freeze), naming them; the other policies train on."""
+    frozen = [p.name for p in policies if p.trainer_state == "frozen"]
+    if not frozen:
+        return False, "NotFrozen", ""
+    which = f"policy {frozen[0]} is" if len(frozen) == 1 else f"policies {', '.join(frozen)} are"
+    return (
+        True,
+        "Frozen",
+        f"{which} frozen: out of restarts under onPolicyFailure freeze, serving the last version "
+        "untrained while the other policies train on",
+    )
+
+
+def policy_events(job: RLJob, old: RLJobStatus, new: RLJobStatus) -> tuple[Event, ...]:
+    """Events for what befell each policy's trainer between two statuses: a restart of it alone
+    (its count rose) and its freezing. Each change is recorded once: the next plan compares
+    with the status that already holds it."""
+    before = {p.name: p for p in old.policies or []}
+    names = {p.name for p in job.spec.policies}
+    events: list[Event] = []
+    for entry in new.policies or []:
+        if entry.name not in names:
+            continue
+        was = before.get(entry.name) or PolicyStatus(name=entry.name)
+        limit, _ = job.spec.policy_failure(entry.name)
+        if entry.restarts > was.restarts:
+            events.append(
+                Event(
+                    "Warning",
+                    "PolicyRestarting",
+                    f"policy {entry.name}: its trainer failed and restarts alone from its latest "
+                    f"checkpoint (restart {entry.restarts} of {limit}); the other policies train on",
+                )
+            )
+        if entry.trainer_state == "frozen" and was.trainer_state != "frozen":
+            events.append(
+                Event(
+                    "Warning",
+                    "PolicyFrozen",
+                    f"policy {entry.name}: its trainer failed past maxRestarts ({limit}) under "
+                    f"onPolicyFailure freeze; frozen at step {entry.step}, its engines serve version "
+                    f"{entry.version} and the other policies train on",
+                )
+            )
+    return tuple(events)
+
+
 def _with_policies(
     status: RLJobStatus, policies: list[PolicyStatus], step: int, pools: list[PoolStatus] | None
 ) -> RLJobStatus:
@@ -152,6 +206,7 @@ def invalid_status(old: RLJobStatus, message: str, generation: int | None, now: 
             "Succeeded": (False, reason, ""),
             "Failed": (True, reason, message),
             "QuotaExceeded": (False, reason, ""),
+            "PolicyFrozen": (False, reason, ""),
         },
         generation=generation,
         now=now,
@@ -192,16 +247,18 @@ def finished_status(
         values["Failed"] = (not won, "NotFailed" if won else verdict.reason, "" if won else verdict.message)
     succeeded = status.phase == "Succeeded"
     message = status.message or ""
+    no_pods = empty_pod_plan(job)
+    policies = policy_statuses(job, status, progress, no_pods)
     values |= {
         "Admitted": (False, "Finished", ""),
         "Ready": (False, "Finished", message),
         "Progressing": (False, "Succeeded" if succeeded else "Failed", message),
         "Suspended": (False, "Finished", ""),
         "QuotaExceeded": (False, "Finished", ""),
+        # Kept as the job ended: a policy frozen then stays so in the record.
+        "PolicyFrozen": frozen_condition(policies),
     }
     conditions = set_conditions(status.conditions, values, generation=generation, now=now)
-    no_pods = empty_pod_plan(job)
-    policies = policy_statuses(job, status, progress, no_pods)
     steps = [p.step for p in policies]
     step = (max(steps) if succeeded else min(steps)) if steps else 0
     status = status.model_copy(update={"conditions": conditions, "workflow": RoleCounts()})
@@ -282,6 +339,7 @@ def active_status(inputs: StatusInputs) -> RLJobStatus:
                 "QuotaExceeded" if quota_now else "WithinQuota",
                 (quota or "") if quota_now else "",
             ),
+            "PolicyFrozen": frozen_condition(policies),
         },
         generation=inputs.generation,
         now=now,

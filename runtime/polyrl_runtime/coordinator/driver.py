@@ -41,7 +41,7 @@ from polyrl_runtime.coordinator.evaluation import Evaluator, load_eval_rows
 from polyrl_runtime.coordinator.failures import JobFailedError, root_cause
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.fleet_supervisor import FleetSupervisor
-from polyrl_runtime.coordinator.job_state import DriverOptions, JobControl, PolicyRun, State
+from polyrl_runtime.coordinator.job_state import DriverOptions, JobControl, PolicyRun, State, version_offset
 from polyrl_runtime.coordinator.metrics.log import MetricsLog
 from polyrl_runtime.coordinator.metrics.records import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.pool_scheduler import device_pools
@@ -167,9 +167,13 @@ class Driver:
             await self.checkpoint("final")
             await self.fleet.poll()  # the final /progress shows the engines' final versions
             data_end = parts.producer.data_end_message({n: r.step for n, r in self.runs.items()})
-            done = data_end is not None or all(r.step >= self.total for r in self.runs.values())
+            done = data_end is not None or all(
+                r.step >= self.total or r.trainer_state == "frozen" for r in self.runs.values()
+            )
             self.state = "done" if done else "running"
-            self.message = (data_end or "all policies finished") if done else "interrupted; checkpointed"
+            frozen = [n for n, r in self.runs.items() if r.trainer_state == "frozen"]
+            finished = "all policies finished" + (f" but {', '.join(frozen)} (frozen)" if frozen else "")
+            self.message = (data_end or finished) if done else "interrupted; checkpointed"
         except JobFailedError as e:
             self.state, self.message, self.retryable = "failed", str(e), e.retryable
             log.error("job.failed", error=str(e))
@@ -229,12 +233,16 @@ class Driver:
             raise JobFailedError(str(e), retryable=False) from e
         ref = self.store.latest() if self.opts.resume else None
         fleet, s = self.fleet, spec.effective_max_staleness
+        # A policy whose trainer restarted alone publishes versions past its steps (PolicyRun.version_offset).
+        offsets = (
+            {n: version_offset(st) for n, st in ref.state["policies"].items()} if ref is not None else {}
+        )
         configs = [
             PolicyConfig(
                 p.name,
                 self.episodes_per_step,
                 s,
-                final_version=self.total,
+                final_version=self.total + offsets.get(p.name, 0),
                 max_version_skew=spec.max_version_skew if spec.version_skew_action == "drop" else None,
             )
             for p in spec.policies
@@ -426,7 +434,7 @@ class Driver:
             message=self.message,
             retryable=self.retryable,
             attempt=self.opts.attempt,
-            policies=[policy_snapshot(run, self.fleet) for run in self.runs.values()],
+            policies=[policy_snapshot(run, self.fleet, self.total) for run in self.runs.values()],
             workers=worker_views(self.fleet),
             last_ckpt_step=last.step if last is not None else None,
             last_ckpt_location=last.location if last is not None else None,

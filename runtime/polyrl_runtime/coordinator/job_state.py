@@ -34,6 +34,7 @@ from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
 
 State = Literal["starting", "running", "checkpointing", "done", "failed"]
+TrainerState = Literal["training", "restarting", "frozen", "done"]
 
 
 @dataclass
@@ -84,12 +85,27 @@ class PolicyRun:
     last_reward: float | None = None
     last_ckpt_step: int | None = None
     last_eval: EvalProgress | None = None  # the latest evaluation pass (coordinator/evaluation.py)
+    # Versions published beyond the steps taken: a trainer restarted from a checkpoint at step c
+    # publishes past every version its engines served (coordinator/policy_restart.py), so a
+    # version names one set of weights for the whole run.
+    version_offset: int = 0
+    trainer_state: TrainerState = "training"
+    restarts: int = 0  # restarts of this policy's trainer alone, in this coordinator's run
+
+    @property
+    def version(self) -> int:
+        """The weight version of the policy's latest step (what its engines serve)."""
+        return self.step + self.version_offset
+
+    @property
+    def training(self) -> bool:
+        return self.trainer_state in ("training", "restarting")
 
     def checkpoint_state(self) -> dict[str, Any]:
         """This policy's entry of a checkpoint's `state.json` (`restored` reads it back)."""
         state: dict[str, Any] = {
             "step": self.step,
-            "version": self.step,
+            "version": self.version,
             "samples_per_episode": self.samples_per_episode,
             "rewards": self.window.state(),
         }
@@ -103,6 +119,12 @@ class PolicyRun:
         self.window.restore(state.get("rewards", {}))
         ev = state.get("evaluation")
         self.last_eval = EvalProgress.model_validate(ev) if ev is not None else None
+        self.version_offset = version_offset(state)
+
+
+def version_offset(state: dict[str, Any]) -> int:
+    """How far a checkpointed policy's version is ahead of its step (`PolicyRun.version_offset`)."""
+    return int(state.get("version", state.get("step", 0))) - int(state.get("step", 0))
 
 
 class JobControl:

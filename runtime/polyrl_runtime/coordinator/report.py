@@ -29,7 +29,7 @@ from polyrl_runtime.coordinator.slots import Slot
 from polyrl_runtime.experience.client import BufferClient
 
 if TYPE_CHECKING:  # the driver's modules import torch; `polyrl run` loads them while Ray starts
-    from polyrl_runtime.coordinator.job_state import PolicyRun, State
+    from polyrl_runtime.coordinator.job_state import PolicyRun, State, TrainerState
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +45,9 @@ class PolicySnapshot:
     backlog: int  # requests queued on the live engines
     evaluation: EvalProgress | None = None
     version_skew: dict[str, int] = field(default_factory=dict)
+    version: int | None = None  # None: the step (a trainer that never restarted alone)
+    restarts: int = 0
+    trainer_state: TrainerState = "training"
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def _worker(s: Slot[Actor], version: int | None = None) -> Worker:
     )
 
 
-def policy_snapshot(run: PolicyRun, fleet: Fleet) -> PolicySnapshot:
+def policy_snapshot(run: PolicyRun, fleet: Fleet, total: int) -> PolicySnapshot:
     live = [s for s in fleet.engines[run.name].values() if not s.dead]
     return PolicySnapshot(
         name=run.name,
@@ -100,6 +103,9 @@ def policy_snapshot(run: PolicyRun, fleet: Fleet) -> PolicySnapshot:
         backlog=sum(s.queued for s in live),
         evaluation=run.last_eval,
         version_skew=dict(run.version_skew),
+        version=run.version,
+        restarts=run.restarts,
+        trainer_state="done" if run.trainer_state == "training" and run.step >= total else run.trainer_state,
     )
 
 
@@ -132,8 +138,10 @@ def progress_report(s: JobSnapshot) -> Progress:
         policies=[
             PolicyProgress(
                 name=p.name,
-                version=p.step,
+                version=p.step if p.version is None else p.version,
                 step=p.step,
+                restarts=p.restarts,
+                trainer_state=p.trainer_state,
                 reward_mean=p.last_reward,
                 staleness=StalenessStats(mean=p.staleness[0], max=p.staleness[1]),
                 backlog=p.backlog,

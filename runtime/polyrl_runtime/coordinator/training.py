@@ -13,24 +13,26 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import EvalProgress
 from polyrl_runtime.actors import Actor, actor_gone
+from polyrl_runtime.coordinator import policy_restart
 from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointRef
 from polyrl_runtime.coordinator.evaluation import Evaluator
+from polyrl_runtime.coordinator.failures import root_cause
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
 from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
 from polyrl_runtime.coordinator.pool_scheduler import DevicePools
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.coordinator.slots import Slot
-from polyrl_runtime.coordinator.version_skew import SkewGate
-from polyrl_runtime.experience.buffer import DropReason, PolicyStats
+from polyrl_runtime.coordinator.version_skew import SkewGate, SkewStarvation
+from polyrl_runtime.experience.buffer import PolicyStats
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.api import StepResult, node_local_ranks
 from polyrl_runtime.weights import VersionRegistry, sender_options
@@ -46,7 +48,8 @@ class ProducerEventSink:
         self.runs, self.total, self.control, self.fleet = runs, total, control, fleet
 
     def still_training(self, policy: str) -> bool:
-        return self.runs[policy].step < self.total
+        run = self.runs[policy]
+        return run.step < self.total and run.training
 
     def episode(
         self, policy: str, reward: float, success: float | None, samples: int, skew: Mapping[str, int]
@@ -89,21 +92,6 @@ class StepLimits:
     stall_timeout_s: float  # no credit, nothing buffered or in flight this long: the job fails
 
 
-class SkewStarvation:
-    """Whether, while a policy waits for a step, samples stopped arriving and episodes were dropped
-    for version skew all the while (onVersionSkew drop)."""
-
-    def __init__(self, now: float) -> None:
-        self.arrived_at, self.buffered, self.dropped = now, 0, -1
-
-    def starved(self, st: PolicyStats, timeout_s: float) -> bool:
-        now, dropped = time.monotonic(), st.dropped.get(DropReason.VERSION_SKEW, 0)
-        if self.dropped < 0 or st.buffered > self.buffered or st.leased:
-            self.arrived_at, self.dropped = now, dropped  # a sample arrived: starving starts again
-        self.buffered = st.buffered
-        return dropped > self.dropped and now - self.arrived_at > timeout_s
-
-
 class PolicyTrainer:
     """The training loop of one policy and the weight sync after each of its steps."""
 
@@ -121,6 +109,7 @@ class PolicyTrainer:
         self.episodes_per_step = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps
         self._totals = Totals()  # at the previous step record (or the loop's start)
+        self.transport = ""  # the policy's weight transport, once `connect` has run
 
     async def setup(self, ref: CheckpointRef | None) -> None:
         """Rendezvous the ranks and build their models; load the checkpoint if it has this policy."""
@@ -138,15 +127,15 @@ class PolicyTrainer:
 
     async def connect(self, transport: str) -> None:
         """Connect the weight sync to the policy's engines and publish the starting weights."""
-        run = self.run
-        engines = {n: s.actor for n, s in self.fleet.engines[run.name].items()}
+        run, self.transport = self.run, transport
+        engines = {n: s.actor for n, s in self.fleet.live_engines(run.name).items()}
         kwargs = sender_options(transport, receivers=len(engines), deltas=self.spec.weight_sync.deltas)
         bucket = self.spec.weight_sync.bucket_mb << 20
         await run.ranks[0].init_sender(transport, bucket, kwargs)
         run.sync = await asyncio.to_thread(
             PolicyWeightSync, run.name, run.ranks[0], engines, self.registry, transport=transport
         )
-        await self.sync_weights(run.step)
+        await self.sync_weights(run.version)
 
     def _read_totals(self, stats: PolicyStats) -> Totals:
         return Totals(dict(stats.dropped), sum(self.producer.failures.values()))
@@ -169,21 +158,122 @@ class PolicyTrainer:
             if not n:
                 break
             async with run.lock:
-                try:
-                    await self.record(await self._evaluated(await self.train_step(n)))
-                except Exception as e:
-                    self.control.fail(f"policy {run.name}: trainer failed at step {run.step + 1}: {e}")
+                outcome = await self._step(n)
+            if outcome == "stop":
+                return
+            if outcome == "restart":
+                # Outside the lock: the new ranks may wait minutes for a pod, and a checkpoint
+                # meanwhile (which takes every policy's lock) must not hold the others back.
+                if not await self._restart():
                     return
-                try:
-                    await self.checkpointer.maybe_export(run)
-                except Exception as e:
-                    self.control.fail(
-                        f"policy {run.name}: Hugging Face export of step {run.step} failed: {e}"
-                    )
-                    return
+                continue
             if run.step >= self.total:
                 await self.buffer.finish(run.name)
             await self.checkpointer.maybe_checkpoint()
+
+    async def _step(self, n: int) -> Literal["done", "restart", "stop"]:
+        """One step on `n` samples, recorded and exported when due; a failed trainer's verdict."""
+        run = self.run
+        try:
+            rec = await self.train_step(n)
+        except Exception as e:
+            return await self._failed(e)
+        try:
+            await self.record(await self._evaluated(rec))
+        except Exception as e:
+            self.control.fail(f"policy {run.name}: recording step {run.step} failed: {e}")
+            return "stop"
+        try:
+            await self.checkpointer.maybe_export(run)
+        except Exception as e:
+            if actor_gone(e):  # a rank died exporting: as if in a step
+                return await self._failed(e)
+            self.control.fail(f"policy {run.name}: Hugging Face export of step {run.step} failed: {e}")
+            return "stop"
+        return "done"
+
+    async def _failed(self, error: BaseException) -> Literal["restart", "stop"]:
+        """A rank failed (coordinator/policy_restart.py): fail the job, freeze the policy, or mark
+        its trainer restarting (before its lock is released: a checkpoint then carries the policy's
+        entry of the latest one instead of saving its dead ranks)."""
+        run = self.run
+        v = policy_restart.verdict(self.spec, self.fleet, run, error)
+        log.error("policy.trainer_failed", policy=run.name, step=run.step, action=v.action, error=v.message)
+        if v.action == "fail":
+            self.control.fail(v.message, retryable=v.retryable)
+            return "stop"
+        if run.sync is not None:  # engines keep serving the last version; none waits for another
+            run.sync.close()
+        if v.action == "freeze":
+            await self._freeze(v.message)
+            return "stop"
+        run.restarts += 1
+        run.trainer_state = "restarting"
+        self.control.emit("policy_restarting", policy=run.name, restarts=run.restarts, error=v.message)
+        return "restart"
+
+    async def _restart(self) -> bool:
+        """New ranks for this policy, loaded from its part of the latest checkpoint, publishing past
+        the last version its engines served; False when the job stops or the restart failed. New
+        ranks that die before they are set up (placed on the lost pod's node before Ray noticed
+        it gone) are replaced again, until `RANKS_TIMEOUT_S` has passed."""
+        run = self.run
+        deadline = time.monotonic() + policy_restart.RANKS_TIMEOUT_S
+        ref = None
+        while True:
+            try:
+                ranks = await policy_restart.replace_ranks(
+                    run, self.spec, self.fleet, self.buffer, self.control, deadline=deadline
+                )
+                if ranks is None:
+                    return False
+                run.ranks = ranks
+                async with run.lock:
+                    served = run.version  # the engines hold it: the restarted trainer publishes past it
+                    ref = self.checkpointer.latest_with(run.name)
+                    await self.setup(ref)
+                    if ref is None:
+                        run.step = 0
+                    run.version_offset = served + 1 - run.step
+                    await self.buffer.restart(run.name, run.version, self.total + run.version_offset)
+                    await self.connect(self.transport)
+                    run.trainer_state = "training"
+                break
+            except Exception as e:
+                if (
+                    actor_gone(root_cause(e))
+                    and time.monotonic() < deadline
+                    and not self.control.stop.is_set()
+                ):
+                    log.warning("policy.trainer_restart_retried", policy=run.name, error=str(root_cause(e)))
+                    continue
+                self.control.fail(f"policy {run.name}: restarting its trainer failed: {e}")
+                return False
+        checkpoint = ref.location if ref is not None else None
+        log.info(
+            "policy.trainer_restarted",
+            policy=run.name,
+            step=run.step,
+            version=run.version,
+            checkpoint=checkpoint,
+            restarts=run.restarts,
+        )
+        self.control.emit(
+            "policy_restarted", policy=run.name, step=run.step, version=run.version, checkpoint=checkpoint
+        )
+        return True
+
+    async def _freeze(self, message: str) -> None:
+        """Out of restarts under onPolicyFailure freeze: the policy trains no more (its engines
+        serve its last version); the job fails only when no policy is left to train."""
+        run = self.run
+        run.trainer_state = "frozen"
+        for rank in run.ranks:
+            rank.kill()
+        await self.buffer.finish(run.name)
+        self.control.emit("policy_frozen", policy=run.name, step=run.step, error=message)
+        if not any(r.training for r in self.checkpointer.runs.values()):
+            self.control.fail(f"every policy is frozen; the last: {message}", retryable=False)
 
     async def _evaluated(self, rec: StepRecord) -> StepRecord:
         """`rec` with this policy's result of the eval pass at its step, when one is due."""
@@ -273,7 +363,7 @@ class PolicyTrainer:
 
     async def train_step(self, n: int) -> StepRecord:
         """One training step on `n` buffered samples, every cross-process hop in order."""
-        run, version = self.run, self.run.step + 1
+        run, version = self.run, self.run.version + 1
         t0 = time.perf_counter()
         # On a device pool, the step and the update are one turn: the trainer holds the devices.
         async with self.pools.training(run.name) as turn:
@@ -289,7 +379,7 @@ class PolicyTrainer:
             while self.producer.in_flight and not self.control.stop.is_set():
                 await asyncio.sleep(0.005)
         await self.buffer.advance(run.name, version)  # engines first, then credit for new episodes
-        run.step = version
+        run.step += 1
         sync_s = time.perf_counter() - t1
         rewards = run.window.take()  # before any await: no episode the new credit starts is in it
         skew = run.window.take_skew()
@@ -313,7 +403,10 @@ class PolicyTrainer:
         n_micro = max(1, math.ceil(max(shares) / self.policy.trainer.micro_batch_size))
         gstd = self._global_std()
         try:
-            steps = (r.train_step(version, s, n_micro, gstd) for r, s in zip(run.ranks, shares, strict=True))
+            steps = (
+                r.train_step(run.step + 1, s, n_micro, gstd, version)
+                for r, s in zip(run.ranks, shares, strict=True)
+            )
             async with self.fleet.step_lock(run.name):  # one policy at a time on a shared trainer
                 return list(await asyncio.gather(*steps))
         except Exception:
@@ -343,7 +436,7 @@ class PolicyTrainer:
         step, self._totals = totals.since(self._totals), totals
         return StepRecord(
             policy=run.name,
-            step=version,
+            step=run.step,
             version=version,
             reward_mean=reward,
             success_mean=success,

@@ -3,13 +3,14 @@
 With `onVersionSkew: wait` a policy's trainer does not start a step that would take it more than
 the bound ahead of the slowest policy still training: the stale-synchronous-parallel rule, applied
 to whole policies. The slowest policy is never held back, so no policy waits forever on another
-that waits too. A policy that finished, or whose loop ended (its data ran out, the job stops),
-holds no one back. With `onVersionSkew: drop` the buffer drops episodes over the bound instead
+that waits too. A policy that finished, whose loop ended (its data ran out, the job stops) or whose
+trainer is restarting or frozen (coordinator/policy_restart.py) holds no one back. With `onVersionSkew: drop` the buffer drops episodes over the bound instead
 (experience/core.py) and this gate lets every step through."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import structlog
 
 from polyrl_operator.api import RLJobSpec
 from polyrl_runtime.coordinator.job_state import PolicyRun
+from polyrl_runtime.experience.buffer import DropReason, PolicyStats
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +61,7 @@ class SkewGate:
         training = [
             (r.step, n)
             for n, r in self.runs.items()
-            if n != policy and n not in self._ended and r.step < self.total
+            if n != policy and n not in self._ended and r.step < self.total and r.trainer_state == "training"
         ]
         if not training:
             return None
@@ -81,3 +83,18 @@ class SkewGate:
         )
         while not stop.is_set() and self.holding(policy) is not None:
             await asyncio.sleep(POLL_S)
+
+
+class SkewStarvation:
+    """Whether, while a policy waits for a step, samples stopped arriving and episodes were dropped
+    for version skew all the while (onVersionSkew drop)."""
+
+    def __init__(self, now: float) -> None:
+        self.arrived_at, self.buffered, self.dropped = now, 0, -1
+
+    def starved(self, st: PolicyStats, timeout_s: float) -> bool:
+        now, dropped = time.monotonic(), st.dropped.get(DropReason.VERSION_SKEW, 0)
+        if self.dropped < 0 or st.buffered > self.buffered or st.leased:
+            self.arrived_at, self.dropped = now, dropped  # a sample arrived: starving starts again
+        self.buffered = st.buffered
+        return dropped > self.dropped and now - self.arrived_at > timeout_s

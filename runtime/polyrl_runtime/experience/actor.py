@@ -99,6 +99,9 @@ class ExperienceService:
     def advance(self, policy: str, version: int) -> int:
         return self.buffer.advance(policy, version)
 
+    def restart(self, policy: str, version: int, final_version: int | None) -> int:
+        return self.buffer.restart(policy, version, final_version)
+
     def finish(self, policy: str) -> None:
         self.buffer.finish(policy)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import structlog
@@ -294,6 +295,16 @@ class ExperienceBuffer(BufferCore):
                 p.base = p.admitted - self._pairs_ahead(policy)
             self._cond.notify_all()
             return before - p.buffered
+
+    def restart(self, policy: str, version: int, final_version: int | None) -> int:
+        """The policy's trainer restarted from a checkpoint and publishes `version` next, past every
+        version its engines served (versions stay monotone, so a token's version still names the
+        weights that sampled it); its training now ends at `final_version`. The credit follows
+        from the new version as from any other (`advance`); returns the samples dropped as stale."""
+        p = self._policy(policy)
+        with self._cond:
+            p.cfg = replace(p.cfg, final_version=final_version)
+        return self.advance(policy, version)
 
     # -- ends --------------------------------------------------------------------------------
 

@@ -86,8 +86,11 @@ class TrainerRank(Protocol):
         all of the pod's: `trainers.build.cuda_device_index`)."""
         ...
 
-    def train_step(self, step: int, share: int, n_micro: int, global_std: float | None) -> StepResult:
-        """Pull `share` samples from the buffer under a lease and take training step `step`."""
+    def train_step(
+        self, step: int, share: int, n_micro: int, global_std: float | None, version: int | None = None
+    ) -> StepResult:
+        """Pull `share` samples from the buffer under a lease and take training step `step`, which
+        publishes weight `version` (None: `step`)."""
         ...
 
     def gather_for_peers(self) -> None:

@@ -29,9 +29,9 @@ class TrainerRankClient(ActorClient[TrainerRank]):
         return call(self.handle, TrainerRank.setup, master_addr, master_port, local_rank)
 
     def train_step(
-        self, step: int, share: int, n_micro: int, global_std: float | None
+        self, step: int, share: int, n_micro: int, global_std: float | None, version: int | None = None
     ) -> ray.ObjectRef[StepResult]:
-        return call(self.handle, TrainerRank.train_step, step, share, n_micro, global_std)
+        return call(self.handle, TrainerRank.train_step, step, share, n_micro, global_std, version)
 
     def gather_for_peers(self) -> ray.ObjectRef[None]:
         return call(self.handle, TrainerRank.gather_for_peers)

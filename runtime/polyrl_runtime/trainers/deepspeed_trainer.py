@@ -264,7 +264,12 @@ class DeepSpeedTrainer(TrainerWeights):
             entropy=entropy,
         )
 
-    def train_step(self, step: int, share: int, n_micro: int, global_std: float | None = None) -> StepResult:
+    def train_step(
+        self, step: int, share: int, n_micro: int, global_std: float | None = None, version: int | None = None
+    ) -> StepResult:
+        # `version`: the weight version this step publishes; the step unless the policy's trainer
+        # restarted (coordinator/policy_restart.py: versions then run ahead of steps).
+        version = step if version is None else version
         self._require_resident(f"training step {step}")
         start = time.perf_counter()
         lease = ray.get(self.buffer.pull(self.spec.name, self.name, share, 60.0)) if share else None
@@ -335,11 +340,11 @@ class DeepSpeedTrainer(TrainerWeights):
             log.warning(
                 "trainer.grad_norm_not_finite", policy=self.spec.name, step=step, grad_norm=float(grad_norm)
             )
-        self.version = step
+        self.version = version
         lag = (
             np.zeros(0)
             if batch is None
-            else np.array([max(0, (step - 1) - s.min_version) for s in samples], dtype=np.float64)
+            else np.array([max(0, (version - 1) - s.min_version) for s in samples], dtype=np.float64)
         )
         per_token = {key: total / max(tokens_scored, 1) for key, total in acc.items()}
         return StepResult(

@@ -1,13 +1,17 @@
-"""URIs in the spec (``polyrl_operator.api.spec``): the ones the runtime cannot read (gs://) are
-refused with the reason; s3:// is accepted."""
+"""The spec (``polyrl_operator.api.spec``): the URIs the runtime cannot read (gs://) are refused with
+the reason, s3:// is accepted; a policy's failurePolicy overrides the job's field by field, and
+onPolicyFailure freeze needs a second policy to train on."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
+from polyrl_operator.api import RLJob
 from polyrl_operator.validation import validate_file
 from polyrl_testenv.bad_rljobs import base_job
 
@@ -44,3 +48,55 @@ def test_s3_uris_are_accepted(tmp_path: Path) -> None:
     file = tmp_path / "job.yaml"
     file.write_text(yaml.safe_dump(doc))
     assert validate_file(file).problems == []
+
+
+# (job failurePolicy, speaker's failurePolicy) -> speaker's (maxRestarts, onPolicyFailure); the
+# listener, with none of its own, always takes the job's.
+@pytest.mark.parametrize(
+    ("job", "own", "expected"),
+    [
+        (None, None, (3, "failJob")),  # the defaults
+        ({"maxRestarts": 5, "onPolicyFailure": "freeze"}, None, (5, "freeze")),
+        ({"maxRestarts": 5}, {"maxRestarts": 1}, (1, "failJob")),
+        ({"onPolicyFailure": "freeze"}, {"onPolicyFailure": "failJob"}, (3, "failJob")),
+        ({"maxRestarts": 5, "onPolicyFailure": "failJob"}, {"onPolicyFailure": "freeze"}, (5, "freeze")),
+        ({"maxRestarts": 5}, {"maxRestarts": 0, "onPolicyFailure": "freeze"}, (0, "freeze")),  # 0 is set
+        ({"maxRestarts": 2}, {}, (2, "failJob")),  # an empty override overrides nothing
+    ],
+)
+def test_a_policy_s_failure_policy_overrides_the_job_s_field_by_field(
+    job: dict[str, Any] | None, own: dict[str, Any] | None, expected: tuple[int, str]
+) -> None:
+    doc = base_job()
+    if job is not None:
+        doc["spec"]["failurePolicy"] = job
+    if own is not None:
+        doc["spec"]["policies"][0]["failurePolicy"] = own
+    spec = RLJob.model_validate(doc).spec
+    assert spec.policy_failure("speaker") == expected
+    whole = spec.failure_policy
+    assert spec.policy_failure("listener") == (whole.max_restarts, whole.on_policy_failure)
+
+
+@pytest.mark.parametrize(
+    ("where", "policies", "ok"),
+    [
+        ("job", 2, True),
+        ("policy", 2, True),
+        ("job", 1, False),
+        ("policy", 1, False),
+        (None, 1, True),  # failJob, the default, needs no other policy
+    ],
+)
+def test_freeze_needs_two_policies(where: str | None, policies: int, ok: bool) -> None:
+    doc = base_job()
+    doc["spec"]["policies"] = doc["spec"]["policies"][:policies]
+    if where == "job":
+        doc["spec"]["failurePolicy"] = {"onPolicyFailure": "freeze"}
+    elif where == "policy":
+        doc["spec"]["policies"][0]["failurePolicy"] = {"onPolicyFailure": "freeze"}
+    if ok:
+        RLJob.model_validate(doc)
+        return
+    with pytest.raises(ValidationError, match=r"failurePolicy\.onPolicyFailure: freeze needs two policies"):
+        RLJob.model_validate(doc)

@@ -145,10 +145,14 @@ async def test_failed_rollout_pod_is_replaced_without_a_restart() -> None:
     assert sim.status["restarts"] == 0
 
 
-async def test_trainer_failure_restarts_training_roles_and_counts_once() -> None:
+def events(sim: Sim, reason: str) -> list[dict[str, Any]]:
+    return [e for (pl, _, _), e in sim.api.objects.items() if pl == "events" and e["reason"] == reason]
+
+
+async def test_coordinator_failure_restarts_training_roles_and_counts_once() -> None:
     sim = await running_sim()
     rollout_uid = sim.api.obj("pods", "signal-game-speaker-rollout-0")["metadata"]["uid"]
-    sim.api.set_pod_status("signal-game-speaker-trainer-0", pod_status("Failed"))
+    sim.api.set_pod_status("signal-game-coordinator", pod_status("Failed"))
     await sim.step()
     assert sim.status["restarts"] == 1
     # Stale view (as after a kill between the status write and the deletes): no second count.
@@ -165,6 +169,33 @@ async def test_trainer_failure_restarts_training_roles_and_counts_once() -> None
     assert sim.pods() == SIGNAL_GAME_PODS
 
 
+async def test_a_failed_trainer_pod_is_replaced_alone_in_its_attempt() -> None:
+    """The runtime restarts that policy's trainer by itself: the operator only gives it its pod back,
+    in the attempt it had (a later restart of the job recreates it like the other trainers)."""
+    sim = await running_sim()
+    sim.api.set_pod_status("signal-game-coordinator", pod_status("Failed"))
+    await sim.converge(3)
+    sim.kubelet()
+    await sim.step()
+    assert sim.status["restarts"] == 1
+    others = {
+        name: sim.api.obj("pods", name)["metadata"]["uid"]
+        for name in SIGNAL_GAME_PODS - {"signal-game-listener-trainer-0"}
+    }
+
+    sim.api.set_pod_status("signal-game-listener-trainer-0", pod_status("Failed"))
+    await sim.step()
+    assert "signal-game-listener-trainer-0" not in sim.pods()
+    [replacing] = events(sim, "Replacing")
+    assert "the trainer of policy listener restarts alone" in replacing["message"]
+    await sim.step()
+    trainer = sim.api.obj("pods", "signal-game-listener-trainer-0")
+    assert trainer["metadata"]["labels"][naming.LABEL_ATTEMPT] == "1"
+    assert sim.status["restarts"] == 1 and len(events(sim, "Restarting")) == 1
+    assert {name: sim.api.obj("pods", name)["metadata"]["uid"] for name in others} == others
+    assert sim.pods() == SIGNAL_GAME_PODS
+
+
 async def test_a_failed_report_restarts_once_and_the_old_coordinator_is_not_counted_again() -> None:
     """The failed coordinator keeps answering /progress ("failed", attempt 0) while its pod is
     deleted, and the new attempt's coordinator pod already exists: read as the new attempt's, that
@@ -173,9 +204,7 @@ async def test_a_failed_report_restarts_once_and_the_old_coordinator_is_not_coun
     sim.progress = progress("failed-retryable")
     await sim.step()
     assert sim.status["restarts"] == 1
-    restarting = [
-        e for (pl, _, _), e in sim.api.objects.items() if pl == "events" and e["reason"] == "Restarting"
-    ]
+    restarting = events(sim, "Restarting")
     assert len(restarting) == 1 and "no live engine for policy 'speaker'" in restarting[0]["message"]
     await sim.converge(2)  # the attempt-1 pods are created; the old coordinator still answers
     sim.kubelet()
@@ -190,18 +219,18 @@ async def test_restart_limit_fails_the_job_and_frees_the_pods() -> None:
     job = stored_job()
     job["spec"]["failurePolicy"] = {"maxRestarts": 1}
     sim = await running_sim(job)
-    sim.api.set_pod_status("signal-game-speaker-trainer-0", pod_status("Failed"))
+    sim.api.set_pod_status("signal-game-coordinator", pod_status("Failed"))
     await sim.converge(3)
     assert sim.status["restarts"] == 1
     sim.kubelet()
     await sim.step()
-    sim.api.set_pod_status("signal-game-listener-trainer-0", pod_status("Failed"))
+    sim.api.set_pod_status("signal-game-coordinator", pod_status("Failed"))
     await sim.step()
     assert sim.status["phase"] == "Failed"
     failed = sim.condition("Failed")
     assert failed["status"] == "True" and failed["reason"] == "RestartLimitExceeded"
-    assert "signal-game-listener-trainer-0" in failed["message"]
-    assert sim.pods() == {"signal-game-listener-trainer-0"}  # kept for its logs; the rest freed
+    assert "signal-game-coordinator" in failed["message"]
+    assert sim.pods() == {"signal-game-coordinator"}  # kept for its logs; the rest freed
     assert "completionTime" in sim.status
 
 
@@ -248,7 +277,7 @@ async def test_the_deadline_checkpoints_then_fails_the_job_and_survives_a_restar
     await sim.step(60)
     assert sim.status["phase"] == "Running"
     # A restart of the training roles does not reset the clock: startTime stays.
-    sim.api.set_pod_status("signal-game-speaker-trainer-0", pod_status("Failed"), "team-a")
+    sim.api.set_pod_status("signal-game-coordinator", pod_status("Failed"), "team-a")
     await sim.step()
     assert sim.status["restarts"] == 1 and sim.status["startTime"] == started
     await sim.converge(2)

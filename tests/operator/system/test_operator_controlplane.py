@@ -218,7 +218,7 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
         assert await k8s.pod_names("signal-game") == set()
         assert (await k8s.job("signal-game"))["status"]["policies"][0]["lastCheckpointStep"] == 40
 
-        # Resume, then a trainer fails: the training roles restart, counted once.
+        # Resume, then the coordinator fails: the training roles restart, counted once.
         del coordinator.documents[(k8s.ns, "signal-game")]
         assert (
             await k8s.kubectl(
@@ -228,7 +228,7 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
         await eventually(created)
         await k8s.kubelet("signal-game")
         await k8s.wait_for("signal-game", "Ready")
-        await k8s.set_pod_status("signal-game-listener-trainer-0", pod_status("Failed"))
+        await k8s.set_pod_status("signal-game-coordinator", pod_status("Failed"))
 
         async def restarted() -> bool:
             pods = await k8s.pods("signal-game")
@@ -237,6 +237,24 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
             )
 
         await eventually(restarted)
+        assert (await k8s.job("signal-game"))["status"]["restarts"] == 1
+
+        # Then a trainer fails: its pod alone is replaced, in attempt 1; the job does not restart.
+        await k8s.kubelet("signal-game")
+        trainer = "signal-game-listener-trainer-0"
+        uid = (await k8s.pods("signal-game"))[trainer]["metadata"]["uid"]
+        await k8s.set_pod_status(trainer, pod_status("Failed"))
+
+        async def replaced() -> bool:
+            pod = (await k8s.pods("signal-game")).get(trainer)
+            return (
+                pod is not None
+                and pod["metadata"]["uid"] != uid
+                and not pod["metadata"].get("deletionTimestamp")
+            )
+
+        await eventually(replaced)
+        assert (await k8s.pods("signal-game"))[trainer]["metadata"]["labels"][naming.LABEL_ATTEMPT] == "1"
         assert (await k8s.job("signal-game"))["status"]["restarts"] == 1
 
         # The coordinator reports done.
@@ -262,6 +280,7 @@ async def test_full_lifecycle_with_kubectl_wait_and_gitops_invariance(
             "Draining",
             "CheckpointRequested",
             "Restarting",
+            "Replacing",
             "Succeeded",
         } <= reasons
 

@@ -67,14 +67,16 @@ def test_kill_and_restart_at_random_points_converges_exactly(
         result = crd.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
         assert result.returncode == 0, result.stderr
 
-    def kubelet(fail_one_trainer: bool) -> None:
+    def kubelet(fail_one: bool) -> None:
         items = api.list(pods)
         for pod in items:
             if not pod.get("status") and not pod["metadata"].get("deletionTimestamp"):
                 api.merge(f"{pods}/{pod['metadata']['name']}/status", {"status": pod_status()})
-        trainers = [p for p in items if p["metadata"]["labels"].get(naming.LABEL_ROLE) == "trainer"]
-        if fail_one_trainer and trainers:
-            victim = rng.choice(trainers)["metadata"]["name"]
+        # A failed trainer pod is replaced alone; a failed coordinator restarts its job.
+        roles = ("trainer", "coordinator")
+        victims = [p for p in items if p["metadata"]["labels"].get(naming.LABEL_ROLE) in roles]
+        if fail_one and victims:
+            victim = rng.choice(victims)["metadata"]["name"]
             api.merge(f"{pods}/{victim}/status", {"status": pod_status("Failed")})
 
     for name in ("alpha", "bravo", "charlie", "delta"):
@@ -87,7 +89,7 @@ def test_kill_and_restart_at_random_points_converges_exactly(
         # lands anywhere in it. The cluster changes meanwhile, as it would in real life.
         time.sleep(rng.uniform(0.5, 2.5))
         if i % 3 == 0:
-            kubelet(fail_one_trainer=i % 6 == 0)
+            kubelet(fail_one=i % 6 == 0)
         if i == 5:
             crd.kubectl("delete", "rljob", "delta", "-n", namespace, "--wait=false")
         if i == 8:

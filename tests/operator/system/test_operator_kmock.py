@@ -142,7 +142,7 @@ async def test_a_pod_change_reaches_the_job_through_the_index(
     await eventually(lambda: _with_status(api, "signal-game"))
     failed = {"status": {"phase": "Failed", "reason": "Error", "containerStatuses": [
         {"name": "main", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}}  # fmt: skip
-    await api.patch(path_for("v1", "Pod", NS, "signal-game-speaker-trainer-0", "status"), failed)
+    await api.patch(path_for("v1", "Pod", NS, "signal-game-coordinator", "status"), failed)
 
     async def restarted() -> dict[str, Any] | None:
         job = await rljob(api, "signal-game")

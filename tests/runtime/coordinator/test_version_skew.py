@@ -14,8 +14,7 @@ from structlog.testing import capture_logs
 
 from polyrl_runtime.coordinator.job_state import PolicyRun
 from polyrl_runtime.coordinator.metrics.records import RewardWindow
-from polyrl_runtime.coordinator.training import SkewStarvation
-from polyrl_runtime.coordinator.version_skew import Laggard, SkewGate
+from polyrl_runtime.coordinator.version_skew import Laggard, SkewGate, SkewStarvation
 from polyrl_runtime.experience import DropReason
 from polyrl_runtime.experience.buffer import PolicyStats
 

@@ -66,6 +66,13 @@ def _dup_policy(doc: Doc) -> None:
     doc["spec"]["policies"][1]["name"] = doc["spec"]["policies"][0]["name"]
 
 
+def _freeze_one_policy(doc: Doc) -> None:
+    """Only the first policy (the workflow names none in the spec, so the job stays otherwise valid),
+    frozen when its trainer runs out of restarts: nothing would be left to train."""
+    doc["spec"]["policies"] = doc["spec"]["policies"][:1]
+    doc["spec"]["failurePolicy"] = {"onPolicyFailure": "freeze"}
+
+
 def _long_names(doc: Doc) -> None:
     doc["metadata"]["name"] = "j" * 30
     doc["spec"]["policies"][0]["name"] = "p" * 30
@@ -331,6 +338,18 @@ BAD_CASES: tuple[BadCase, ...] = (
         _set("spec.onVersionSkew", "pause"),
         "spec.onVersionSkew",
         ("spec.onVersionSkew", "pause"),
+    ),
+    BadCase(
+        "freeze-with-one-policy",
+        _freeze_one_policy,
+        "spec.failurePolicy.onPolicyFailure",
+        ("spec.failurePolicy.onPolicyFailure", "freeze needs two policies"),
+    ),
+    BadCase(
+        "unknown-policy-failure-action",
+        _set("spec.failurePolicy.onPolicyFailure", "restartAll"),
+        "spec.failurePolicy.onPolicyFailure",
+        ("spec.failurePolicy.onPolicyFailure", "restartAll"),
     ),
     BadCase(
         "deltas-over-a-transport-without-them",

@@ -14,6 +14,7 @@ import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime import storage
+from polyrl_runtime.actors import actor_gone
 from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
 from polyrl_runtime.coordinator.pool_scheduler import DevicePools
@@ -21,6 +22,14 @@ from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.export import export_due, export_location
 
 log = structlog.get_logger(__name__)
+
+
+class TrainerLostError(RuntimeError):
+    """A policy's trainer rank died while a checkpoint was cut: that checkpoint is abandoned."""
+
+    def __init__(self, policy: str, error: BaseException) -> None:
+        super().__init__(f"policy {policy}: a trainer rank died while saving: {error}")
+        self.policy = policy
 
 
 class Checkpointer:
@@ -77,12 +86,35 @@ class Checkpointer:
             await asyncio.gather(*(r.export(location) for r in run.ranks))
         self.control.emit("export", policy=run.name, step=run.step, path=location)
 
+    def latest_with(self, policy: str) -> CheckpointRef | None:
+        """The latest complete checkpoint, when it holds `policy`'s trainer state (a restart of
+        that policy's trainer loads it); None when there is none or the policy joined the job
+        since."""
+        ref = self.last_ckpt
+        return ref if ref is not None and policy in ref.state["policies"] else None
+
+    def _carried(self, name: str) -> dict[str, Any] | None:
+        """The entry of a policy whose trainer is not up (restarting or frozen): its entry of the
+        latest checkpoint that holds its trainer state, naming that one (`trainer_at`); a resume
+        restarts it from there. None when no checkpoint holds it (a resume starts it afresh)."""
+        ref = self.latest_with(name)
+        if ref is None:
+            return None
+        entry = dict(ref.state["policies"][name])
+        return {**entry, "trainer_at": entry.get("trainer_at") or ref.name}
+
     async def maybe_checkpoint(self) -> None:
+        training = [r for r in self.runs.values() if r.trainer_state != "frozen"]
+        if not training or any(r.trainer_state == "restarting" for r in training):
+            return  # a restarting trainer holds nothing to save yet: the next step's turn takes it
         every = self.job.spec.checkpoint.every_steps
-        low = min(r.step for r in self.runs.values())
+        low = min(r.step for r in training)
         last = self.last_ckpt.step if self.last_ckpt is not None else 0
         if low >= last + every and low < self.total:
-            await self.checkpoint("periodic")
+            try:
+                await self.checkpoint("periodic")
+            except TrainerLostError as e:  # that policy's next step fails and restarts its trainer
+                log.warning("checkpoint.abandoned", policy=e.policy, error=str(e))
 
     async def checkpoint(self, reason: str, request_id: str | None = None) -> CheckpointRef | None:
         buffer = self._buffer
@@ -113,10 +145,18 @@ class Checkpointer:
     async def _cut(self, reason: str, request_id: str | None, buffer: BufferClient) -> CheckpointRef:
         steps = {n: r.step for n, r in self.runs.items()}
         tmp = self.store.begin(min(steps.values()))
+        down = {n for n, r in self.runs.items() if r.trainer_state in ("restarting", "frozen")}
         for n, run in self.runs.items():
+            if n in down:  # no ranks to save: its entry names where its trainer state is
+                continue
             d = storage.join(tmp, "trainers", n)  # each rank uploads its part there
             async with self.pools.resident(n):
-                await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))
+                try:
+                    await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))
+                except Exception as e:
+                    if actor_gone(e):  # never committed: the previous checkpoint stays the latest
+                        raise TrainerLostError(n, e) from e
+                    raise
         # The counters before the snapshot: the data position must not run ahead of it (datafeed.py).
         counters = self._counters()
         snap = await buffer.snapshot()
@@ -125,7 +165,13 @@ class Checkpointer:
         state = {
             "step": min(steps.values()),
             "reason": reason,
-            "policies": {n: r.checkpoint_state() for n, r in self.runs.items()},
+            "policies": {
+                n: entry
+                for n, entry in (
+                    (n, self._carried(n) if n in down else r.checkpoint_state()) for n, r in self.runs.items()
+                )
+                if entry is not None
+            },
             **counters,
             "elapsed_s": self.control.elapsed(),
             "request_ids": self.handled_requests[-100:],

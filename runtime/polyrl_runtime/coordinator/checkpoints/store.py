@@ -55,8 +55,21 @@ class CheckpointRef:
         return Path(self.location)
 
     def trainer_dir(self, policy: str) -> str:
-        """Where the policy's trainer state is: what the trainer ranks `load` from."""
-        return storage.join(self.location, "trainers", policy)
+        """Where the policy's trainer state is: what the trainer ranks `load` from. A policy whose
+        trainer was gone when this checkpoint was cut (frozen) has it in the checkpoint its entry
+        names (`trainer_at`), a sibling of this one that pruning keeps."""
+        at = self.state["policies"].get(policy, {}).get("trainer_at")
+        home = storage.join(self.location.rstrip("/").rsplit("/", 1)[0], at) if at else self.location
+        return storage.join(home, "trainers", policy)
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's directory name (`step-000040`)."""
+        return self.location.rstrip("/").rsplit("/", 1)[-1]
+
+    def holds_trainers_of(self) -> set[str]:
+        """The names of the other checkpoints whose trainer states this one uses."""
+        return {str(e["trainer_at"]) for e in self.state["policies"].values() if e.get("trainer_at")}
 
     def buffer(self) -> BufferSnapshot:
         snap: BufferSnapshot = pickle.loads(storage.read_bytes(storage.join(self.location, BUFFER)))
@@ -125,8 +138,11 @@ class CheckpointStore:
     def prune(self) -> None:
         """Keep the newest `keep` checkpoints; remove older ones and incomplete ones."""
         refs = self.all()
+        kept_refs = refs[max(0, len(refs) - self.keep) :]
+        used = {name for r in kept_refs for name in r.holds_trainers_of()}
         for r in refs[: max(0, len(refs) - self.keep)]:
-            self._remove(r.location)
+            if r.name not in used:  # a frozen policy's trainer state stays while a kept one uses it
+                self._remove(r.location)
         kept = {r.location for r in refs}
         for name in storage.list_names(self.root):
             location = storage.join(self.root, name)
