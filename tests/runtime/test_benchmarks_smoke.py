@@ -226,3 +226,15 @@ def test_lora_sharing_benchmark_runs() -> None:
     # one trainer of 4 policies: its ratio to 4 trainers of one
     (shared,) = [line for line in trainers.splitlines() if line.startswith("| 1 | 4 |")]
     assert float(shared.split("|")[5].strip().rstrip("x")) > 0
+
+
+@pytest.mark.slow
+def test_policy_restart_benchmark_runs() -> None:
+    out = _run("policy_restart.py", "--quick")
+    rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in out.splitlines() if r.startswith("| ")}
+    for measure in (
+        "listener: longest gap / median step, around the restart",
+        "speaker: restart time / its median step",
+        "speaker: steps lost (since its checkpoint)",
+    ):
+        float(rows[measure])  # a figure came out

@@ -58,7 +58,7 @@ from polyrl_runtime.coordinator.report import (
 from polyrl_runtime.coordinator.training import PolicyTrainer, ProducerEventSink, StepLimits, TrainingParts
 from polyrl_runtime.coordinator.version_skew import SkewGate
 from polyrl_runtime.data import DataError
-from polyrl_runtime.experience.buffer import PolicyConfig
+from polyrl_runtime.experience.buffer import BufferSnapshot, PolicyConfig
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.models import ModelLoadError
 from polyrl_runtime.weights import VersionRegistry, choose_transport
@@ -299,6 +299,8 @@ class Driver:
         # cores running them at once makes neither finish sooner.
         await self._load_models()
         await self._init_trainers(trainers, ref)
+        if ref is not None and snapshot is not None:
+            await self._resume_versions(ref, snapshot, buffer)
         used = ", ".join(sorted(set(transports.values())))
         with phase("first_weights", f"first weight sync to the engines ({used})"):
             await asyncio.gather(*(self._reported(n, t.connect(transports[n])) for n, t in trainers.items()))
@@ -308,6 +310,23 @@ class Driver:
         await self.metrics.open({n: r.step for n, r in self.runs.items()} if ref is not None else {})
         self.control.emit("started", policies=list(self.runs))
         return JobParts(buffer, producer, supervisor, trainers)
+
+    async def _resume_versions(
+        self, ref: CheckpointRef, snapshot: BufferSnapshot, buffer: BufferClient
+    ) -> None:
+        """Each resumed policy's versions from its entry (`version_offset`), before the first publish.
+        A policy whose entry is older than the buffer's state (carried while its trainer was
+        restarting or frozen: `trainer_at`) publishes past the version the buffer holds for it, as
+        a trainer restarted alone does."""
+        for name, entry in ref.state["policies"].items():
+            run = self.runs.get(name)
+            if run is None:
+                continue
+            run.version_offset = version_offset(entry)
+            held = int(snapshot.policies.get(name, {}).get("version", 0))  # type: ignore[call-overload]
+            if held > run.version:
+                run.version_offset = held + 1 - run.step
+                await buffer.restart(name, run.version, self.total + run.version_offset)
 
     async def _load_models(self) -> None:
         """Wait for the rollout engines (loading their models) and the workflow workers (loading

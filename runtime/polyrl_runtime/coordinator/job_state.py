@@ -114,12 +114,12 @@ class PolicyRun:
         return state
 
     def restored(self, state: dict[str, Any]) -> None:
-        """Take back what `checkpoint_state` saved, but the step: the trainer's load sets it."""
+        """Take back what `checkpoint_state` saved, but the step and the version: the trainer's load
+        sets the step, the driver the version before its first publish (`_resume_versions`)."""
         self.samples_per_episode = state.get("samples_per_episode")
         self.window.restore(state.get("rewards", {}))
         ev = state.get("evaluation")
         self.last_eval = EvalProgress.model_validate(ev) if ev is not None else None
-        self.version_offset = version_offset(state)
 
 
 def version_offset(state: dict[str, Any]) -> int:

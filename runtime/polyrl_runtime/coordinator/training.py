@@ -209,6 +209,7 @@ class PolicyTrainer:
             return "stop"
         run.restarts += 1
         run.trainer_state = "restarting"
+        await self.buffer.pause(run.name)  # the others' episodes keep starting meanwhile
         self.control.emit("policy_restarting", policy=run.name, restarts=run.restarts, error=v.message)
         return "restart"
 

@@ -99,6 +99,9 @@ class ExperienceService:
     def advance(self, policy: str, version: int) -> int:
         return self.buffer.advance(policy, version)
 
+    def pause(self, policy: str) -> None:
+        self.buffer.pause(policy)
+
     def restart(self, policy: str, version: int, final_version: int | None) -> int:
         return self.buffer.restart(policy, version, final_version)
 

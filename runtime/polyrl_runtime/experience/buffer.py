@@ -90,7 +90,11 @@ class ExperienceBuffer(BufferCore):
         # A finished policy takes no credit: its samples will be dropped (and counted) on arrival. An
         # episode only finished policies would play is not started at all: no step could train on it
         # (the producer ran on between the last step and the job's end: 16-20 episodes, all dropped).
-        credits = [self._credit(self._p[n], group) for n in policies if not self._p[n].finished]
+        credits = [
+            self._credit(self._p[n], group)
+            for n in policies
+            if not (self._p[n].finished or self._p[n].restarting)
+        ]
         if not credits:
             return 0
         return max(0, min(self.capacity_episodes - self.resident_episodes, *credits))
@@ -192,8 +196,9 @@ class ExperienceBuffer(BufferCore):
         for c in chunks:
             p = self._p[c.policy]
             p.produced += len(c)
-            if p.finished:
-                p.dropped[DropReason.POLICY_FINISHED] += len(c)
+            if p.finished or p.restarting:
+                reason = DropReason.POLICY_FINISHED if p.finished else DropReason.POLICY_RESTARTING
+                p.dropped[reason] += len(c)
                 p.admitted -= len(c.pair_episode)  # nothing of these episodes will be consumed
             else:
                 kept.append(c)
@@ -296,6 +301,14 @@ class ExperienceBuffer(BufferCore):
             self._cond.notify_all()
             return before - p.buffered
 
+    def pause(self, policy: str) -> None:
+        """The policy's trainer restarts alone: until `restart`, it holds no episode back (no credit
+        taken) and the samples that arrive for it are dropped (`DropReason.POLICY_RESTARTING`)."""
+        p = self._policy(policy)
+        with self._cond:
+            p.restarting = True
+            self._cond.notify_all()
+
     def restart(self, policy: str, version: int, final_version: int | None) -> int:
         """The policy's trainer restarted from a checkpoint and publishes `version` next, past every
         version its engines served (versions stay monotone, so a token's version still names the
@@ -304,6 +317,7 @@ class ExperienceBuffer(BufferCore):
         p = self._policy(policy)
         with self._cond:
             p.cfg = replace(p.cfg, final_version=final_version)
+            p.restarting = False
         return self.advance(policy, version)
 
     # -- ends --------------------------------------------------------------------------------

@@ -42,6 +42,9 @@ class BufferClient(ActorClient[ExperienceService]):
     def advance(self, policy: str, version: int) -> ray.ObjectRef[int]:
         return call(self.handle, ExperienceService.advance, policy, version)
 
+    def pause(self, policy: str) -> ray.ObjectRef[None]:
+        return call(self.handle, ExperienceService.pause, policy)
+
     def restart(self, policy: str, version: int, final_version: int | None) -> ray.ObjectRef[int]:
         return call(self.handle, ExperienceService.restart, policy, version, final_version)
 

@@ -98,7 +98,9 @@ class BufferCore:
     def _skew(self, vector: Mapping[str, int]) -> int:
         """The version skew of an episode among its policies still training: a policy that has
         finished stays at its last version, and the others must still be able to catch up."""
-        return version_skew({n: v for n, v in vector.items() if not self._p[n].finished})
+        return version_skew(
+            {n: v for n, v in vector.items() if not (self._p[n].finished or self._p[n].restarting)}
+        )
 
     def _drop_queue(self, p: PolicyState, reason: DropReason) -> None:
         for c, i, j in p.queue:

@@ -18,6 +18,9 @@ class DropReason(StrEnum):
     JOB_CANCELLED = "job_cancelled"
     # its episode's policies were further apart than the job's maxVersionSkew (onVersionSkew drop)
     VERSION_SKEW = "version_skew"
+    # arrived while the policy's trainer restarted alone (coordinator/policy_restart.py): its
+    # credit does not hold the other policies' episodes back meanwhile
+    POLICY_RESTARTING = "policy_restarting"
 
 
 class UnknownTicketError(KeyError):
@@ -91,6 +94,9 @@ class PolicyState:
     staleness_sum: int = 0
     staleness_max: int = 0
     finished: bool = False
+    # Its trainer restarts alone: it takes no credit and its arriving samples are dropped, so the
+    # episodes the other policies train on keep starting; what it had buffered stays.
+    restarting: bool = False
     queue: deque[Segment] = field(default_factory=deque)  # row ranges of chunks, oldest first
     buffered: int = 0  # rows in `queue`
     # Sync mode: the pairs of the earlier versions, taken when the policy reached its current

@@ -35,13 +35,20 @@ def test_a_sync_step_trains_on_full_episodes_per_step_whatever_fails(ray_local: 
         assert EPISODES <= rec.episodes < EPISODES + GROUP, rec
         assert rec.samples == 2 * rec.episodes  # every finished episode of the step trained on
         assert rec.staleness_max == 0
-        assert rec.dropped == {"stale": 0, "policy_finished": 0, "job_cancelled": 0, "version_skew": 0}
+        assert rec.dropped == {
+            "stale": 0,
+            "policy_finished": 0,
+            "job_cancelled": 0,
+            "version_skew": 0,
+            "policy_restarting": 0,
+        }
     # Nothing generated only to be dropped, during the run or at its end.
     assert summary.dropped["agent"] == {
         "stale": 0,
         "policy_finished": 0,
         "job_cancelled": 0,
         "version_skew": 0,
+        "policy_restarting": 0,
     }
     assert any(r.failed_episodes for r in records)
     # Per step: the episodes that failed since the step before (a sync step's episodes are all in

@@ -11,14 +11,20 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import ray
+from structlog.testing import capture_logs
 
+from polyrl_runtime import storage
+from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.checkpoints.store import CheckpointRef, CheckpointStore
-from polyrl_runtime.coordinator.job_state import PolicyRun
+from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
 from polyrl_runtime.coordinator.metrics.records import StepRecord
 from polyrl_runtime.coordinator.policy_restart import verdict
+from polyrl_runtime.coordinator.pool_scheduler import device_pools
 from polyrl_runtime.coordinator.report import RunSummary
+from polyrl_runtime.experience.buffer import BufferSnapshot
 
-from .driver_harness import make_job, new_driver, policy, until
+from .driver_harness import make_job, new_driver, policy, run, until
 
 SIGNAL = {
     "entrypoint": "polyrl_runtime.workflows.signal:SignalGame",
@@ -131,8 +137,7 @@ def test_a_trainer_killed_twice_restarts_alone_then_freezes_while_the_other_trai
     assert resumed["version"] == before[-1].version + 1 and after[0].version == resumed["version"] + 1
     versions = [r.version for r in before + after]
     assert versions == sorted(set(versions)), versions
-    checkpointed = json.loads((Path(resumed["checkpoint"]) / "state.json").read_text())
-    assert checkpointed["policies"]["speaker"]["step"] == resumed["step"]
+    assert resumed["checkpoint"] is not None  # a checkpoint existed before the kill
 
     # the listener stepped while the speaker's trainer was restarting, unless the restart took
     # less than one of its steps
@@ -145,20 +150,91 @@ def test_a_trainer_killed_twice_restarts_alone_then_freezes_while_the_other_trai
     assert progress["listener"].trainer_state == "done"
     assert progress["speaker"].version == versions[-1]
 
-    # the final checkpoint points at the one holding the frozen speaker's trainer, and keeps it
+    # the final checkpoint holds the frozen speaker's trainer state, or names the one that does
+    # (trainer_at: the speaker froze after the latest cut that saved it), which pruning keeps
     store = CheckpointStore(tmp_path / "ckpt", keep=1)
     latest = store.latest()
     assert latest is not None
     entry = latest.state["policies"]["speaker"]
-    assert (tmp_path / "ckpt" / entry["trainer_at"] / "trainers" / "speaker").is_dir(), json.dumps(
-        latest.state
-    )
-    # its entry is that checkpoint's: a resume restarts it from the step its trainer state holds
-    held = next(r for r in store.all() if r.name == entry["trainer_at"])
-    assert entry["step"] == held.state["policies"]["speaker"]["step"] < after[-1].step, json.dumps(
-        latest.state
-    )
+    assert Path(latest.trainer_dir("speaker")).is_dir(), json.dumps(latest.state)
+    assert entry["step"] <= after[-1].step, (entry, after[-1])
     # every sample is accounted for: produced == consumed + buffered + leased + dropped
+    _accounted(summary)
+
+    # a resume with more steps: each policy from its own entry, at different steps (the speaker
+    # from the older checkpoint its entry names), a fresh restart budget for the frozen one
+    more = job.model_copy(deep=True)
+    more.spec.training.total_steps = 8
+    _, resumed_run = run(more, tmp_path)
+    assert resumed_run.state == "done", resumed_run.message
+    again = {n: [r.step for r in resumed_run.records if r.policy == n] for n in ("speaker", "listener")}
+    assert again["listener"] == [7, 8] and again["speaker"] == list(range(entry["step"] + 1, 9)), again
+    first = next(r for r in resumed_run.records if r.policy == "speaker")
+    assert first.version > entry["version"], (first, entry)
+    _accounted(resumed_run)
+
+
+def _accounted(summary: RunSummary) -> None:
     for name, b in summary.buffers.items():
         dropped = sum(summary.dropped[name].values())
         assert b["produced"] == b["consumed"] + b["buffered"] + b["leased"] + dropped, (name, b)
+
+
+class _Rank:
+    """A trainer rank's `save` as it reaches the store (storage.staged_dir); `dies`: its actor is
+    lost partway, after writing part of its state."""
+
+    def __init__(self) -> None:
+        self.dies = False
+
+    async def save(self, directory: str, tag: str) -> None:
+        with storage.staged_dir(directory) as local:
+            (local / tag).mkdir()
+            (local / tag / "model.pt").write_bytes(b"w" * 100)
+            if self.dies:
+                raise ray.exceptions.RayActorError()
+
+
+class _Buffer:
+    async def snapshot(self) -> BufferSnapshot:
+        return BufferSnapshot((), 1, {}, {}, {}, False)
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_a_rank_lost_mid_checkpoint_abandons_it_and_the_previous_one_stays_the_latest(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    root: Path | str = (
+        tmp_path / "ckpt" if where == "file" else f"s3://{request.getfixturevalue('bucket')}/job"
+    )
+    job = make_job(
+        training={"totalSteps": 10},
+        checkpoint={"everySteps": 2, "keep": 2},
+        policies=[policy("a"), policy("b")],
+    )
+    store = CheckpointStore(root, keep=2)
+    ranks = {"a": _Rank(), "b": _Rank()}
+    runs = {n: PolicyRun(n, [r], step=2) for n, r in ranks.items()}  # type: ignore[list-item]
+    pools = device_pools(job.spec, engines=lambda p: [], ranks=lambda p: [])
+    ckpt = Checkpointer(job, store, JobControl(None), runs, None, pools=pools)
+    ckpt.attach(_Buffer(), dict, lambda: None)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        await ckpt.maybe_checkpoint()  # step 2, complete
+        for r in runs.values():
+            r.step = 4
+        ranks["a"].dies = True
+        with capture_logs() as logs:
+            await ckpt.maybe_checkpoint()  # step 4: a's rank is lost while it saves
+        assert [e["policy"] for e in logs if e["event"] == "checkpoint.abandoned"] == ["a"], logs
+        latest = store.latest()
+        assert latest is not None and latest.step == 2 and ckpt.latest_with("a") == latest
+        assert storage.list_names(latest.trainer_dir("a")) == ["ckpt"]  # what a restart loads
+        ranks["a"].dies = False
+        for r in runs.values():
+            r.step = 6
+        await ckpt.maybe_checkpoint()  # complete again; the abandoned one is pruned
+
+    asyncio.run(scenario())
+    assert [r.step for r in store.all()] == [2, 6]
+    assert sorted(storage.list_names(str(root))) == ["step-000002", "step-000006"]

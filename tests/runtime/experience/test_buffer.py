@@ -169,6 +169,29 @@ def test_finished_policy_drops_late_arrivals_and_redeliveries() -> None:
     assert buf.acquire(["a", "b"]) is None
 
 
+def test_a_restarting_policy_holds_no_episode_back_and_keeps_what_it_had() -> None:
+    buf = ExperienceBuffer([PolicyConfig("a", 2, 0, final_version=4), PolicyConfig("b", 2, 1)], 100)
+    first = [buf.acquire(["a", "b"]) for _ in range(2)]
+    assert all(first) and buf.acquire(["a", "b"]) is None  # a's credit for its version 0 is used up
+    buf.put(first[0], episode("e0", turn("a"), turn("b")))  # type: ignore[arg-type]
+    lease = buf.pull("a", "a-trainer-0", 1)
+    assert lease is not None
+    buf.pause("a")  # its trainer failed: it restarts alone
+    buf.consumer_failed("a-trainer-0")  # what its lost rank leased is redelivered, not dropped
+    buf.put(first[1], episode("e1", turn("a"), turn("b")))  # type: ignore[arg-type]
+    late = buf.acquire(["a", "b"])  # b's episodes keep starting
+    assert late is not None
+    buf.put(late, episode("e2", turn("a"), turn("b")))
+    a, b = buf.stats("a"), buf.stats("b")
+    assert a.buffered == 1 and a.dropped[DropReason.POLICY_RESTARTING] == 2, a
+    assert b.buffered == 3 and b.dropped[DropReason.POLICY_RESTARTING] == 0, b
+    # it publishes past the version its engines served: credit from there, its end moved with it
+    assert buf.restart("a", 2, 6) == 1  # its sample of version 0 is now too stale (sync)
+    a = buf.stats("a")
+    assert (a.version, a.buffered, a.credit) == (2, 0, 2) and buf.acquire(["a", "b"]) is not None
+    assert a.produced == a.consumed + a.buffered + a.leased + sum(a.dropped.values())
+
+
 def test_cancel_counts_everything_and_late_puts() -> None:
     buf = ExperienceBuffer([PolicyConfig("a", 5, 1)], 100)
     t1, t2 = buf.acquire(["a"]), buf.acquire(["a"])

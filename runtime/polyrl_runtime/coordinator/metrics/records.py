@@ -52,7 +52,7 @@ class StepRecord:
     sync_s: float
     elapsed_s: float
     samples_per_s: float
-    # Samples of this policy the buffer dropped, by reason (stale, policy_finished, job_cancelled).
+    # Samples of this policy the buffer dropped, by reason (experience.DropReason).
     dropped: dict[str, int] = field(default_factory=dict)
     dropped_total: dict[str, int] = field(default_factory=dict)
     # Episodes of the job that failed (any reason); several policies' rows count the same failures.
