@@ -18,8 +18,8 @@ from polyrl_operator.observed import Child
 from polyrl_operator.planning import JobMemory, Plan, QuotaRefusal, plan, stored_status
 from polyrl_operator.planning.conditions import rfc3339
 from polyrl_operator.planning.quota import refused
-from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.operator_fixtures import (
+    SETTINGS,
     SIGNAL_GAME_PODS,
     T0,
     children_of,
@@ -31,7 +31,6 @@ from polyrl_testenv.operator_fixtures import (
     with_status,
 )
 
-SETTINGS = OperatorSettings(autoscale=Autoscale(out_window=0, in_window=0, cooldown=0), metrics_port=None)
 COORDINATOR = "signal-game-coordinator"
 REQUEST = "deadlineexceeded-20260101T120101Z"
 

@@ -20,8 +20,8 @@ from polyrl_operator import naming
 from polyrl_operator.api.progress import Progress
 from polyrl_operator.observed import Child
 from polyrl_operator.planning import Plan, plan
-from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.operator_fixtures import (
+    SETTINGS,
     T0,
     children_of,
     later,
@@ -33,7 +33,6 @@ from polyrl_testenv.operator_fixtures import (
     with_status,
 )
 
-SETTINGS = OperatorSettings(autoscale=Autoscale(out_window=0, in_window=0, cooldown=0), metrics_port=None)
 COORDINATOR = "signal-game-coordinator"
 SPEAKER_TRAINER = "signal-game-speaker-trainer-0"
 LISTENER_TRAINER = "signal-game-listener-trainer-0"

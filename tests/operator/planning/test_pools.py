@@ -19,8 +19,8 @@ from polyrl_operator.api.progress import Progress
 from polyrl_operator.observed import Child
 from polyrl_operator.planning import Plan, plan
 from polyrl_operator.pod_contract import ANNOTATION_DRAIN
-from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.operator_fixtures import (
+    SETTINGS,
     T0,
     children_of,
     later,
@@ -32,7 +32,6 @@ from polyrl_testenv.operator_fixtures import (
     with_status,
 )
 
-SETTINGS = OperatorSettings(autoscale=Autoscale(out_window=0, in_window=0, cooldown=0), metrics_port=None)
 POOL_0, POOL_1 = "signal-game-pool-shared-0", "signal-game-pool-shared-1"
 ROLES = ["speaker/rollout", "speaker/trainer", "listener/rollout"]
 World = tuple[dict[str, Any], list[Child]]

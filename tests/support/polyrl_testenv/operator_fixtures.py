@@ -14,10 +14,13 @@ import yaml
 from polyrl_operator.api.progress import Progress
 from polyrl_operator.observed import Child, Observed, summarize
 from polyrl_operator.planning import Plan
+from polyrl_operator.settings import Autoscale, OperatorSettings
 from polyrl_testenv.bad_rljobs import CPU_EXAMPLE, EXAMPLES
 
 PROGRESS_SAMPLES = Path(__file__).resolve().parents[2] / "operator" / "data" / "progress"
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+# The autoscaler acts on its first reading and the metrics server is off: plans follow inputs at once.
+SETTINGS = OperatorSettings(autoscale=Autoscale(out_window=0, in_window=0, cooldown=0), metrics_port=None)
 UID = "3f1c2a9e-0000-4000-8000-000000000001"
 # The pods of the CPU example job (`CPU_EXAMPLE`): the coordinator, the workflow worker, and a rollout
 # and a trainer per policy.
