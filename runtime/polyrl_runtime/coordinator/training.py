@@ -31,8 +31,9 @@ from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
 from polyrl_runtime.coordinator.pool_scheduler import DevicePools
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.coordinator.slots import Slot
-from polyrl_runtime.coordinator.version_skew import SkewGate, SkewStarvation
-from polyrl_runtime.experience.buffer import PolicyStats
+from polyrl_runtime.coordinator.starvation import Starvation
+from polyrl_runtime.coordinator.version_skew import SkewGate
+from polyrl_runtime.experience.buffer import DropReason, PolicyStats
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.api import StepResult, node_local_ranks
 from polyrl_runtime.weights import VersionRegistry, sender_options
@@ -102,9 +103,6 @@ class PolicyTrainer:
         self.buffer, self.fleet, self.producer = parts.buffer, parts.fleet, parts.producer
         self.checkpointer, self.registry, self.record = parts.checkpointer, parts.registry, parts.record
         self.pools, self.skew = parts.pools, parts.skew
-        # Episodes over the job's version skew are dropped (onVersionSkew drop): a policy that only
-        # gets such episodes can never step, and the job must fail rather than drop on forever.
-        self.drops_skewed = job.spec.version_skew_action == "drop"
         self.stall_timeout_s, self.group_size = limits.stall_timeout_s, limits.group_size
         self.episodes_per_step = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps
@@ -301,7 +299,7 @@ class PolicyTrainer:
         run = self.run
         sync = self.spec.effective_max_staleness == 0
         stalled_since: float | None = None
-        starving = SkewStarvation(time.monotonic())
+        starving = Starvation(time.monotonic())
         while not self.control.stop.is_set():
             # Read once: the first report sets it while we wait, and a step's size must not change
             # under us (unknown: wait for the first episode's report before counting samples).
@@ -328,15 +326,8 @@ class PolicyTrainer:
                 # Credit for less than a group is not granted (episodes start in whole groups).
                 if st.buffered and (st.credit < self.group_size or data_done) and in_flight == 0:
                     return int(st.buffered)
-            if self.drops_skewed and starving.starved(st, self.stall_timeout_s):
-                self.control.fail(
-                    f"policy {run.name}: at step {run.step}, every episode of the last "
-                    f"{self.stall_timeout_s:.0f} s was dropped for version skew (maxVersionSkew "
-                    f"{self.spec.max_version_skew}, onVersionSkew drop; policy steps: "
-                    f"{self.skew.steps()}): it cannot catch up with the others. onVersionSkew wait "
-                    "holds the policies ahead back instead",
-                    retryable=False,
-                )
+            if starving.starved(st, self.stall_timeout_s):
+                self.control.fail(self._starved(st, starving.since(st)), retryable=False)
                 return 0
             # No credit, nothing buffered, leased or on its way: nothing can ever change (credit only
             # grows when this policy trains). A bug, but the job must fail clearly, never hang.
@@ -354,6 +345,24 @@ class PolicyTrainer:
                 )
                 return 0
         return 0
+
+    def _starved(self, st: PolicyStats, dropped: dict[str, int]) -> str:
+        """Why the policy can get no sample (`Starvation`), for the job's failure."""
+        run, t = self.run, f"{self.stall_timeout_s:.0f}"
+        if dropped.get(DropReason.VERSION_SKEW, 0) >= dropped.get(DropReason.STALE, 0):
+            return (
+                f"policy {run.name}: at step {run.step}, every episode of the last {t} s was dropped for "
+                f"version skew (maxVersionSkew {self.spec.max_version_skew}, onVersionSkew drop; policy "
+                f"steps: {self.skew.steps()}): it cannot catch up with the others. onVersionSkew wait "
+                "holds the policies ahead back instead"
+            )
+        served = sorted({max(s.version, 0) for s in self.fleet.live_engines(run.name).values()})
+        return (
+            f"policy {run.name}: at step {run.step}, every sample of the last {t} s arrived too stale to "
+            f"train on ({dropped[DropReason.STALE]} dropped; maxStaleness "
+            f"{self.spec.effective_max_staleness}): its trainer is at version {st.version}, its engines "
+            f"serve {served or 'nothing'}"
+        )
 
     def _global_std(self) -> float | None:
         signals = self.producer.signals

@@ -10,7 +10,6 @@ trainer is restarting or frozen (coordinator/policy_restart.py) holds no one bac
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,7 +17,6 @@ import structlog
 
 from polyrl_operator.api import RLJobSpec
 from polyrl_runtime.coordinator.job_state import PolicyRun
-from polyrl_runtime.experience.buffer import DropReason, PolicyStats
 
 log = structlog.get_logger(__name__)
 
@@ -83,18 +81,3 @@ class SkewGate:
         )
         while not stop.is_set() and self.holding(policy) is not None:
             await asyncio.sleep(POLL_S)
-
-
-class SkewStarvation:
-    """Whether, while a policy waits for a step, samples stopped arriving and episodes were dropped
-    for version skew all the while (onVersionSkew drop)."""
-
-    def __init__(self, now: float) -> None:
-        self.arrived_at, self.buffered, self.dropped = now, 0, -1
-
-    def starved(self, st: PolicyStats, timeout_s: float) -> bool:
-        now, dropped = time.monotonic(), st.dropped.get(DropReason.VERSION_SKEW, 0)
-        if self.dropped < 0 or st.buffered > self.buffered or st.leased:
-            self.arrived_at, self.dropped = now, dropped  # a sample arrived: starving starts again
-        self.buffered = st.buffered
-        return dropped > self.dropped and now - self.arrived_at > timeout_s

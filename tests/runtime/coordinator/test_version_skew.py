@@ -14,7 +14,8 @@ from structlog.testing import capture_logs
 
 from polyrl_runtime.coordinator.job_state import PolicyRun
 from polyrl_runtime.coordinator.metrics.records import RewardWindow
-from polyrl_runtime.coordinator.version_skew import Laggard, SkewGate, SkewStarvation
+from polyrl_runtime.coordinator.starvation import Starvation
+from polyrl_runtime.coordinator.version_skew import Laggard, SkewGate
 from polyrl_runtime.experience import DropReason
 from polyrl_runtime.experience.buffer import PolicyStats
 
@@ -67,18 +68,26 @@ def test_the_gate_waits_until_the_laggard_steps_and_says_whom_it_waits_for() -> 
     assert (line["policy"], line["waits_for"], line["its_step"], line["max_version_skew"]) == ("a", "b", 2, 1)
 
 
-def stats(buffered: int = 0, leased: int = 0, skewed: int = 0) -> PolicyStats:
-    dropped = {r.value: 0 for r in DropReason} | {DropReason.VERSION_SKEW.value: skewed}
+def stats(buffered: int = 0, leased: int = 0, skewed: int = 0, stale: int = 0) -> PolicyStats:
+    dropped = {r.value: 0 for r in DropReason} | {
+        DropReason.VERSION_SKEW.value: skewed,
+        DropReason.STALE.value: stale,
+    }
     return PolicyStats("a", 0, buffered, leased, 0, 0, 0, 0, 0, dropped, 0.0, 0, False)
 
 
-def test_drop_mode_starves_only_when_every_episode_is_dropped_for_the_whole_timeout() -> None:
-    watch = SkewStarvation(0.0)
+def test_a_policy_starves_only_when_every_sample_is_dropped_for_the_whole_timeout() -> None:
+    watch = Starvation(0.0)
     assert not watch.starved(stats(skewed=3), timeout_s=0.05)  # the first reading starts the clock
     assert not watch.starved(stats(skewed=5), timeout_s=60)  # dropping, but not for long
     assert watch.starved(stats(skewed=5), timeout_s=0.0)
     assert not watch.starved(stats(buffered=1, skewed=9), timeout_s=0.0)  # a sample arrived
-    quiet = SkewStarvation(0.0)
+    # engines that never get the trainer's weights: every sample arrives too stale, forever
+    stale = Starvation(0.0)
+    assert not stale.starved(stats(stale=4), timeout_s=0.0)
+    assert stale.starved(stats(stale=12, skewed=1), timeout_s=0.0)
+    assert stale.since(stats(stale=12, skewed=1)) == {"stale": 8, "version_skew": 1}
+    quiet = Starvation(0.0)
     quiet.starved(stats(), timeout_s=0.0)
     assert not quiet.starved(stats(), timeout_s=0.0)  # nothing dropped: the stall check's business
 
