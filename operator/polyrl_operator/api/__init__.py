@@ -9,6 +9,7 @@ from polyrl_operator.api.common import (
     ResourceRequirements,
     RoleOverrides,
 )
+from polyrl_operator.api.operation import FailurePolicy, Scheduling
 from polyrl_operator.api.policy import Algorithm, Lora, Model, Policy, Rollout, Sampling, Trainer
 from polyrl_operator.api.pools import Placement, Pool, SharedBase
 from polyrl_operator.api.rljob import (
@@ -26,9 +27,7 @@ from polyrl_operator.api.rljob import (
 from polyrl_operator.api.spec import (
     Checkpoint,
     Coordinator,
-    FailurePolicy,
     RLJobSpec,
-    Scheduling,
     Training,
     WeightSync,
     Workflow,
