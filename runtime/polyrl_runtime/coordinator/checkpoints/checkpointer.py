@@ -181,5 +181,6 @@ class Checkpointer:
         self.last_ckpt = await asyncio.to_thread(self.store.commit, tmp, state, snap)
         for r in self.runs.values():
             r.last_ckpt_step = r.step
+        log.info("checkpoint.committed", location=self.last_ckpt.location, reason=reason, steps=steps)
         self.control.emit("checkpoint", path=self.last_ckpt.location, reason=reason, steps=steps)
         return self.last_ckpt
