@@ -29,7 +29,6 @@ from polyrl_operator.api.spec import (
     Coordinator,
     RLJobSpec,
     Training,
-    WeightSync,
     Workflow,
 )
 from polyrl_operator.api.status import (
@@ -41,6 +40,7 @@ from polyrl_operator.api.status import (
     RoleCounts,
     Staleness,
 )
+from polyrl_operator.api.weight_sync import WeightSync
 
 __all__ = [
     "API_VERSION",

@@ -12,5 +12,7 @@ CHECKPOINT_URI_PATTERN = rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///
 MODEL_URI_PATTERN = (
     rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.*|{_S3_URI}|builtin://[a-z0-9][-a-z0-9]*)$"
 )
+# Where transport storage writes versions: a store or file system that trainers and engines share.
+WEIGHT_SYNC_URI_PATTERN = rf"^(file:///.*|{_S3_URI})$"
 SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"

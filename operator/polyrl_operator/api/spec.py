@@ -15,6 +15,7 @@ from polyrl_operator.api.operation import FailurePolicy, Scheduling, Storage
 from polyrl_operator.api.patterns import CHECKPOINT_URI_PATTERN, ENTRYPOINT_PATTERN
 from polyrl_operator.api.policy import DEFAULT_GPUS, Policy, Rollout, Trainer
 from polyrl_operator.api.pools import MAX_POOLS, Placement, Pool, SharedBase
+from polyrl_operator.api.weight_sync import WeightSync
 
 MAX_POLICIES = 16
 
@@ -49,41 +50,6 @@ class Workflow(RoleOverrides):
     )
     replicas: Replicas = Field(
         default_factory=Replicas, description="Workflow worker pods that run episodes (elastic)."
-    )
-
-
-# `auto` and the transports the runtime registers (polyrl_runtime/weights/registry.py takes its list
-# from here).
-TransportName = Literal["auto", "objectstore", "shm", "collective", "cudaipc"]
-
-
-class WeightSync(ApiModel):
-    """How each trainer ships new weights to its policy's rollout engines."""
-
-    transport: TransportName = Field(
-        "auto",
-        description="auto picks the best available; objectstore (Ray, works everywhere), shm (same host), "
-        "collective (gloo on CPU, NCCL on GPU), cudaipc (GPU trainer and its rollout on one pool: engines "
-        "copy the trainer's GPU memory through CUDA IPC, no network; auto picks it there).",
-    )
-    bucket_mb: int = Field(256, ge=1, le=16384, alias="bucketMB", description="Flattened bucket size in MiB.")
-    deltas: int = Field(
-        0,
-        ge=0,
-        le=64,
-        description="Beside each version, also publish the bit-exact deltas from the version before "
-        "(changed elements and a checksum per tensor, the whole tensor where that is smaller), and "
-        "list those of the last N versions in each update: an engine that holds one of those versions "
-        "fetches the deltas instead of the whole version, checks every tensor, and fetches the whole "
-        "version if any check fails. The trainer keeps a host copy of its last version. 0: off. Needs "
-        "transport objectstore.",
-    )
-    inflight: Literal["keep", "wait", "abort"] = Field(
-        "keep",
-        description="What a weight update does to generations in progress (engine vllm): keep pauses "
-        "them between two decoding steps and continues them on the new weights (partial rollouts; each "
-        "token records the version that sampled it), wait lets them finish on the old weights first, "
-        "abort stops them and issues them again on the new weights.",
     )
 
 
@@ -290,13 +256,26 @@ class RLJobSpec(ApiModel):
         ),
         Rule(
             cel="!has(self.weightSync) || !has(self.weightSync.transport) || "
-            "!(self.weightSync.transport in ['collective', 'cudaipc']) || "
+            "!(self.weightSync.transport in ['collective', 'cudaipc', 'storage']) || "
             "self.policies.all(p, !has(p.rollout.pool) || !has(p.algorithm) || !has(p.algorithm.lora) || "
             "!self.policies.exists(o, o.name != p.name && has(o.rollout.pool) && o.rollout.pool == p.rollout.pool && has(o.algorithm) && has(o.algorithm.lora) && o.model.uri == p.model.uri && (has(o.model.dtype) ? o.model.dtype : 'auto') == (has(p.model.dtype) ? p.model.dtype : 'auto')))",
             message="policies that share a base model as LoRA adapters receive adapter versions through "
-            "objectstore or shm (auto picks one): one engine serves them all, and collective and cudaipc "
-            "connect an engine to one policy's trainer",
-            check=lambda s: s.weight_sync.transport not in ("collective", "cudaipc") or not s.shared_bases(),
+            "objectstore or shm (auto picks one): one engine serves them all, and collective, cudaipc and "
+            "storage connect an engine to one policy's trainer",
+            check=lambda s: (
+                s.weight_sync.transport not in ("collective", "cudaipc", "storage") or not s.shared_bases()
+            ),
+            field=".weightSync.transport",
+        ),
+        Rule(
+            cel="!has(self.weightSync) || !has(self.weightSync.transport) || "
+            "self.weightSync.transport != 'storage' || "
+            "self.policies.all(p, has(p.rollout.engine) && p.rollout.engine == 'torch')",
+            message="transport storage is read by torch engines: every policy needs rollout.engine torch "
+            "(vLLM engines receive through collective or cudaipc)",
+            check=lambda s: (
+                s.weight_sync.transport != "storage" or all(p.rollout.engine == "torch" for p in s.policies)
+            ),
             field=".weightSync.transport",
         ),
     )

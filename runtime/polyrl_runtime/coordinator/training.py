@@ -127,7 +127,10 @@ class PolicyTrainer:
         """Connect the weight sync to the policy's engines and publish the starting weights."""
         run, self.transport = self.run, transport
         engines = {n: s.actor for n, s in self.fleet.live_engines(run.name).items()}
-        kwargs = sender_options(transport, receivers=len(engines), deltas=self.spec.weight_sync.deltas)
+        sync = self.spec.weight_sync
+        kwargs = sender_options(
+            transport, receivers=len(engines), deltas=sync.deltas, uri=sync.uri, full_every=sync.full_every
+        )
         bucket = self.spec.weight_sync.bucket_mb << 20
         await run.ranks[0].init_sender(transport, bucket, kwargs)
         run.sync = await asyncio.to_thread(

@@ -204,6 +204,14 @@ class TensorTarget:
             yield self._version
 
 
+def swappable(target: WeightTarget) -> bool:
+    """Whether `target` may be updated by `TensorTarget.swap` (its tensors all on one device)."""
+    if not isinstance(target, TensorTarget) or not target.swappable:
+        return False
+    devices = {t.device for t in target.named_tensors().values()}
+    return len(devices) <= 1
+
+
 def check_manifest(manifest: WeightManifest, target: WeightTarget) -> None:
     """Raise `WeightMismatchError` naming the policy, the version and the first tensor whose name,
     shape or dtype differs."""

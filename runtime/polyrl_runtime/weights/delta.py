@@ -96,6 +96,16 @@ def make_delta(name: str, base: torch.Tensor, new: torch.Tensor) -> TensorDelta:
     return TensorDelta(name, tuple(new.shape), new.dtype, True, b"", _raw(new).tobytes(), changed, crc)
 
 
+def whole(name: str, new: torch.Tensor) -> TensorDelta:
+    """`new` in full, as a delta that applies to any base of its shape and dtype (a transport that
+    stores a whole version as the first link of a chain)."""
+    if new.element_size() not in _BITS:
+        raise DeltaError(name, f"no delta for elements of {new.element_size()} bytes")
+    raw = _raw(new)
+    crc = zlib.crc32(raw.data)
+    return TensorDelta(name, tuple(new.shape), new.dtype, True, b"", raw.tobytes(), new.numel(), crc)
+
+
 def apply_delta(delta: TensorDelta, base: torch.Tensor) -> torch.Tensor:
     """A new tensor: `base` with `delta` applied, checked against the delta's checksum. `base` is left
     as it is, so a version applied tensor by tensor can still be abandoned whole."""

@@ -17,14 +17,25 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import structlog
 import torch
 
-from polyrl_runtime.weights.api import DeltaLink, WeightManifest
+from polyrl_runtime.weights.api import (
+    DeltaLink,
+    SyncReport,
+    WeightManifest,
+    WeightTarget,
+    make_report,
+    swappable,
+)
 from polyrl_runtime.weights.delta import DeltaError, TensorDelta, apply_delta, checksum, make_delta
+
+log = structlog.get_logger(__name__)
 
 
 def encode_link(deltas: Sequence[TensorDelta]) -> bytes:
@@ -105,3 +116,23 @@ def apply_chain(
             elif checksum(out[d.name]) != d.checksum:  # unchanged: the base itself must be right
                 raise DeltaError(d.name, "the engine's tensor is not the delta's base (checksum differs)")
     return out, changed
+
+
+def receive_links(
+    manifest: WeightManifest, links: Sequence[bytes], target: WeightTarget, start: float, nbytes: int
+) -> SyncReport:
+    """Apply fetched links (`encode_link` bytes, in order) to `target` as `manifest`'s version: every
+    tensor is checked before any is served (`DeltaError` names the first that fails, and `target`
+    keeps its version); `nbytes` is what was fetched for them."""
+    new, changed = apply_chain(target.named_tensors(), [decode_link(d) for d in links])
+    pause_start = time.perf_counter()
+    with target.paused(manifest.version):
+        if swappable(target):
+            target.swap(new)  # type: ignore[attr-defined]  # swappable() checked it is a TensorTarget
+        else:
+            own = target.named_tensors()
+            for name in changed:
+                own[name].copy_(new[name])
+    pause = time.perf_counter() - pause_start
+    log.debug("weights.delta_applied", policy=manifest.policy, version=manifest.version, links=len(links))
+    return make_report(manifest, start, pause, applied=True, nbytes=nbytes)

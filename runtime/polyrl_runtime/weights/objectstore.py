@@ -57,6 +57,7 @@ from polyrl_runtime.weights.api import (
     WeightTarget,
     check_manifest,
     make_report,
+    swappable,
 )
 from polyrl_runtime.weights.buckets import (
     PARALLEL_MIN_BYTES,
@@ -73,8 +74,8 @@ from polyrl_runtime.weights.buckets import (
     run_copies,
 )
 from polyrl_runtime.weights.delta import DeltaError
-from polyrl_runtime.weights.delta_chain import DeltaChain, apply_chain, chain_from, decode_link
-from polyrl_runtime.weights.staging import ALIGN, swappable
+from polyrl_runtime.weights.delta_chain import DeltaChain, chain_from, receive_links
+from polyrl_runtime.weights.staging import ALIGN
 
 log = structlog.get_logger(__name__)
 
@@ -321,18 +322,7 @@ class ObjectStoreReceiver(WeightReceiver):
     ) -> SyncReport:
         """Apply the chain from the engine's version: every tensor checked before any is served."""
         data: list[bytes] = ray.get([link.handle for link in links])
-        new, changed = apply_chain(target.named_tensors(), [decode_link(d) for d in data])
-        pause_start = time.perf_counter()
-        with target.paused(manifest.version):
-            if swappable(target):
-                target.swap(new)  # type: ignore[attr-defined]  # swappable() checked it is a TensorTarget
-            else:
-                own = target.named_tensors()
-                for name in changed:
-                    own[name].copy_(new[name])
-        pause = time.perf_counter() - pause_start
-        log.debug("weights.delta_applied", policy=manifest.policy, version=manifest.version, links=len(links))
-        return make_report(manifest, start, pause, applied=True, nbytes=sum(link.nbytes for link in links))
+        return receive_links(manifest, data, target, start, sum(link.nbytes for link in links))
 
 
 def _serves_from_store(target: WeightTarget) -> bool:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from polyrl_operator.api.spec import TransportName
+from polyrl_operator.api.weight_sync import TransportName
 from polyrl_runtime.weights.api import WeightReceiver, WeightSender
 
 SenderFactory = Callable[..., WeightSender]
@@ -38,6 +38,8 @@ class Transport:
     keeps_latest: bool = True
     # The sender can publish deltas beside each version (`deltas=` keyword, weights/delta_chain.py).
     deltas: bool = False
+    # The sender writes versions under a URI (`uri=` and `full_every=` keywords, weights/storage.py).
+    at_uri: bool = False
 
 
 _REGISTRY: dict[str, Transport] = {}
@@ -51,10 +53,11 @@ def register_transport(
     sized_group: bool = False,
     keeps_latest: bool = True,
     deltas: bool = False,
+    at_uri: bool = False,
 ) -> None:
     if name == "auto":
         raise ValueError("'auto' is a choice among transports, not a transport")
-    _REGISTRY[name] = Transport(name, sender, receiver, sized_group, keeps_latest, deltas)
+    _REGISTRY[name] = Transport(name, sender, receiver, sized_group, keeps_latest, deltas, at_uri)
 
 
 def get_transport(name: str) -> Transport:
@@ -92,14 +95,22 @@ def choose_transport(
     return "objectstore" if ray_available else "collective"
 
 
-def sender_options(name: str, *, receivers: int, deltas: int = 0) -> dict[str, Any]:
+def sender_options(
+    name: str, *, receivers: int, deltas: int = 0, uri: str | None = None, full_every: int = 8
+) -> dict[str, Any]:
     """The `make_sender` keyword arguments that depend on the engines it serves (`receivers` of them)
-    and on the job (`deltas`: versions whose deltas each manifest lists, 0 for none)."""
-    options: dict[str, Any] = {"num_receivers": receivers} if get_transport(name).sized_group else {}
+    and on the job (`deltas`: versions whose deltas each manifest lists, 0 for none; `uri` and
+    `full_every`: where and how a transport that writes versions to storage writes them)."""
+    transport = get_transport(name)
+    options: dict[str, Any] = {"num_receivers": receivers} if transport.sized_group else {}
     if deltas:
-        if not get_transport(name).deltas:
+        if not transport.deltas:
             raise ValueError(f"weight-sync transport {name!r} does not carry deltas")
         options["deltas"] = deltas
+    if transport.at_uri:
+        if uri is None:
+            raise ValueError(f"weight-sync transport {name!r} writes versions under a uri; none was given")
+        options.update(uri=uri, full_every=full_every)
     return options
 
 
@@ -130,11 +141,14 @@ def _register_builtins() -> None:
     from polyrl_runtime.weights.cudaipc import TRANSPORT as CUDAIPC
     from polyrl_runtime.weights.cudaipc import CudaIpcReceiver, CudaIpcSender
     from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
+    from polyrl_runtime.weights.storage import TRANSPORT as STORAGE
+    from polyrl_runtime.weights.storage import StorageReceiver, StorageSender
 
     register_transport(DEFAULT_TRANSPORT, _objectstore_sender, _objectstore_receiver, deltas=True)
     register_transport("shm", ShmSender, ShmReceiver)
     register_transport(COLLECTIVE, CollectiveSender, CollectiveReceiver, sized_group=True, keeps_latest=False)
     register_transport(CUDAIPC, CudaIpcSender, CudaIpcReceiver, keeps_latest=False)
+    register_transport(STORAGE, StorageSender, StorageReceiver, at_uri=True)
 
 
 _register_builtins()

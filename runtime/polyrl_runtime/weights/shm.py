@@ -45,9 +45,10 @@ from polyrl_runtime.weights.api import (
     WeightTarget,
     check_manifest,
     make_report,
+    swappable,
 )
 from polyrl_runtime.weights.buckets import BucketLayout, PairCache, layout_for, ordered_tensors, run_copies
-from polyrl_runtime.weights.staging import ALIGN, flat_views, swappable
+from polyrl_runtime.weights.staging import ALIGN, flat_views
 
 log = structlog.get_logger(__name__)
 

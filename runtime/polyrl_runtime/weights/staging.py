@@ -22,18 +22,11 @@ from collections.abc import Mapping
 
 import torch
 
-from polyrl_runtime.weights.api import TensorTarget, WeightManifest, WeightTarget
+from polyrl_runtime.weights.api import TensorTarget, WeightManifest, WeightTarget, swappable
 from polyrl_runtime.weights.buckets import BucketLayout, PairCache, run_copies, tensor_offsets
 
 # Tensor starts in flat buffers: enough for any dtype (and for vectorised copies).
 ALIGN = 64
-
-
-def swappable(target: WeightTarget) -> bool:
-    if not isinstance(target, TensorTarget) or not target.swappable:
-        return False
-    devices = {t.device for t in target.named_tensors().values()}
-    return len(devices) <= 1
 
 
 def flat_views(layout: BucketLayout, flat: torch.Tensor) -> dict[str, torch.Tensor]:

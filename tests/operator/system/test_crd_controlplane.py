@@ -101,7 +101,13 @@ def test_defaults_come_back_and_match_the_models(crd: Any, namespace: str) -> No
     stored = json.loads(crd.kubectl("get", "rljob", "minimal", "-n", namespace, "-o", "json").stdout)
     spec = stored["spec"]
     assert spec["mode"] == "async"
-    assert spec["weightSync"] == {"transport": "auto", "bucketMB": 256, "deltas": 0, "inflight": "keep"}
+    assert spec["weightSync"] == {
+        "transport": "auto",
+        "bucketMB": 256,
+        "deltas": 0,
+        "fullEvery": 8,
+        "inflight": "keep",
+    }
     assert spec["training"]["episodesPerStep"] == 64
     policy = spec["policies"][0]
     assert policy["algorithm"]["name"] == "grpo" and policy["algorithm"]["groupSize"] == 8

@@ -73,6 +73,13 @@ def _freeze_one_policy(doc: Doc) -> None:
     doc["spec"]["failurePolicy"] = {"onPolicyFailure": "freeze"}
 
 
+def _storage_for_vllm(doc: Doc) -> None:
+    """Versions through storage to a policy whose engines are vLLM (which receive through
+    collective or cudaipc only)."""
+    doc["spec"]["weightSync"] = {"transport": "storage", "uri": "s3://weights/job"}
+    doc["spec"]["policies"][1]["rollout"].update(engine="vllm", gpus=1)
+
+
 def _long_names(doc: Doc) -> None:
     doc["metadata"]["name"] = "j" * 30
     doc["spec"]["policies"][0]["name"] = "p" * 30
@@ -356,6 +363,24 @@ BAD_CASES: tuple[BadCase, ...] = (
         _set("spec.weightSync", {"transport": "shm", "deltas": 4}),
         "spec.weightSync.deltas",
         ("spec.weightSync.deltas", "need transport objectstore"),
+    ),
+    BadCase(
+        "storage-without-a-uri",
+        _set("spec.weightSync", {"transport": "storage"}),
+        "spec.weightSync.uri",
+        ("spec.weightSync.uri", "transport storage writes each version under uri"),
+    ),
+    BadCase(
+        "weight-sync-uri-without-storage",
+        _set("spec.weightSync", {"transport": "objectstore", "uri": "s3://weights/job"}),
+        "spec.weightSync.uri",
+        ("spec.weightSync.uri", "set transport storage or remove uri"),
+    ),
+    BadCase(
+        "storage-for-vllm-engines",
+        _storage_for_vllm,
+        "spec.weightSync.transport",
+        ("spec.weightSync.transport", "every policy needs rollout.engine torch"),
     ),
     BadCase("unknown-mode", _set("spec.mode", "turbo"), "spec.mode", ("spec.mode", "turbo")),
     BadCase(
