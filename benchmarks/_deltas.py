@@ -18,6 +18,11 @@ trainer's after it.
    (as the CPU trainer publishes them) and cast to bfloat16 (as GPU trainers publish them).
 3. An engine 10 versions behind (1% changed per version) catching up through the chain, against
    fetching the whole latest version.
+4. The `storage` transport on a local directory (file://; an object store adds its network on top):
+   the bytes it writes for a version of 1% changed elements against a whole version (goal <= 1.5 x
+   the changed fraction + 1%), an engine one version behind, and an engine that joins 10 versions
+   after the newest whole one (the whole version and the 10 deltas since) against one that fetches a
+   whole version (fullEvery 1).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from tempfile import TemporaryDirectory
 
 import torch
 
-from polyrl_runtime.weights import TensorTarget, make_receiver, make_sender
+from polyrl_runtime.weights import TensorTarget, WeightSender, make_receiver, make_sender
+from polyrl_runtime.weights.registry import sender_options
 
 MiB = 1 << 20
 
@@ -184,3 +190,77 @@ def catch_up_table(layout: dict[str, torch.Tensor], behind: int, repeats: int) -
         print(f"| {way} | {best[1] / MiB:.2f} MiB | {best[0] * 1e3:.0f} | {'yes' if best[2] else 'NO'} |")
     (t_d, b_d, _), (t_w, b_w, _) = rows["deltas"], rows["whole"]
     print(f"catch-up, deltas / whole: bytes {b_d / b_w:.3f}, receive time {t_d / t_w:.2f}")
+
+
+def _storage_sender(root: str, full_every: int) -> WeightSender:
+    return make_sender(
+        "storage", "p", 256 * MiB, **sender_options("storage", receivers=1, uri=root, full_every=full_every)
+    )
+
+
+def storage_table(layout: dict[str, torch.Tensor], behind: int, repeats: int) -> bool:
+    """Table 4; True when every sync was bit-exact."""
+    versions = [layout]
+    for v in range(1, behind + 1):
+        versions.append(changed(versions[-1], 0.01, seed=v))
+    zeros = {n: torch.zeros_like(t) for n, t in layout.items()}
+    rows: dict[str, tuple[float, int, bool]] = {}
+
+    def keep(what: str, took: float, nbytes: int, ok: bool) -> None:
+        rows[what] = min(rows.get(what, (math.inf, 0, True)), (took, nbytes, ok))
+
+    for _ in range(repeats):
+        with TemporaryDirectory() as tmp:
+            sender = _storage_sender(f"file://{tmp}/chain", full_every=behind + 1)
+            receiver = make_receiver("storage")
+            follower = TensorTarget(dict(zeros), -1, swappable=True)
+            t0 = time.perf_counter()
+            manifest = sender.publish(0, versions[0])
+            keep("write: whole version", time.perf_counter() - t0, manifest.handle.nbytes, True)
+            receiver.receive(manifest, follower)
+            for v in range(1, behind + 1):
+                t0 = time.perf_counter()
+                manifest = sender.publish(v, versions[v])
+                keep(
+                    "write: a version as its delta (1% changed)",
+                    time.perf_counter() - t0,
+                    manifest.deltas[-1].nbytes,
+                    True,
+                )
+                t0 = time.perf_counter()
+                report = receiver.receive(manifest, follower)
+                ok = exact(versions[v], dict(follower.named_tensors()))
+                keep("engine one version behind: its delta", time.perf_counter() - t0, report.nbytes, ok)
+            joiner = TensorTarget(dict(zeros), -1, swappable=True)
+            t0 = time.perf_counter()
+            report = receiver.receive(manifest, joiner)
+            ok = exact(versions[-1], dict(joiner.named_tensors()))
+            keep(
+                f"engine joining: whole version + {behind} deltas",
+                time.perf_counter() - t0,
+                report.nbytes,
+                ok,
+            )
+            wholes = _storage_sender(f"file://{tmp}/whole", full_every=1)
+            manifest = wholes.publish(behind, versions[-1])
+            joiner = TensorTarget(dict(zeros), -1, swappable=True)
+            t0 = time.perf_counter()
+            report = receiver.receive(manifest, joiner)
+            ok = exact(versions[-1], dict(joiner.named_tensors()))
+            keep("engine joining: whole version (fullEvery 1)", time.perf_counter() - t0, report.nbytes, ok)
+    print(f"\nstorage transport on a local directory, fullEvery {behind + 1}, best of {repeats}")
+    print("| what | bytes | ms | bit-exact |")
+    print("|---|---|---|---|")
+    for what, (took, nbytes, ok) in rows.items():
+        print(f"| {what} | {nbytes / MiB:.2f} MiB | {took * 1e3:.0f} | {'yes' if ok else 'NO'} |")
+    whole_bytes = rows["write: whole version"][1]
+    delta = rows["write: a version as its delta (1% changed)"]
+    print(f"storage, a delta version / a whole one: bytes {delta[1] / whole_bytes:.4f} (goal <= 0.0250)")
+    (t_c, b_c, _), (t_w, b_w, _) = (
+        rows[f"engine joining: whole version + {behind} deltas"],
+        rows["engine joining: whole version (fullEvery 1)"],
+    )
+    print(
+        f"storage, joining through {behind} deltas / a whole version: bytes {b_c / b_w:.3f}, receive time {t_c / t_w:.2f}"
+    )
+    return all(ok for _, _, ok in rows.values())

@@ -57,6 +57,10 @@ def test_weight_sync_deltas_benchmark_runs() -> None:
     trained = [r.split("|") for r in out.splitlines() if r.startswith(("| float32", "| bfloat16"))]
     assert len(trained) == 2 and all(r[-2].strip() == "yes" for r in trained)
     assert "catch-up, deltas / whole: bytes" in out
+    stored = [r.split("|") for r in out.split("\nstorage transport")[1].splitlines() if r.startswith("| ")]
+    assert len(stored) == 6 and all(r[-2].strip() == "yes" for r in stored[1:]), out  # header, 5 rows
+    assert "storage, a delta version / a whole one: bytes" in out
+    assert "storage, joining through 3 deltas / a whole version: bytes" in out
 
 
 @pytest.mark.slow
