@@ -164,14 +164,17 @@ def test_a_trainer_crash_restarts_that_policys_trainer_alone(e2e: E2E, namespace
     failed = [json.loads(x) for x in log.splitlines() if '"policy.trainer_failed"' in x]
     restarted = [json.loads(x) for x in log.splitlines() if '"policy.trainer_restarted"' in x]
     assert len(failed) == len(restarted) == 1, log[-3000:]
-    # It lost at most the steps since its latest checkpoint: it restarted from the speaker's step in
-    # the last checkpoint committed before the failure (cut every 3 steps of the slower policy, so
-    # the speaker's step in it may be past a multiple of 3), or from the start if there was none. A
-    # checkpoint cut after the failure carries the speaker's entry of that one (`trainer_at`).
-    committed = [json.loads(x) for x in log.splitlines() if '"checkpoint.committed"' in x]
-    before = [c for c in committed if c["timestamp"] < failed[0]["timestamp"]]
-    latest = before[-1] if before else None
-    assert restarted[0]["step"] == (latest["steps"]["speaker"] if latest else 0), (committed, restarted)
+    # It lost at most the steps since its latest checkpoint: it restarted from the newest speaker
+    # state saved before the failure: its step in a job checkpoint (cut every 3 steps of the slower
+    # policy, so the speaker's step in it may be past a multiple of 3) or its own restart point (3
+    # of its steps past that), or from the start if there was none. A checkpoint cut after the
+    # failure carries the speaker's entry of that one (`trainer_at`).
+    lines = [json.loads(x) for x in log.splitlines() if '"checkpoint.' in x]
+    before = [c for c in lines if c["timestamp"] < failed[0]["timestamp"]]
+    saved = [c["steps"]["speaker"] for c in before if c["event"] == "checkpoint.committed"] + [
+        c["step"] for c in before if c["event"] == "checkpoint.restart_point" and c["policy"] == "speaker"
+    ]
+    assert restarted[0]["step"] == max(saved, default=0), (lines, restarted)
     lost = failed[0]["step"] - restarted[0]["step"]
     assert lost >= 0, (failed, restarted)
     counters = e2e.counters(JOB, namespace)

@@ -186,10 +186,11 @@ class PolicyTrainer:
             return "stop"
         try:
             await self.checkpointer.maybe_export(run)
+            await self.checkpointer.maybe_restart_point(run)
         except Exception as e:
-            if actor_gone(e):  # a rank died exporting: as if in a step
+            if actor_gone(e):  # a rank died exporting or saving: as if in a step
                 return await self._failed(e)
-            self.control.fail(f"policy {run.name}: Hugging Face export of step {run.step} failed: {e}")
+            self.control.fail(f"policy {run.name}: saving or exporting step {run.step} failed: {e}")
             return "stop"
         return "done"
 

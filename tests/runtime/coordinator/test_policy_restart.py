@@ -238,3 +238,69 @@ def test_a_rank_lost_mid_checkpoint_abandons_it_and_the_previous_one_stays_the_l
     asyncio.run(scenario())
     assert [r.step for r in store.all()] == [2, 6]
     assert sorted(storage.list_names(str(root))) == ["step-000002", "step-000006"]
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_a_policy_ahead_of_the_others_restarts_from_its_own_restart_point(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    root: Path | str = (
+        tmp_path / "ckpt" if where == "file" else f"s3://{request.getfixturevalue('bucket')}/job"
+    )
+    job = make_job(
+        training={"totalSteps": 20},
+        checkpoint={"everySteps": 2, "keep": 1},
+        policies=[policy("a"), policy("b")],
+    )
+    store = CheckpointStore(root, keep=1)
+    runs = {n: PolicyRun(n, [_Rank()], step=2) for n in ("a", "b")}  # type: ignore[list-item]
+    pools = device_pools(job.spec, engines=lambda p: [], ranks=lambda p: [])
+    ckpt = Checkpointer(job, store, JobControl(None), runs, None, pools=pools)
+    ckpt.attach(_Buffer(), dict, lambda: None)  # type: ignore[arg-type]
+    a, b = runs["a"], runs["b"]
+
+    async def scenario() -> None:
+        await ckpt.maybe_checkpoint()  # both at step 2: the job's checkpoint
+        a.step = 3
+        await ckpt.maybe_restart_point(a)  # one of its steps past the checkpoint: nothing yet
+        assert store.restart_points() == []
+        a.step = 4  # b is still at 2, so the job's next checkpoint waits for it
+        await ckpt.maybe_checkpoint()
+        await ckpt.maybe_restart_point(a)
+        own = ckpt.latest_with("a")
+        assert own is not None and own.name == "policy-a-step-000004" and own.step == 4
+        assert storage.list_names(own.trainer_dir("a")) == ["ckpt"]  # what a restart of a loads
+        assert ckpt.latest_with("b") == store.latest()  # b has none: its entry in the checkpoint
+        a.step = 6
+        await ckpt.maybe_restart_point(a)
+        assert [p.name for p in store.restart_points()] == ["policy-a-step-000006"]  # 4 is pruned
+        # a's trainer is down (frozen): the next checkpoint carries its entry, naming its restart
+        # point, which pruning then keeps
+        a.trainer_state = "frozen"
+        b.step = 4
+        await ckpt.maybe_checkpoint()
+
+    asyncio.run(scenario())
+    latest = store.latest()
+    assert latest is not None and latest.step == 4
+    entry = latest.state["policies"]["a"]
+    assert (entry["step"], entry["trainer_at"]) == (6, "policy-a-step-000006"), latest.state
+    assert storage.list_names(latest.trainer_dir("a")) == ["ckpt"]
+    assert sorted(storage.list_names(str(root))) == ["policy-a-step-000006", "step-000004"]
+    # A new attempt resumes from the job's checkpoints: restart points that none names are dropped.
+    leftover = store.begin(9, policy="b")
+    store.commit(leftover, {"step": 9, "policies": {"b": {"step": 9}}}, None)
+    assert len(store.restart_points()) == 2
+    again = Checkpointer(job, store, JobControl(None), runs, None, pools=pools)
+    again.attach(_Buffer(), dict, lambda: None)  # type: ignore[arg-type]
+    assert [p.name for p in store.restart_points()] == ["policy-a-step-000006"]
+
+
+def test_a_job_of_one_policy_takes_no_restart_points(tmp_path: Path) -> None:
+    job = make_job(training={"totalSteps": 20}, checkpoint={"everySteps": 2, "keep": 1})
+    store = CheckpointStore(tmp_path, keep=1)
+    run_ = PolicyRun("agent", [_Rank()], step=6)  # type: ignore[list-item]
+    pools = device_pools(job.spec, engines=lambda p: [], ranks=lambda p: [])
+    ckpt = Checkpointer(job, store, JobControl(None), {"agent": run_}, None, pools=pools)
+    asyncio.run(ckpt.maybe_restart_point(run_))
+    assert store.restart_points() == [] and list(tmp_path.iterdir()) == []

@@ -50,6 +50,7 @@ class Checkpointer:
         self._requests = requests
         self.total = job.spec.training.total_steps
         self.last_ckpt: CheckpointRef | None = None
+        self._restart_points: dict[str, CheckpointRef] = {}  # per policy, its newest (this attempt's)
         self.handled_requests: list[str] = []
         self.in_progress = False
         self._lock = asyncio.Lock()
@@ -62,8 +63,9 @@ class Checkpointer:
     ) -> None:
         """The experience buffer and the counters a checkpoint records, once the job has them, and
         the metrics flush that runs before each commit (every step a checkpoint holds has its row
-        stored, so a resumed series has no gap)."""
+        stored, so a resumed series has no gap). Restart points of earlier attempts go."""
         self._buffer, self._counters, self._flush_metrics = buffer, counters, flush_metrics
+        self.store.drop_restart_points()
 
     def resumed(self, ref: CheckpointRef) -> None:
         self.last_ckpt = ref
@@ -87,11 +89,45 @@ class Checkpointer:
         self.control.emit("export", policy=run.name, step=run.step, path=location)
 
     def latest_with(self, policy: str) -> CheckpointRef | None:
-        """The latest complete checkpoint, when it holds `policy`'s trainer state (a restart of
-        that policy's trainer loads it); None when there is none or the policy joined the job
-        since."""
-        ref = self.last_ckpt
-        return ref if ref is not None and policy in ref.state["policies"] else None
+        """Where a restart of `policy`'s trainer alone loads from: the newer of its entry in the
+        latest complete checkpoint and its own latest restart point (`maybe_restart_point`); None
+        when there is neither (or the policy joined the job since)."""
+        ref = (
+            self.last_ckpt
+            if self.last_ckpt is not None and policy in self.last_ckpt.state["policies"]
+            else None
+        )
+        own = self._restart_points.get(policy)
+        if own is not None and (ref is None or own.step > int(ref.state["policies"][policy]["step"])):
+            return own
+        return ref
+
+    async def maybe_restart_point(self, run: PolicyRun) -> None:
+        """Save `run`'s trainer state alone (its lock held, after a step) once it is
+        `checkpoint.everySteps` of its own steps past the state a restart would load. A job
+        checkpoint is cut at the slowest policy's pace, so a faster policy would otherwise restart
+        from many of its own steps back. Not for a job of one policy (the job's checkpoint is at its
+        pace) nor at the last step (the final checkpoint follows). A job restart resumes from the
+        job's checkpoints only: they hold the experience buffer and the counters that match."""
+        if len(self.runs) < 2 or run.step >= self.total:
+            return
+        at = self.latest_with(run.name)
+        since = int(at.state["policies"][run.name]["step"]) if at is not None else 0
+        if run.step < since + self.job.spec.checkpoint.every_steps:
+            return
+        location = self.store.begin(run.step, policy=run.name)
+        d = storage.join(location, "trainers", run.name)
+        async with self.pools.resident(run.name):
+            await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))  # a lost rank: its step failed
+        state = {
+            "step": run.step,
+            "reason": "restart point",
+            "policies": {run.name: run.checkpoint_state()},
+            "job": self.job.metadata.name,
+        }
+        ref = await asyncio.to_thread(self.store.commit, location, state, None)
+        self._restart_points[run.name] = ref
+        log.info("checkpoint.restart_point", policy=run.name, step=run.step, location=ref.location)
 
     def _carried(self, name: str) -> dict[str, Any] | None:
         """The entry of a policy whose trainer is not up (restarting or frozen): its entry of the

@@ -1,6 +1,9 @@
 """Checkpoint directories: `<root>/step-000040/` holds each policy's trainer state (DeepSpeed:
 weights and optimizer, every rank) under `trainers/<policy>/`, the experience buffer snapshot
 (`buffer.pkl`: unconsumed samples and counters) and `state.json` (steps, versions, run counters).
+A policy's restart point, `<root>/policy-<name>-step-000043/`, holds its trainer state alone and a
+`state.json` with its entry: what a restart of that policy's trainer alone loads when it is newer
+than the policy's entry in the latest checkpoint (checkpointer.py `maybe_restart_point`).
 
 `state.json` is written last: a checkpoint without it is incomplete and ignored, so a crash while
 checkpointing leaves the previous checkpoint as the latest. The root is a local directory (file://,
@@ -36,6 +39,8 @@ STATE = "state.json"
 BUFFER = "buffer.pkl"
 TRAINER_TAG = "ckpt"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+# A policy's restart point: its trainer state alone, between the job's checkpoints (`begin(policy=)`).
+_POLICY_DIR = re.compile(r"^policy-([a-z0-9-]+)-step-(\d{6,})$")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,12 @@ class CheckpointRef:
         return storage.join(home, "trainers", policy)
 
     @property
+    def policy(self) -> str:
+        """The policy of a restart point (its state holds that policy alone)."""
+        (name,) = self.state["policies"]
+        return str(name)
+
+    @property
     def name(self) -> str:
         """The checkpoint's directory name (`step-000040`)."""
         return self.location.rstrip("/").rsplit("/", 1)[-1]
@@ -85,25 +96,28 @@ class CheckpointStore:
     def __repr__(self) -> str:
         return f"CheckpointStore({self.root!r}, keep={self.keep})"
 
-    def begin(self, step: int) -> str:
-        """A new checkpoint's location: writers put their parts there, then `commit` completes it."""
+    def begin(self, step: int, policy: str | None = None) -> str:
+        """A new checkpoint's location: writers put their parts there, then `commit` completes it.
+        With `policy`: that policy's restart point (`policy-<name>-step-N`), its trainer state alone."""
+        name = f"step-{step:06d}" if policy is None else f"policy-{policy}-step-{step:06d}"
         if self.remote:
             # An object store has no rename: the checkpoint is written in place, complete once its
             # state.json exists. Leftovers of an earlier attempt at this step go first, state first.
-            final = storage.join(self.root, f"step-{step:06d}")
+            final = storage.join(self.root, name)
             self._remove(final)
             return final
-        tmp = Path(self.root) / f"step-{step:06d}.tmp"
+        tmp = Path(self.root) / f"{name}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / "trainers").mkdir(parents=True)
         return str(tmp)
 
-    def commit(self, location: str, state: dict[str, Any], buffer: BufferSnapshot) -> CheckpointRef:
-        """Complete the checkpoint at `location` (every trainer part is written): the buffer, then
-        `state.json`, then prune the old ones."""
-        payload = pickle.dumps(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-        storage.write_bytes(storage.join(location, BUFFER), payload)
+    def commit(self, location: str, state: dict[str, Any], buffer: BufferSnapshot | None) -> CheckpointRef:
+        """Complete the checkpoint at `location` (every trainer part is written): the buffer (none
+        for a restart point), then `state.json`, then prune the old ones."""
+        if buffer is not None:
+            payload = pickle.dumps(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+            storage.write_bytes(storage.join(location, BUFFER), payload)
         text = json.dumps(state, indent=1, sort_keys=True).encode()
         if self.remote:
             storage.write_bytes(storage.join(location, STATE), text)
@@ -119,11 +133,10 @@ class CheckpointStore:
         self.prune()
         return CheckpointRef(final, state)
 
-    def all(self) -> list[CheckpointRef]:
-        """The complete checkpoints, oldest first."""
+    def _complete(self, pattern: re.Pattern[str]) -> list[CheckpointRef]:
         refs = []
         for name in storage.list_names(self.root):
-            if _STEP_DIR.match(name) is None:
+            if pattern.match(name) is None:
                 continue
             location = storage.join(self.root, name)
             state = self._state(location)
@@ -131,24 +144,51 @@ class CheckpointStore:
                 refs.append(CheckpointRef(location, state))
         return sorted(refs, key=lambda r: r.step)
 
+    def all(self) -> list[CheckpointRef]:
+        """The complete checkpoints of the job, oldest first."""
+        return self._complete(_STEP_DIR)
+
     def latest(self) -> CheckpointRef | None:
         refs = self.all()
         return refs[-1] if refs else None
 
+    def restart_points(self) -> list[CheckpointRef]:
+        """The complete restart points of every policy, oldest first."""
+        return self._complete(_POLICY_DIR)
+
+    def drop_restart_points(self) -> None:
+        """Remove the restart points of earlier attempts, but those a checkpoint names as a policy's
+        trainer state: a job (re)starting resumes from its checkpoints, and its policies' restart
+        points begin again from there."""
+        used = {name for r in self.all() for name in r.holds_trainers_of()}
+        for p in self.restart_points():
+            if p.name not in used:
+                self._remove(p.location)
+
     def prune(self) -> None:
-        """Keep the newest `keep` checkpoints; remove older ones and incomplete ones."""
+        """Keep the newest `keep` checkpoints, and of each policy its newest restart point when it
+        is newer than the policy's entry in the latest checkpoint; remove older ones and incomplete
+        ones. What a kept checkpoint names as a policy's trainer state (`trainer_at`) stays."""
         refs = self.all()
         kept_refs = refs[max(0, len(refs) - self.keep) :]
         used = {name for r in kept_refs for name in r.holds_trainers_of()}
         for r in refs[: max(0, len(refs) - self.keep)]:
             if r.name not in used:  # a frozen policy's trainer state stays while a kept one uses it
                 self._remove(r.location)
-        kept = {r.location for r in refs}
+        points = self.restart_points()
+        entries = refs[-1].state["policies"] if refs else {}
+        newest = {p.policy: p for p in points}  # sorted by step: the last one of each policy wins
+        for p in points:
+            current = newest[p.policy] is p and p.step > int(entries.get(p.policy, {}).get("step", -1))
+            if not current and p.name not in used:
+                self._remove(p.location)
+        kept = {r.location for r in refs} | {p.location for p in points}
         for name in storage.list_names(self.root):
             location = storage.join(self.root, name)
-            if self.remote and _STEP_DIR.match(name) and location not in kept:
+            ours = _STEP_DIR.match(name) or _POLICY_DIR.match(name)
+            if self.remote and ours and location not in kept:
                 self._remove(location)  # an attempt that never got its state.json
-            elif not self.remote and name.startswith("step-") and name.endswith(".tmp"):
+            elif not self.remote and name.endswith(".tmp") and name.startswith(("step-", "policy-")):
                 shutil.rmtree(location, ignore_errors=True)
 
     def _state(self, location: str) -> dict[str, Any] | None:
