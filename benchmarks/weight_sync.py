@@ -56,7 +56,7 @@ from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.trainers.api import TrainerRank
 from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.weights import TensorTarget, VersionRegistry
-from polyrl_runtime.weights.collective import GroupAddress, build_group
+from polyrl_runtime.weights.collective_group import GroupAddress, build_group
 from polyrl_runtime.weights.endpoints import EngineWeights, PolicyWeightSync, TrainerWeights
 
 MiB = 1 << 20

@@ -69,7 +69,7 @@ from polyrl_runtime.engines.vllm_worker import address_args, layout_args
 from polyrl_runtime.models import model_dir
 from polyrl_runtime.weights.api import SyncReport, VersionError, WeightManifest, WeightSyncError, make_report
 from polyrl_runtime.weights.collective import TRANSPORT as COLLECTIVE
-from polyrl_runtime.weights.collective import GroupAddress
+from polyrl_runtime.weights.collective_group import GroupAddress
 from polyrl_runtime.weights.cudaipc import LAYOUT_ALIGN as CUDAIPC_ALIGN
 from polyrl_runtime.weights.cudaipc import TRANSPORT as CUDAIPC
 from polyrl_runtime.weights.cudaipc_handle import CudaIpcHandle, handle_args

@@ -48,7 +48,7 @@ from torch._C._distributed_c10d import TCPStore
 from polyrl_runtime.engines import vllm_api
 from polyrl_runtime.weights.api import WeightManifest, WeightSyncError
 from polyrl_runtime.weights.buckets import BucketLayout, TensorSpec, byte_view, plan_buckets
-from polyrl_runtime.weights.collective import (
+from polyrl_runtime.weights.collective_group import (
     CHUNK,
     GroupAddress,
     abort_key,

@@ -26,7 +26,7 @@ from polyrl_runtime.engines.api import EngineAsleepError, SamplingParams
 from polyrl_runtime.engines.vllm_engine import VllmEngine
 from polyrl_runtime.weights.api import VersionError, WeightManifest, WeightSyncError
 from polyrl_runtime.weights.buckets import TensorSpec, plan_buckets
-from polyrl_runtime.weights.collective import GroupAddress
+from polyrl_runtime.weights.collective_group import GroupAddress
 from polyrl_runtime.weights.cudaipc import LAYOUT_ALIGN
 from polyrl_runtime.weights.cudaipc_handle import CudaIpcHandle, handle_from_args
 from polyrl_runtime.weights.staging import ALIGN

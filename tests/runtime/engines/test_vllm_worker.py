@@ -33,7 +33,7 @@ from polyrl_runtime.engines.vllm_worker import (
 from polyrl_runtime.weights import make_sender
 from polyrl_runtime.weights.api import WeightManifest, WeightSyncError
 from polyrl_runtime.weights.buckets import BucketLayout, byte_view, layout_for
-from polyrl_runtime.weights.collective import GroupAddress, broadcast, build_group
+from polyrl_runtime.weights.collective_group import GroupAddress, broadcast, build_group
 from polyrl_runtime.weights.cudaipc import LAYOUT_ALIGN, MappedVersion
 from polyrl_runtime.weights.cudaipc_handle import CudaIpcHandle, handle_args, handle_from_args
 from polyrl_runtime.weights.serve_guard import ServeGuard

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polyrl_runtime.weights.buckets import TensorSpec, byte_view, flatten, layout_for, plan_buckets, unflatten
-from polyrl_runtime.weights.collective import broadcast_ops
+from polyrl_runtime.weights.collective_group import broadcast_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
 

@@ -339,7 +339,7 @@ class _Work:
 
 
 def test_collective_wait_tells_a_slice_from_a_failure() -> None:
-    from polyrl_runtime.weights.collective import wait_work
+    from polyrl_runtime.weights.collective_group import wait_work
 
     done = _Work(slices=3)
     wait_work(done, lambda: False, "gloo")  # slices that ran out, even as the op completed, are not errors
@@ -357,7 +357,7 @@ def test_collective_members_wait_for_each_other_interruptibly() -> None:
 
     from torch._C._distributed_c10d import TCPStore
 
-    from polyrl_runtime.weights.collective import await_members
+    from polyrl_runtime.weights.collective_group import await_members
 
     store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     short = datetime.timedelta(seconds=0.2)
