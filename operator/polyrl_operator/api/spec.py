@@ -202,10 +202,26 @@ class RLJobSpec(ApiModel):
         ),
         Rule(
             cel="!has(self.weightSync) || !has(self.weightSync.deltas) || self.weightSync.deltas == 0 || "
-            "(has(self.weightSync.transport) && self.weightSync.transport == 'objectstore')",
-            message="deltas need transport objectstore: it keeps versions in a store an engine fetches "
-            "from, where shm, collective and cudaipc hand each version over whole",
-            check=lambda s: s.weight_sync.deltas == 0 or s.weight_sync.transport == "objectstore",
+            "(has(self.weightSync.transport) && self.weightSync.transport in ['objectstore', 'collective'])",
+            message="deltas need transport objectstore or collective: objectstore keeps versions in a store an "
+            "engine fetches from, collective sends each version to engines that hold the one before; shm "
+            "and cudaipc hand each version over whole (storage writes deltas by fullEvery)",
+            check=lambda s: (
+                s.weight_sync.deltas == 0 or s.weight_sync.transport in ("objectstore", "collective")
+            ),
+            field=".weightSync.deltas",
+        ),
+        Rule(
+            cel="!has(self.weightSync) || !has(self.weightSync.deltas) || self.weightSync.deltas == 0 || "
+            "!has(self.weightSync.transport) || self.weightSync.transport != 'collective' || "
+            "self.policies.all(p, has(p.rollout.engine) && p.rollout.engine == 'torch')",
+            message="deltas over collective are read by torch engines: every policy needs rollout.engine "
+            "torch (vLLM's worker receives whole versions)",
+            check=lambda s: (
+                s.weight_sync.deltas == 0
+                or s.weight_sync.transport != "collective"
+                or all(p.rollout.engine == "torch" for p in s.policies)
+            ),
             field=".weightSync.deltas",
         ),
         Rule(

@@ -53,7 +53,9 @@ class WeightSync(ApiModel):
         "list those of the last N versions in each update: an engine that holds one of those versions "
         "fetches the deltas instead of the whole version, checks every tensor, and fetches the whole "
         "version if any check fails. The trainer keeps a host copy of its last version. 0: off. Needs "
-        "transport objectstore (storage writes deltas by fullEvery).",
+        "transport objectstore, or collective (torch engines): each version is broadcast as the deltas "
+        "from the one before, and an engine that cannot apply them gets the whole version (storage "
+        "writes deltas by fullEvery).",
     )
     uri: str | None = Field(
         None,

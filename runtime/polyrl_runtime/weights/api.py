@@ -40,6 +40,11 @@ class WeightMismatchError(WeightSyncError):
         return (type(self), (self.name, self.reason, self.policy, self.version))
 
 
+class DeltaRejectedError(WeightSyncError):
+    """An engine could not apply a version sent as deltas (it holds another base, or a check failed):
+    it keeps its version and needs the whole one, which the driver then sends (`collective`)."""
+
+
 class VersionError(WeightSyncError):
     """A version would move backwards (versions are monotone per policy)."""
 

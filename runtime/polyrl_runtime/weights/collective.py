@@ -20,6 +20,14 @@ follows every step. Receivers broadcast into a staging buffer and only then, aft
 arrived and the manifest matched, apply it (see `staging.py`: a swap of the engine's tensors to views
 of the buffer where the target allows, else a copy): a failed or mismatched transfer leaves the engine
 on its old version.
+
+With `deltas` (weightSync.deltas > 0) the sender keeps a host copy of the version it published last
+and broadcasts each next version as the bit-exact deltas from it (weights/delta.py: changed elements
+and their positions per tensor, the whole tensor where that is smaller, a CRC-32 of each result), one
+encoded link in `CHUNK` pieces. Every engine of the group holds that base, as each receives every
+version; one that does not, or whose check fails, raises `DeltaRejectedError` after taking part in
+the broadcast, and the driver resends the whole version to the group from the host copy (which also
+serves late joiners at any time: `resend` never has to wait for the next publish).
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from polyrl_runtime.weights.api import (
+    DeltaLink,
+    DeltaRejectedError,
     SyncReport,
     WeightManifest,
     WeightReceiver,
@@ -69,6 +79,8 @@ from polyrl_runtime.weights.collective_group import (
     rank_key,
     wait_work,
 )
+from polyrl_runtime.weights.delta import DeltaError, make_delta
+from polyrl_runtime.weights.delta_chain import encode_link, receive_links
 from polyrl_runtime.weights.staging import ALIGN, Staging
 
 log = structlog.get_logger(__name__)
@@ -91,8 +103,13 @@ class CollectiveSender(WeightSender):
         host: str | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = 600.0,
+        deltas: int = 0,
     ) -> None:
         super().__init__(policy, bucket_bytes)
+        # With deltas: the latest version's host copy, in layout order (the base of the next delta,
+        # and what `resend` sends).
+        self._deltas = deltas > 0
+        self._host: dict[str, torch.Tensor] | None = None
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -147,6 +164,19 @@ class CollectiveSender(WeightSender):
             self._renew_if_aborted()
             self._check_version(version)
             layout = layout_for(tensors, min(self.bucket_bytes, CHUNK), align=ALIGN)
+            base, previous = self._host, self.latest
+            if self._deltas:
+                self._host = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+            if base is not None and previous is not None and _same_tensors(base, tensors):
+                link = encode_link([make_delta(n, base[n], t.detach().cpu()) for n, t in tensors.items()])
+                payload = torch.frombuffer(bytearray(link), dtype=torch.uint8).to(self.device)
+                self._source = None  # a resend sends the whole version from the host copy
+                delta = DeltaLink(previous.version, version, len(link), None)
+                self.latest = WeightManifest(
+                    self.policy, version, self.transport, layout, handle=self.address, deltas=(delta,)
+                )
+                self._start_plan([(piece, None, -1) for piece in _pieces(payload)])
+                return self.latest
             self._source = [t.to(self.device) for t in ordered_tensors(layout, tensors)]
             self.latest = WeightManifest(self.policy, version, self.transport, layout, handle=self.address)
             self._start(layout, self._source)
@@ -162,11 +192,14 @@ class CollectiveSender(WeightSender):
             self.wait()
             if self.latest is None:
                 raise WeightSyncError(f"{self.policy}: nothing published yet")
-            if self._source is None:
+            source = self._source
+            if source is None and self._host is not None:  # deltas: the host copy is the latest
+                source = [t.to(self.device) for t in ordered_tensors(self.latest.layout, self._host)]
+            if source is None:
                 return None
             self._renew_if_aborted()
-            self.latest = replace(self.latest, handle=self.address)
-            self._start(self.latest.layout, self._source)
+            self.latest = replace(self.latest, handle=self.address, deltas=())
+            self._start(self.latest.layout, source)
             return self.latest
 
     def release_source(self) -> None:
@@ -193,8 +226,10 @@ class CollectiveSender(WeightSender):
             self._generation += 1  # the old group's abort key is set: it cannot be used again
 
     def _start(self, layout: BucketLayout, ordered: list[torch.Tensor]) -> None:
+        self._start_plan(self._plan_for(layout, ordered))
+
+    def _start_plan(self, plan: _Plan) -> None:
         self._error = None
-        plan = self._plan_for(layout, ordered)
         self._thread = threading.Thread(
             target=self._send, args=(plan,), name=f"polyrl-wsync-{self.policy}", daemon=True
         )
@@ -278,6 +313,7 @@ class CollectiveSender(WeightSender):
         finally:
             self._group = None
             self._source = None
+            self._host = None
             self._pack = []
             self._plan_key, self._plan = None, []
             self.latest = None
@@ -341,10 +377,15 @@ class CollectiveReceiver(WeightReceiver):
             # Still take part in the broadcast: leaving would hang the sender and the other engines.
             rejected = e
         device = self._device or torch.device("cuda" if address.backend == "nccl" else "cpu")
-        staging = self._staging.buffer(layout, target, device)
+        if manifest.deltas:
+            staging = torch.empty(manifest.deltas[-1].nbytes, dtype=torch.uint8, device=device)
+            pieces = _pieces(staging)
+        else:
+            staging = self._staging.buffer(layout, target, device)
+            pieces = self._pieces(layout, staging)
         try:
             group = self._ensure_group(address)
-            works = [broadcast(group, piece) for piece in self._pieces(layout, staging)]
+            works = [broadcast(group, piece) for piece in pieces]
             key = abort_key(address.generation)
             for w in works:
                 wait_work(w, lambda: bool(self._store.check([key])), address.backend)
@@ -362,6 +403,8 @@ class CollectiveReceiver(WeightReceiver):
             return make_report(manifest, start, 0.0, applied=False)
         if staging.device.type == "cuda":
             torch.cuda.synchronize(staging.device)
+        if manifest.deltas:
+            return _apply_delta(manifest, target, staging, start)
         pause = self._staging.apply(manifest, target, staging)
         return make_report(manifest, start, pause, applied=True)
 
@@ -371,3 +414,32 @@ class CollectiveReceiver(WeightReceiver):
         self._key = None
         self._pieces_cache = []
         self._staging.close()
+
+
+def _same_tensors(base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> bool:
+    return base.keys() == tensors.keys() and all(
+        base[n].shape == t.shape and base[n].dtype == t.dtype for n, t in tensors.items()
+    )
+
+
+def _pieces(payload: torch.Tensor) -> list[torch.Tensor]:
+    """An encoded delta link cut into broadcasts of at most `CHUNK` bytes (a function of its size)."""
+    return [payload[i : i + CHUNK] for i in range(0, payload.numel(), CHUNK)]
+
+
+def _apply_delta(
+    manifest: WeightManifest, target: WeightTarget, payload: torch.Tensor, start: float
+) -> SyncReport:
+    link = manifest.deltas[-1]
+    if target.version != link.base:
+        raise DeltaRejectedError(
+            f"policy {manifest.policy} version {manifest.version}: sent as deltas from version "
+            f"{link.base}, the engine holds {target.version}: it needs the whole version"
+        )
+    try:
+        return receive_links(manifest, [payload.cpu().numpy().tobytes()], target, start, link.nbytes)
+    except DeltaError as e:
+        raise DeltaRejectedError(
+            f"policy {manifest.policy} version {manifest.version}: tensor {e.tensor!r}: {e.reason}; the "
+            f"engine keeps version {target.version} and needs the whole version"
+        ) from e

@@ -21,7 +21,7 @@ import ray
 import structlog
 
 from polyrl_runtime.actors import actor_gone
-from polyrl_runtime.weights.api import SyncReport, WeightManifest, WeightSyncError
+from polyrl_runtime.weights.api import DeltaRejectedError, SyncReport, WeightManifest, WeightSyncError
 from polyrl_runtime.weights.registry import get_transport
 from polyrl_runtime.weights.sides import EngineWeights, TrainerWeights
 from polyrl_runtime.weights.versions import VersionRegistry
@@ -158,7 +158,7 @@ class PolicyWeightSync:
 
     def _without_dead_engines(self, result: SyncResult) -> SyncResult:
         """Drop the engines that died from the group at once, and, when the survivors failed with
-        them (a collective with a dead member usually fails for every member), send them the version
+        them or could not apply the version's deltas (a collective with a dead member usually fails for every member), send them the version
         again on the new group (the trainer has not changed its weights: the driver trains the next
         step only after this sync). Without the resend, the survivors would serve the old version
         until the next step, which in sync mode waits for their samples.
@@ -167,18 +167,28 @@ class PolicyWeightSync:
         next group with the dead engine in it, and a group's rendezvous waits for every member (it
         held the trainer and the survivors until the transport's timeout)."""
         dead = {n for n, e in result.failures.items() if actor_gone(e)}
-        if not dead:
+        # Engines that could not apply a version sent as deltas hold their previous one: they get
+        # the whole version (the sender keeps a host copy of it), on the same group.
+        rejected = {n for n, e in result.failures.items() if isinstance(e, DeltaRejectedError)}
+        if not dead and not rejected:
             return result
         for name in dead:
             self.engines.pop(name, None)
             self.registry.forget(self.policy, name)
-        ray.get(self.trainer.set_weight_receivers(len(self.engines)))
+        if dead:
+            ray.get(self.trainer.set_weight_receivers(len(self.engines)))
         if set(result.failures) == dead:
             return result  # every survivor has the version
         resent: WeightManifest | None = ray.get(self.trainer.resend_weights())
         if resent is None:
             return result
-        log.info("weights.sync.resent", policy=self.policy, dead=sorted(dead), version=resent.version)
+        log.info(
+            "weights.sync.resent",
+            policy=self.policy,
+            dead=sorted(dead),
+            rejected=sorted(rejected),
+            version=resent.version,
+        )
         retry = self._deliver(resent, self.engines)
         retry.failures.update({n: result.failures[n] for n in dead})  # the caller still sees them
         return retry

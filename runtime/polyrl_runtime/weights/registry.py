@@ -146,7 +146,9 @@ def _register_builtins() -> None:
 
     register_transport(DEFAULT_TRANSPORT, _objectstore_sender, _objectstore_receiver, deltas=True)
     register_transport("shm", ShmSender, ShmReceiver)
-    register_transport(COLLECTIVE, CollectiveSender, CollectiveReceiver, sized_group=True, keeps_latest=False)
+    register_transport(
+        COLLECTIVE, CollectiveSender, CollectiveReceiver, sized_group=True, keeps_latest=False, deltas=True
+    )
     register_transport(CUDAIPC, CudaIpcSender, CudaIpcReceiver, keeps_latest=False)
     register_transport(STORAGE, StorageSender, StorageReceiver, at_uri=True)
 

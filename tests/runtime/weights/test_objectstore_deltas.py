@@ -95,11 +95,13 @@ def test_a_wrong_base_or_a_damaged_delta_is_named_and_nothing_is_written() -> No
         apply_chain({**base, "extra": torch.zeros(1)}, [deltas])
 
 
-def test_only_a_transport_that_keeps_versions_carries_deltas() -> None:
+def test_only_objectstore_and_collective_carry_deltas() -> None:
     assert sender_options("objectstore", receivers=2, deltas=4) == {"deltas": 4}
     assert sender_options("objectstore", receivers=2) == {}
-    with pytest.raises(ValueError, match="does not carry deltas"):
-        sender_options("shm", receivers=2, deltas=4)
+    assert sender_options("collective", receivers=2, deltas=1) == {"num_receivers": 2, "deltas": 1}
+    for name in ("shm", "cudaipc"):
+        with pytest.raises(ValueError, match="does not carry deltas"):
+            sender_options(name, receivers=2, deltas=4)
 
 
 @pytest.mark.parametrize("swap", [True, False])

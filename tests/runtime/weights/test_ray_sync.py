@@ -339,3 +339,50 @@ def test_an_engine_dead_before_the_groups_rendezvous_does_not_hold_back_the_othe
         ray.get(trainer.close_weights.remote())
         for a in (trainer, *engines.values()):
             ray.kill(a)
+
+
+def _steady_model(step: int) -> dict[str, torch.Tensor]:
+    """`_model(step)` but for a bias that never changes (its delta is empty: only its checksum)."""
+    return {**_model(step), "layer.0.bias": _model(0)["layer.0.bias"]}
+
+
+class SteadyTrainer(Trainer):
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        return _steady_model(self.step)
+
+
+class DamagedEngine(Engine):
+    def damage(self) -> None:
+        """Its weights stop being the version it records: the next delta's check fails."""
+        self._weight_target.named_tensors()["layer.0.bias"][0] += 1
+
+
+def test_an_engine_that_cannot_apply_collective_deltas_gets_the_whole_version(ray_session: Any) -> None:
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    kwargs: dict[str, Any] = {"num_receivers": 2, "timeout_s": 60.0, "deltas": 1}
+    trainer = ray.remote(num_cpus=0)(SteadyTrainer).remote("collective", kwargs)
+    engines = {n: ray.remote(num_cpus=0)(DamagedEngine).remote("collective") for n in ("e0", "e1")}
+    try:
+        wsync = _sync(trainer, engines, VersionRegistry(), transport="collective")
+        for version in range(2):  # the first whole, the second as deltas
+            ray.get(trainer.train_step.remote())
+            result = wsync.sync(version)
+            assert not result.failures and all(r.applied for r in result.reports.values())
+        assert result.manifest.deltas and result.reports["e0"].nbytes == result.manifest.deltas[0].nbytes
+        ray.get(engines["e1"].damage.remote())
+        ray.get(trainer.train_step.remote())
+        with capture_logs() as logs:
+            result = wsync.sync(2)
+        # e1 rejected the deltas and got the whole version on the same group, e0 drained it
+        assert not result.failures and result.manifest.deltas == ()
+        (resent,) = [x for x in logs if x["event"] == "weights.sync.resent"]
+        assert resent["rejected"] == ["e1"] and resent["dead"] == []
+        for handle in engines.values():
+            assert ray.get(handle.weight_version.remote()) == 2
+            expected = {k: v.reshape(-1).view(torch.uint8).tolist() for k, v in _steady_model(3).items()}
+            assert ray.get(handle.fingerprint.remote()) == expected
+    finally:
+        ray.get(trainer.close_weights.remote())
+        for a in [trainer, *engines.values()]:
+            ray.kill(a)

@@ -80,6 +80,12 @@ def _storage_for_vllm(doc: Doc) -> None:
     doc["spec"]["policies"][1]["rollout"].update(engine="vllm", gpus=1)
 
 
+def _collective_deltas_for_vllm(doc: Doc) -> None:
+    """Deltas over collective to a policy whose engines are vLLM (its worker receives whole versions)."""
+    doc["spec"]["weightSync"] = {"transport": "collective", "deltas": 2}
+    doc["spec"]["policies"][1]["rollout"].update(engine="vllm", gpus=1)
+
+
 def _long_names(doc: Doc) -> None:
     doc["metadata"]["name"] = "j" * 30
     doc["spec"]["policies"][0]["name"] = "p" * 30
@@ -363,6 +369,12 @@ BAD_CASES: tuple[BadCase, ...] = (
         _set("spec.weightSync", {"transport": "shm", "deltas": 4}),
         "spec.weightSync.deltas",
         ("spec.weightSync.deltas", "need transport objectstore"),
+    ),
+    BadCase(
+        "collective-deltas-for-vllm-engines",
+        _collective_deltas_for_vllm,
+        "spec.weightSync.deltas",
+        ("spec.weightSync.deltas", "deltas over collective are read by torch engines"),
     ),
     BadCase(
         "storage-without-a-uri",
