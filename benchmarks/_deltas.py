@@ -1,4 +1,5 @@
-"""The deltas tables of `weight_sync.py --deltas` (weightSync.deltas over objectstore).
+"""The deltas tables of `weight_sync.py --deltas` (weightSync.deltas over objectstore and collective,
+and the storage transport).
 
 Sender and receiver run in one process against Ray's object store (the transport's own work: encoding,
 storing, fetching, checking and applying; no process or network in between), each figure the best of
@@ -18,7 +19,10 @@ trainer's after it.
    (as the CPU trainer publishes them) and cast to bfloat16 (as GPU trainers publish them).
 3. An engine 10 versions behind (1% changed per version) catching up through the chain, against
    fetching the whole latest version.
-4. The `storage` transport on a local directory (file://; an object store adds its network on top):
+4. Deltas over `collective` (gloo on loopback, sender and one engine in this process): the same
+   layout and fractions, the bytes broadcast against the whole version (same goal) and the time of
+   the whole sync (encoding, broadcast, checking and applying) against a whole version's.
+5. The `storage` transport on a local directory (file://; an object store adds its network on top):
    the bytes it writes for a version of 1% changed elements against a whole version (goal <= 1.5 x
    the changed fraction + 1%), an engine one version behind, and an engine that joins 10 versions
    after the newest whole one (the whole version and the 10 deltas since) against one that fetches a
@@ -29,13 +33,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import torch
 
-from polyrl_runtime.weights import TensorTarget, WeightSender, make_receiver, make_sender
+from polyrl_runtime.weights import SyncReport, TensorTarget, WeightSender, make_receiver, make_sender
+from polyrl_runtime.weights.collective import CollectiveReceiver, CollectiveSender
 from polyrl_runtime.weights.registry import sender_options
 
 MiB = 1 << 20
@@ -199,7 +205,7 @@ def _storage_sender(root: str, full_every: int) -> WeightSender:
 
 
 def storage_table(layout: dict[str, torch.Tensor], behind: int, repeats: int) -> bool:
-    """Table 4; True when every sync was bit-exact."""
+    """Table 5; True when every sync was bit-exact."""
     versions = [layout]
     for v in range(1, behind + 1):
         versions.append(changed(versions[-1], 0.01, seed=v))
@@ -264,3 +270,56 @@ def storage_table(layout: dict[str, torch.Tensor], behind: int, repeats: int) ->
         f"storage, joining through {behind} deltas / a whole version: bytes {b_c / b_w:.3f}, receive time {t_c / t_w:.2f}"
     )
     return all(ok for _, _, ok in rows.values())
+
+
+def _collective_sync(
+    sender: CollectiveSender,
+    receiver: CollectiveReceiver,
+    engine: TensorTarget,
+    version: int,
+    tensors: dict[str, torch.Tensor],
+) -> SyncReport:
+    manifest = sender.publish(version, tensors)
+    got: list[SyncReport] = []
+    thread = threading.Thread(target=lambda: got.append(receiver.receive(manifest, engine)))
+    thread.start()
+    thread.join()
+    sender.wait()
+    return got[0]
+
+
+def collective_table(layout: dict[str, torch.Tensor], repeats: int) -> bool:
+    """Table 4; True when every sync was bit-exact."""
+    print("\ndeltas over collective (gloo on loopback, one engine), engine one version behind")
+    print("| changed | bytes sent / whole | goal | sync ms, deltas / whole | time ratio | bit-exact |")
+    print("|---|---|---|---|---|---|")
+    ok = True
+    for fraction in (0.01, 0.10, 1.0):
+        new = changed(layout, fraction, seed=int(fraction * 100))
+        sides = {}
+        for deltas in (0, 1):
+            best, nbytes = math.inf, 0
+            for _ in range(repeats):
+                sender = CollectiveSender(
+                    "p", 256 * MiB, num_receivers=1, host="127.0.0.1", timeout_s=300.0, deltas=deltas
+                )
+                receiver = CollectiveReceiver(timeout_s=300.0)
+                engine = TensorTarget({n: torch.zeros_like(t) for n, t in layout.items()}, -1, swappable=True)
+                _collective_sync(sender, receiver, engine, 0, layout)
+                sender.release_source()  # as a trainer does before its step
+                t0 = time.perf_counter()
+                report = _collective_sync(sender, receiver, engine, 1, new)
+                best, nbytes = min(best, time.perf_counter() - t0), report.nbytes
+                ok = ok and exact(new, dict(engine.named_tensors()))
+                sender.close()
+                receiver.close()
+            sides[deltas] = (best, nbytes)
+        (t_w, whole), (t_d, sent) = sides[0], sides[1]
+        goal = 1.5 * fraction + 0.01
+        ratio = sent / whole
+        print(
+            f"| {fraction:.0%} | {ratio:.4f} | <= {goal:.3f} {'met' if ratio <= goal else 'not met'} "
+            f"| {t_d * 1e3:.0f} / {t_w * 1e3:.0f} | {t_d / t_w:.2f} | {'yes' if ok else 'NO'} |",
+            flush=True,
+        )
+    return ok

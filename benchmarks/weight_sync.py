@@ -434,6 +434,7 @@ def deltas_tables(args: argparse.Namespace, specs: list[Spec]) -> None:
     exact = _deltas.layout_table(layout, args.repeats)
     _deltas.training_table(steps=3 if args.quick else 10)
     _deltas.catch_up_table(layout, behind=3 if args.quick else 10, repeats=args.repeats)
+    exact = _deltas.collective_table(layout, args.repeats) and exact
     exact = _deltas.storage_table(layout, behind=3 if args.quick else 10, repeats=args.repeats) and exact
     if not exact:
         raise SystemExit("a delta sync was not bit-exact")

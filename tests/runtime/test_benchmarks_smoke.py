@@ -54,6 +54,9 @@ def test_weight_sync_deltas_benchmark_runs() -> None:
     layout = [r.split("|") for r in out.splitlines() if r.startswith("| ") and "%" in r.split("|")[1]]
     assert [r[1].strip() for r in layout[:3]] == ["1%", "10%", "100%"], out
     assert all(float(r[2]) > 0 and r[-2].strip() == "yes" for r in layout[:3])  # fetched, bit-exact
+    # over collective: sent, a time ratio, bit-exact
+    assert [r[1].strip() for r in layout[3:6]] == ["1%", "10%", "100%"], out
+    assert all(float(r[2]) > 0 and float(r[5]) > 0 and r[-2].strip() == "yes" for r in layout[3:6])
     trained = [r.split("|") for r in out.splitlines() if r.startswith(("| float32", "| bfloat16"))]
     assert len(trained) == 2 and all(r[-2].strip() == "yes" for r in trained)
     assert "catch-up, deltas / whole: bytes" in out
