@@ -136,3 +136,15 @@ def receive_links(
     pause = time.perf_counter() - pause_start
     log.debug("weights.delta_applied", policy=manifest.policy, version=manifest.version, links=len(links))
     return make_report(manifest, start, pause, applied=True, nbytes=nbytes)
+
+
+def log_rejected(manifest: WeightManifest, base: int, error: DeltaError) -> None:
+    """An engine at `base` could not apply `manifest`'s deltas: that update takes the whole version."""
+    log.warning(
+        "weights.delta_rejected",
+        policy=manifest.policy,
+        version=manifest.version,
+        base=base,
+        tensor=error.tensor,
+        reason=error.reason,
+    )

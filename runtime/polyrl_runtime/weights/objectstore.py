@@ -74,7 +74,7 @@ from polyrl_runtime.weights.buckets import (
     run_copies,
 )
 from polyrl_runtime.weights.delta import DeltaError
-from polyrl_runtime.weights.delta_chain import DeltaChain, chain_from, receive_links
+from polyrl_runtime.weights.delta_chain import DeltaChain, chain_from, log_rejected, receive_links
 from polyrl_runtime.weights.staging import ALIGN
 
 log = structlog.get_logger(__name__)
@@ -277,14 +277,7 @@ class ObjectStoreReceiver(WeightReceiver):
             try:
                 return self._receive_deltas(manifest, links, target, start)
             except DeltaError as e:  # this update only: the whole version follows
-                log.warning(
-                    "weights.delta_rejected",
-                    policy=manifest.policy,
-                    version=manifest.version,
-                    base=target.version,
-                    tensor=e.tensor,
-                    reason=e.reason,
-                )
+                log_rejected(manifest, target.version, e)
         # Fetch every bucket before touching the engine: a failed fetch leaves the old version intact.
         handle: tuple[tuple[Any, ...], ...] = manifest.handle
         fetched: list[list[_Bytes]] = ray.get([ref for bucket in handle for ref in bucket])

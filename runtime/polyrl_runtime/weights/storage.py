@@ -44,7 +44,7 @@ from polyrl_runtime.weights.api import (
 )
 from polyrl_runtime.weights.buckets import layout_for
 from polyrl_runtime.weights.delta import DeltaError, TensorDelta, make_delta, whole
-from polyrl_runtime.weights.delta_chain import chain_from, encode_link, receive_links
+from polyrl_runtime.weights.delta_chain import chain_from, encode_link, log_rejected, receive_links
 
 log = structlog.get_logger(__name__)
 
@@ -130,14 +130,7 @@ class StorageReceiver(WeightReceiver):
             try:
                 return self._apply(manifest, links, target, start)
             except DeltaError as e:  # the long way follows: the whole version and every delta since
-                log.warning(
-                    "weights.delta_rejected",
-                    policy=manifest.policy,
-                    version=manifest.version,
-                    base=target.version,
-                    tensor=e.tensor,
-                    reason=e.reason,
-                )
+                log_rejected(manifest, target.version, e)
         first: DeltaLink = manifest.handle
         try:
             return self._apply(manifest, [first, *manifest.deltas], target, start)

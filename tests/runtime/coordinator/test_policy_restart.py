@@ -200,24 +200,34 @@ class _Buffer:
         return BufferSnapshot((), 1, {}, {}, {}, False)
 
 
+def _root(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> Path | str:
+    return tmp_path / "ckpt" if where == "file" else f"s3://{request.getfixturevalue('bucket')}/job"
+
+
+def _checkpointer(
+    root: Path | str, total: int, keep: int, runs: dict[str, PolicyRun]
+) -> tuple[CheckpointStore, Checkpointer]:
+    """A job of `runs`' policies checkpointing every 2 steps into `root`, its buffer a stand-in."""
+    job = make_job(
+        training={"totalSteps": total},
+        checkpoint={"everySteps": 2, "keep": keep},
+        policies=[policy(n) for n in runs],
+    )
+    store = CheckpointStore(root, keep=keep)
+    pools = device_pools(job.spec, engines=lambda p: [], ranks=lambda p: [])
+    ckpt = Checkpointer(job, store, JobControl(None), runs, None, pools=pools)
+    ckpt.attach(_Buffer(), dict, lambda: None)  # type: ignore[arg-type]
+    return store, ckpt
+
+
 @pytest.mark.parametrize("where", ["file", "s3"])
 def test_a_rank_lost_mid_checkpoint_abandons_it_and_the_previous_one_stays_the_latest(
     where: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    root: Path | str = (
-        tmp_path / "ckpt" if where == "file" else f"s3://{request.getfixturevalue('bucket')}/job"
-    )
-    job = make_job(
-        training={"totalSteps": 10},
-        checkpoint={"everySteps": 2, "keep": 2},
-        policies=[policy("a"), policy("b")],
-    )
-    store = CheckpointStore(root, keep=2)
+    root = _root(where, tmp_path, request)
     ranks = {"a": _Rank(), "b": _Rank()}
     runs = {n: PolicyRun(n, [r], step=2) for n, r in ranks.items()}  # type: ignore[list-item]
-    pools = device_pools(job.spec, engines=lambda p: [], ranks=lambda p: [])
-    ckpt = Checkpointer(job, store, JobControl(None), runs, None, pools=pools)
-    ckpt.attach(_Buffer(), dict, lambda: None)  # type: ignore[arg-type]
+    store, ckpt = _checkpointer(root, 10, 2, runs)
 
     async def scenario() -> None:
         await ckpt.maybe_checkpoint()  # step 2, complete
@@ -244,19 +254,9 @@ def test_a_rank_lost_mid_checkpoint_abandons_it_and_the_previous_one_stays_the_l
 def test_a_policy_ahead_of_the_others_restarts_from_its_own_restart_point(
     where: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    root: Path | str = (
-        tmp_path / "ckpt" if where == "file" else f"s3://{request.getfixturevalue('bucket')}/job"
-    )
-    job = make_job(
-        training={"totalSteps": 20},
-        checkpoint={"everySteps": 2, "keep": 1},
-        policies=[policy("a"), policy("b")],
-    )
-    store = CheckpointStore(root, keep=1)
+    root = _root(where, tmp_path, request)
     runs = {n: PolicyRun(n, [_Rank()], step=2) for n in ("a", "b")}  # type: ignore[list-item]
-    pools = device_pools(job.spec, engines=lambda p: [], ranks=lambda p: [])
-    ckpt = Checkpointer(job, store, JobControl(None), runs, None, pools=pools)
-    ckpt.attach(_Buffer(), dict, lambda: None)  # type: ignore[arg-type]
+    store, ckpt = _checkpointer(root, 20, 1, runs)
     a, b = runs["a"], runs["b"]
 
     async def scenario() -> None:
@@ -291,8 +291,7 @@ def test_a_policy_ahead_of_the_others_restarts_from_its_own_restart_point(
     leftover = store.begin(9, policy="b")
     store.commit(leftover, {"step": 9, "policies": {"b": {"step": 9}}}, None)
     assert len(store.restart_points()) == 2
-    again = Checkpointer(job, store, JobControl(None), runs, None, pools=pools)
-    again.attach(_Buffer(), dict, lambda: None)  # type: ignore[arg-type]
+    _checkpointer(root, 20, 1, runs)  # a new attempt's
     assert [p.name for p in store.restart_points()] == ["policy-a-step-000006"]
 
 

@@ -12,23 +12,9 @@ from polyrl_runtime.weights import TensorTarget
 from polyrl_runtime.weights.api import DeltaRejectedError, SyncReport
 from polyrl_runtime.weights.collective import CollectiveReceiver, CollectiveSender
 
-from .weights_harness import sync
+from .weights_harness import bf16_weights, next_version, sync
 
 SHAPES = {"embed": (256, 64), "proj": (64, 64), "norm": (64,), "bias": (3,)}
-
-
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in SHAPES.items()}
-
-
-def step(prev: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
-    """The next version: 2% of each tensor's elements changed, "bias" not at all."""
-    g = torch.Generator().manual_seed(1000 + version)
-    return {
-        n: torch.where(torch.rand(t.shape, generator=g) < (0.0 if n == "bias" else 0.02), t + 0.5, t)
-        for n, t in prev.items()
-    }
 
 
 def equal(target: TensorTarget, expected: dict[str, torch.Tensor]) -> bool:
@@ -58,7 +44,7 @@ def reports(results: list[SyncReport | BaseException]) -> list[SyncReport]:
 def test_versions_after_the_first_are_broadcast_as_deltas_bit_exact() -> None:
     sender, receivers = pair(2)
     targets = [engine(), engine()]
-    versions = [weights(0)]
+    versions = [bf16_weights(0, SHAPES)]
     first = reports(sync(sender, receivers, targets, 0, versions[0]))
     whole = first[0].nbytes
     assert (
@@ -67,7 +53,7 @@ def test_versions_after_the_first_are_broadcast_as_deltas_bit_exact() -> None:
         and all(equal(t, versions[0]) for t in targets)
     )
     for v in range(1, 4):
-        versions.append(step(versions[-1], v))
+        versions.append(next_version(versions[-1], v, fraction=0.02))
         got = reports(sync(sender, receivers, targets, v, versions[-1]))
         manifest = sender.latest
         assert manifest is not None and len(manifest.deltas) == 1
@@ -81,10 +67,10 @@ def test_versions_after_the_first_are_broadcast_as_deltas_bit_exact() -> None:
 def test_an_engine_that_cannot_apply_them_keeps_its_version_and_gets_the_whole_one() -> None:
     sender, receivers = pair(2)
     good, damaged = engine(), engine()
-    v0 = weights(0)
+    v0 = bf16_weights(0, SHAPES)
     reports(sync(sender, receivers, [good, damaged], 0, v0))
     damaged.named_tensors()["proj"][0, 0] += 1  # no longer version 0: the delta's check fails
-    v1 = step(v0, 1)
+    v1 = next_version(v0, 1, fraction=0.02)
     sender.release_source()  # the trainer's step changes its tensors
     ok, rejected = sync(sender, receivers, [good, damaged], 1, v1)
     assert isinstance(ok, SyncReport) and ok.applied and equal(good, v1)
@@ -115,10 +101,10 @@ def test_an_engine_that_cannot_apply_them_keeps_its_version_and_gets_the_whole_o
 def test_an_engine_at_another_version_is_told_it_needs_the_whole_one() -> None:
     sender, (receiver,) = pair(1)
     target = engine()
-    v0 = weights(0)
+    v0 = bf16_weights(0, SHAPES)
     reports(sync(sender, [receiver], [target], 0, v0))
     stale = TensorTarget({n: t.clone() for n, t in target.named_tensors().items()}, -1, swappable=True)
-    (result,) = sync(sender, [receiver], [stale], 1, step(v0, 1))
+    (result,) = sync(sender, [receiver], [stale], 1, next_version(v0, 1, fraction=0.02))
     assert isinstance(result, DeltaRejectedError)
     assert "sent as deltas from version 0, the engine holds -1" in str(result)
     sender.close()

@@ -17,22 +17,7 @@ from polyrl_runtime.weights.delta import DeltaError, make_delta
 from polyrl_runtime.weights.delta_chain import DeltaChain, apply_chain, chain_from, decode_link
 from polyrl_runtime.weights.registry import sender_options
 
-SHAPES = {"embed": (64, 16), "proj": (16, 16), "norm": (16,), "bias": (3,)}
-
-
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in SHAPES.items()}
-
-
-def step(prev: dict[str, torch.Tensor], version: int, fraction: float = 0.05) -> dict[str, torch.Tensor]:
-    """The next version: `fraction` of each tensor's elements changed, "bias" not at all."""
-    g = torch.Generator().manual_seed(1000 + version)
-    out = {}
-    for n, t in prev.items():
-        mask = torch.rand(t.shape, generator=g) < (0.0 if n == "bias" else fraction)
-        out[n] = torch.where(mask, t + 0.5, t)
-    return out
+from .weights_harness import bf16_weights, next_version
 
 
 def target(tensors: dict[str, torch.Tensor], version: int, swap: bool) -> TensorTarget:
@@ -57,7 +42,7 @@ def test_a_chain_leads_from_any_version_it_covers_and_only_from_those() -> None:
 
 def test_a_chain_applied_is_bit_exact_and_keeps_what_did_not_change() -> None:
     chain = DeltaChain(keep=2)
-    versions = [weights(0)]
+    versions = [bf16_weights(0)]
     stored: dict[int, bytes] = {}
 
     def put(data: bytes) -> int:
@@ -66,7 +51,7 @@ def test_a_chain_applied_is_bit_exact_and_keeps_what_did_not_change() -> None:
 
     assert chain.extend(0, versions[0], put) == ()  # nothing to be a delta from yet
     for v in (1, 2, 3):
-        versions.append(step(versions[-1], v))
+        versions.append(next_version(versions[-1], v))
         links = chain.extend(v, versions[-1], put)
     assert [(link.base, link.version) for link in links] == [(1, 2), (2, 3)]  # the last two kept
     own = {n: t.clone() for n, t in versions[1].items()}
@@ -80,7 +65,7 @@ def test_a_chain_applied_is_bit_exact_and_keeps_what_did_not_change() -> None:
 
 
 def test_a_wrong_base_or_a_damaged_delta_is_named_and_nothing_is_written() -> None:
-    base, new = weights(0), step(weights(0), 1)
+    base, new = bf16_weights(0), next_version(bf16_weights(0), 1)
     deltas = [make_delta(n, base[n], new[n]) for n in base]
     wrong = dict(base, proj=base["proj"] + 1)
     with pytest.raises(DeltaError) as err:
@@ -110,11 +95,11 @@ def test_an_engine_behind_catches_up_through_the_deltas_and_a_joiner_gets_the_wh
 ) -> None:
     sender = make_sender("objectstore", "p", 1 << 20, deltas=4)
     receiver = make_receiver("objectstore")
-    versions = [weights(0)]
+    versions = [bf16_weights(0)]
     manifest = sender.publish(0, versions[0])
     behind = target(versions[0], 0, swap)
     for v in range(1, 4):
-        versions.append(step(versions[-1], v))
+        versions.append(next_version(versions[-1], v))
         manifest = sender.publish(v, versions[-1])
     manifest = pickle.loads(pickle.dumps(manifest))  # as it reaches an engine
     report = receiver.receive(manifest, behind)
@@ -129,7 +114,7 @@ def test_an_engine_behind_catches_up_through_the_deltas_and_a_joiner_gets_the_wh
 def test_a_delta_that_fails_its_check_falls_back_to_the_whole_version(ray_session: Any) -> None:
     sender = make_sender("objectstore", "p", 1 << 20, deltas=2)
     receiver = make_receiver("objectstore")
-    v0, v1 = weights(0), step(weights(0), 1)
+    v0, v1 = bf16_weights(0), next_version(bf16_weights(0), 1)
     sender.publish(0, v0)
     manifest = sender.publish(1, v1)
     corrupt = target(dict(v0, norm=v0["norm"] + 1), 0, swap=True)  # not really version 0

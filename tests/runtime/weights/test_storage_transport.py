@@ -17,21 +17,7 @@ from polyrl_runtime.weights import TensorTarget, WeightSyncError, make_receiver,
 from polyrl_runtime.weights.registry import sender_options
 from polyrl_runtime.weights.storage import policy_root
 
-SHAPES = {"embed": (64, 16), "proj": (16, 16), "norm": (16,), "bias": (3,)}
-
-
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in SHAPES.items()}
-
-
-def step(prev: dict[str, torch.Tensor], version: int, fraction: float = 0.05) -> dict[str, torch.Tensor]:
-    """The next version: `fraction` of each tensor's elements changed, "bias" not at all."""
-    g = torch.Generator().manual_seed(1000 + version)
-    return {
-        n: torch.where(torch.rand(t.shape, generator=g) < (0.0 if n == "bias" else fraction), t + 0.5, t)
-        for n, t in prev.items()
-    }
+from .weights_harness import DELTA_SHAPES, bf16_weights, next_version
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -43,7 +29,7 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def engine(swap: bool = True) -> TensorTarget:
     """A fresh engine: the right shapes, none of the trainer's values, no version."""
     return TensorTarget(
-        {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}, -1, swappable=swap
+        {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in DELTA_SHAPES.items()}, -1, swappable=swap
     )
 
 
@@ -68,12 +54,12 @@ def test_engines_behind_fetch_deltas_and_a_joiner_the_whole_version_and_deltas_s
     out = sender(uri, full_every=3)
     receiver = make_receiver("storage")
     follower = engine(swap)  # receives every version
-    versions = [weights(0)]
+    versions = [bf16_weights(0)]
     report = receiver.receive(out.publish(0, versions[0]), follower)
     assert equal(dict(follower.named_tensors()), versions[0]) and report.applied
     whole_bytes = report.nbytes
     for v in range(1, 6):
-        versions.append(step(versions[-1], v))
+        versions.append(next_version(versions[-1], v))
         manifest = out.publish(v, versions[-1])
         report = receiver.receive(manifest, follower)
         assert follower.version == v and equal(dict(follower.named_tensors()), versions[-1])
@@ -91,20 +77,20 @@ def test_engines_behind_fetch_deltas_and_a_joiner_the_whole_version_and_deltas_s
     # version (6) removes the older generation.
     root = policy_root(uri, "alice")
     assert len(storage.list_names(root)) == 6
-    out.publish(6, step(versions[-1], 6))
+    out.publish(6, next_version(versions[-1], 6))
     assert [n.split(".")[0] for n in storage.list_names(root)] == [f"v{v:012d}" for v in (3, 4, 5, 6)]
 
 
 def test_a_failed_check_takes_the_long_way_and_a_damaged_version_is_named(uri: str) -> None:
     out = sender(uri, full_every=8)
     receiver = make_receiver("storage")
-    v0 = weights(0)
+    v0 = bf16_weights(0)
     target = engine()
     receiver.receive(out.publish(0, v0), target)
     # The engine's tensors are no longer what version 0 was (damaged in memory): the delta's checksum
     # fails on "proj", and the whole version and the deltas since bring it to version 1 all the same.
     target.named_tensors()["proj"][0, 0] += 1
-    v1 = step(v0, 1)
+    v1 = next_version(v0, 1)
     with capture_logs() as logs:
         receiver.receive(out.publish(1, v1), target)
     assert equal(dict(target.named_tensors()), v1)
@@ -112,7 +98,7 @@ def test_a_failed_check_takes_the_long_way_and_a_damaged_version_is_named(uri: s
     assert rejected["tensor"] == "proj" and rejected["version"] == 1 and rejected["base"] == 0
     # A damaged whole version fails the update, naming the policy, the version and the tensor: the
     # engine keeps the version it holds.
-    manifest = out.publish(2, step(v1, 2))
+    manifest = out.publish(2, next_version(v1, 2))
     data = bytearray(storage.read_bytes(manifest.handle.handle))
     data[-40] ^= 0xFF  # inside the last tensor's values
     storage.write_bytes(manifest.handle.handle, bytes(data))
@@ -125,7 +111,7 @@ def test_a_failed_check_takes_the_long_way_and_a_damaged_version_is_named(uri: s
 def test_a_new_trainer_clears_what_an_earlier_one_left(tmp_path: Path) -> None:
     uri = f"file://{tmp_path}/weights"
     first = sender(uri, full_every=2)
-    v = weights(0)
+    v = bf16_weights(0)
     for version in range(5):
         first.publish(version, v)
     root = policy_root(uri, "alice")

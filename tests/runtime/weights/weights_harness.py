@@ -97,3 +97,23 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.dtype == b.dtype
         and bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
     )
+
+
+# A small bf16 model for the delta tests; "bias" never changes between versions.
+DELTA_SHAPES = {"embed": (64, 16), "proj": (16, 16), "norm": (16,), "bias": (3,)}
+
+
+def bf16_weights(seed: int, shapes: Mapping[str, tuple[int, ...]] = DELTA_SHAPES) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+
+
+def next_version(
+    prev: Mapping[str, torch.Tensor], version: int, fraction: float = 0.05
+) -> dict[str, torch.Tensor]:
+    """The next version: `fraction` of each tensor's elements changed, "bias" not at all."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return {
+        n: torch.where(torch.rand(t.shape, generator=g) < (0.0 if n == "bias" else fraction), t + 0.5, t)
+        for n, t in prev.items()
+    }
