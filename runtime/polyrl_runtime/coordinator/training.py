@@ -186,7 +186,8 @@ class PolicyTrainer:
             return "stop"
         try:
             await self.checkpointer.maybe_export(run)
-            await self.checkpointer.maybe_restart_point(run)
+            if policy_restart.why_not_alone(self.spec, self.fleet, run.name) is None:  # else unused
+                await self.checkpointer.maybe_restart_point(run)
         except Exception as e:
             if actor_gone(e):  # a rank died exporting or saving: as if in a step
                 return await self._failed(e)

@@ -103,7 +103,8 @@ class Checkpointer:
         return ref
 
     async def maybe_restart_point(self, run: PolicyRun) -> None:
-        """Save `run`'s trainer state alone (its lock held, after a step) once it is
+        """Save `run`'s trainer state alone (its lock held, after a step, for a trainer that can
+        restart alone: coordinator/policy_restart.py) once it is
         `checkpoint.everySteps` of its own steps past the state a restart would load. A job
         checkpoint is cut at the slowest policy's pace, so a faster policy would otherwise restart
         from many of its own steps back. Not for a job of one policy (the job's checkpoint is at its
