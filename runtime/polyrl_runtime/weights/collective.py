@@ -165,10 +165,15 @@ class CollectiveSender(WeightSender):
             self._check_version(version)
             layout = layout_for(tensors, min(self.bucket_bytes, CHUNK), align=ALIGN)
             base, previous = self._host, self.latest
-            if self._deltas:
+            if self._deltas:  # one host copy: the next base, and what this delta is made from
                 self._host = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
-            if base is not None and previous is not None and _same_tensors(base, tensors):
-                link = encode_link([make_delta(n, base[n], t.detach().cpu()) for n, t in tensors.items()])
+            if (
+                base is not None
+                and self._host is not None
+                and previous is not None
+                and _same_tensors(base, tensors)
+            ):
+                link = encode_link([make_delta(n, base[n], t) for n, t in self._host.items()])
                 payload = torch.frombuffer(bytearray(link), dtype=torch.uint8).to(self.device)
                 self._source = None  # a resend sends the whole version from the host copy
                 delta = DeltaLink(previous.version, version, len(link), None)
