@@ -274,6 +274,9 @@ def test_a_policy_ahead_of_the_others_restarts_from_its_own_restart_point(
         a.step = 6
         await ckpt.maybe_restart_point(a)
         assert [p.name for p in store.restart_points()] == ["policy-a-step-000006"]  # 4 is pruned
+        b.step = 3
+        await ckpt.maybe_restart_point(b)  # the slowest: the job's next checkpoint is at its pace
+        assert [p.name for p in store.restart_points()] == ["policy-a-step-000006"]
         # a's trainer is down (frozen): the next checkpoint carries its entry, naming its restart
         # point, which pruning then keeps
         a.trainer_state = "frozen"
@@ -303,3 +306,24 @@ def test_a_job_of_one_policy_takes_no_restart_points(tmp_path: Path) -> None:
     ckpt = Checkpointer(job, store, JobControl(None), {"agent": run_}, None, pools=pools)
     asyncio.run(ckpt.maybe_restart_point(run_))
     assert store.restart_points() == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_a_restart_point_being_written_survives_another_policys_commit(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    store = CheckpointStore(_root(where, tmp_path, request), keep=1)
+    writing = store.begin(4, policy="a")  # a's ranks are saving into it
+    with storage.staged_dir(storage.join(writing, "trainers", "a")) as d:
+        (d / "ckpt").mkdir()
+        (d / "ckpt" / "model.pt").write_bytes(b"w")
+    done = store.begin(6, policy="b")
+    store.commit(done, {"step": 6, "policies": {"b": {"step": 6}}}, None)  # prunes: a's stays
+    assert storage.list_names(storage.join(writing, "trainers", "a")) == ["ckpt"]
+    store.commit(writing, {"step": 4, "policies": {"a": {"step": 4}}}, None)
+    assert [p.name for p in store.restart_points()] == ["policy-a-step-000004", "policy-b-step-000006"]
+    # one abandoned (its rank was lost) is a leftover for the next prune
+    lost = store.begin(8, policy="a")
+    store.abandon(lost)
+    store.prune()
+    assert not storage.exists(lost) or storage.list_names(lost) == []

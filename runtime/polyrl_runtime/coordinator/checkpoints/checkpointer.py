@@ -104,22 +104,32 @@ class Checkpointer:
 
     async def maybe_restart_point(self, run: PolicyRun) -> None:
         """Save `run`'s trainer state alone (its lock held, after a step, for a trainer that can
-        restart alone: coordinator/policy_restart.py) once it is
-        `checkpoint.everySteps` of its own steps past the state a restart would load. A job
-        checkpoint is cut at the slowest policy's pace, so a faster policy would otherwise restart
-        from many of its own steps back. Not for a job of one policy (the job's checkpoint is at its
-        pace) nor at the last step (the final checkpoint follows). A job restart resumes from the
-        job's checkpoints only: they hold the experience buffer and the counters that match."""
+        restart alone: coordinator/policy_restart.py) once it is `checkpoint.everySteps` of its own
+        steps past the state a restart would load. A job checkpoint is cut at the slowest training
+        policy's pace, so a faster policy would otherwise restart from many of its own steps back.
+        Not for the slowest policy (unless another is restarting, which holds job checkpoints
+        back), a job of one policy, nor the last step (the final checkpoint follows). A job restart
+        resumes from the job's checkpoints only: they hold the experience buffer and the counters
+        that match."""
         if len(self.runs) < 2 or run.step >= self.total:
             return
+        others = [r for r in self.runs.values() if r is not run]
+        restarting = any(r.trainer_state == "restarting" for r in others)  # no job checkpoint meanwhile
+        slowest = all(run.step <= r.step for r in others if r.trainer_state == "training")
+        if slowest and not restarting:
+            return  # the job's next checkpoint comes at this policy's pace
         at = self.latest_with(run.name)
         since = int(at.state["policies"][run.name]["step"]) if at is not None else 0
         if run.step < since + self.job.spec.checkpoint.every_steps:
             return
         location = self.store.begin(run.step, policy=run.name)
         d = storage.join(location, "trainers", run.name)
-        async with self.pools.resident(run.name):
-            await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))  # a lost rank: its step failed
+        try:
+            async with self.pools.resident(run.name):
+                await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))
+        except BaseException:  # a lost rank: the caller fails the step
+            self.store.abandon(location)
+            raise
         state = {
             "step": run.step,
             "reason": "restart point",
@@ -191,7 +201,8 @@ class Checkpointer:
                 try:
                     await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))
                 except Exception as e:
-                    if actor_gone(e):  # never committed: the previous checkpoint stays the latest
+                    self.store.abandon(tmp)  # never committed: the previous checkpoint stays the latest
+                    if actor_gone(e):
                         raise TrainerLostError(n, e) from e
                     raise
         # The counters before the snapshot: the data position must not run ahead of it (datafeed.py).

@@ -92,6 +92,9 @@ class CheckpointStore:
         self.remote = storage.is_object_store(root)
         self.root: str = str(root).rstrip("/") if self.remote else str(Path(root))
         self.keep = keep
+        # Locations begun and not yet committed or abandoned: a prune (another policy's restart
+        # point committing meanwhile) must not take them for leftovers.
+        self._writing: set[str] = set()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.root!r}, keep={self.keep})"
@@ -105,12 +108,18 @@ class CheckpointStore:
             # state.json exists. Leftovers of an earlier attempt at this step go first, state first.
             final = storage.join(self.root, name)
             self._remove(final)
+            self._writing.add(final)
             return final
         tmp = Path(self.root) / f"{name}.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / "trainers").mkdir(parents=True)
+        self._writing.add(str(tmp))
         return str(tmp)
+
+    def abandon(self, location: str) -> None:
+        """A checkpoint begun at `location` will not be committed: the next prune removes it."""
+        self._writing.discard(location)
 
     def commit(self, location: str, state: dict[str, Any], buffer: BufferSnapshot | None) -> CheckpointRef:
         """Complete the checkpoint at `location` (every trainer part is written): the buffer (none
@@ -130,6 +139,7 @@ class CheckpointStore:
                 shutil.rmtree(target)
             tmp.rename(target)
             final = str(target)
+        self._writing.discard(location)
         self.prune()
         return CheckpointRef(final, state)
 
@@ -182,11 +192,13 @@ class CheckpointStore:
             current = newest[p.policy] is p and p.step > int(entries.get(p.policy, {}).get("step", -1))
             if not current and p.name not in used:
                 self._remove(p.location)
-        kept = {r.location for r in refs} | {p.location for p in points}
+        kept = {r.location for r in refs} | {p.location for p in points} | set(self._writing)
         for name in storage.list_names(self.root):
             location = storage.join(self.root, name)
+            if location in kept:
+                continue
             ours = _STEP_DIR.match(name) or _POLICY_DIR.match(name)
-            if self.remote and ours and location not in kept:
+            if self.remote and ours:
                 self._remove(location)  # an attempt that never got its state.json
             elif not self.remote and name.endswith(".tmp") and name.startswith(("step-", "policy-")):
                 shutil.rmtree(location, ignore_errors=True)
