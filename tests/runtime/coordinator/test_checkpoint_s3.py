@@ -27,6 +27,8 @@ def _write(store: CheckpointStore, step: int, *, complete: bool = True) -> str:
         (d / "ckpt" / "model.pt").write_bytes(b"w" * 1000)
     if complete:
         store.commit(location, {"step": step, "policies": {}}, _snapshot(step))
+    else:  # the writer is gone: what it wrote is a leftover
+        store.abandon(location)
     return location
 
 

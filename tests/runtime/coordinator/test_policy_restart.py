@@ -75,7 +75,7 @@ def test_a_frozen_policys_trainer_state_is_kept_where_a_later_checkpoint_points(
     for step, entry in ((2, {"step": 2}), (4, {"step": 2, "trainer_at": "step-000002"})):
         tmp = store.begin(step)
         (Path(tmp) / "trainers" / "a").mkdir(parents=True)
-        store.commit(tmp, {"step": step, "policies": {"a": entry, "b": {"step": step}}}, None)  # type: ignore[arg-type]
+        store.commit(tmp, {"step": step, "policies": {"a": entry, "b": {"step": step}}}, None)
     latest = store.latest()
     assert latest is not None and latest.step == 4
     assert [r.step for r in store.all()] == [2, 4]  # pruning keeps the one step 4 points at

@@ -192,6 +192,15 @@ class Checkpointer:
     async def _cut(self, reason: str, request_id: str | None, buffer: BufferClient) -> CheckpointRef:
         steps = {n: r.step for n, r in self.runs.items()}
         tmp = self.store.begin(min(steps.values()))
+        try:
+            return await self._write_cut(tmp, steps, reason, request_id, buffer)
+        except BaseException:
+            self.store.abandon(tmp)  # never committed: the previous checkpoint stays the latest
+            raise
+
+    async def _write_cut(
+        self, tmp: str, steps: dict[str, int], reason: str, request_id: str | None, buffer: BufferClient
+    ) -> CheckpointRef:
         down = {n for n, r in self.runs.items() if r.trainer_state in ("restarting", "frozen")}
         for n, run in self.runs.items():
             if n in down:  # no ranks to save: its entry names where its trainer state is
@@ -201,7 +210,6 @@ class Checkpointer:
                 try:
                     await asyncio.gather(*(r.save(d, TRAINER_TAG) for r in run.ranks))
                 except Exception as e:
-                    self.store.abandon(tmp)  # never committed: the previous checkpoint stays the latest
                     if actor_gone(e):
                         raise TrainerLostError(n, e) from e
                     raise
