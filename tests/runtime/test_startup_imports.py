@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from polyrl_runtime.imports import skipped_imports
 from polyrl_runtime.netmap import free_port
-from polyrl_runtime.trainers.deepspeed_import import skipped_imports
 
 HEAVY = ("torch", "transformers", "deepspeed", "sympy", "math_verify")
 
@@ -142,3 +142,16 @@ def test_skipped_imports_leave_an_imported_module_alone() -> None:
         import json as again
     assert again is json
     assert sys.modules["json"] is json
+
+
+def test_a_pods_ray_start_has_the_start_command_without_serve_jobs_or_state() -> None:
+    code = """
+    from polyrl_runtime.pods.ray_cli import load_cli
+    commands = set(load_cli().commands)
+    assert "start" in commands and "stop" in commands, commands
+    assert not commands & {"serve", "job", "list", "logs"}, commands
+    """
+    assert imported_after(code, ("ray.serve", "ray.util.state")) == {
+        "ray.serve": False,
+        "ray.util.state": False,
+    }

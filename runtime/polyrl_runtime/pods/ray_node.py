@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -43,11 +42,6 @@ def ray_temp_dir(ray_port: int | None = None) -> str:
     return f"{tempfile.gettempdir()}/ray" + (f"-{ray_port}" if ray_port else "")
 
 
-def _ray_bin() -> str:
-    local = Path(sys.executable).parent / "ray"
-    return str(local) if local.exists() else (shutil.which("ray") or "ray")
-
-
 def node_ports() -> list[str]:
     """Explicit free ports for one node's Ray agents, so several nodes can share a host (tests)."""
     names = (
@@ -67,7 +61,9 @@ def start_ray(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     # only driver (the coordinator) connects with log_to_driver=False; it would poll the node's log
     # files ten times a second for nobody (about 1% of a core on an idle node, more as workers add
     # log files). The logs stay in the node's session directory.
-    cmd = [_ray_bin(), "start", "--block", "--disable-usage-stats", "--include-log-monitor=false", *args]
+    # Ray's own `ray start`, through ray_cli.py: the CLI without the command groups a pod never runs.
+    ray_start = [sys.executable, "-m", "polyrl_runtime.pods.ray_cli", "start"]
+    cmd = [*ray_start, "--block", "--disable-usage-stats", "--include-log-monitor=false", *args]
     log.info("ray.start", cmd=" ".join(cmd))
     # unbuffered: the worker reads "Ray runtime started" from this log to know it joined
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -6,10 +6,8 @@ shared-memory comm op.
 (DeepSpeed 0.19, mlflow 3, on 2 cores), where the whole `polyrl run` example has about 20 s to reach
 its first step. polyrl never autotunes, and its metrics sinks (mlflow among them) run in the driver.
 
-DeepSpeed wraps that import in `try`/`except`. A `None` entry in `sys.modules` makes an import
-raise ImportError, so DeepSpeed takes its own path for a package that is not installed. The entry
-exists only while DeepSpeed imports: the rest of the process imports mlflow as usual, and a module
-already imported is left as it is.
+DeepSpeed wraps that import in `try`/`except`, so it is skipped while DeepSpeed imports
+(`imports.skipped_imports`); the rest of the process imports mlflow as usual.
 
 DeepSpeed imports its Muon optimizer's module whenever it builds a ZeRO engine or reduces gradients
 (`deepspeed.runtime.zero.stage3`, `stage_1_and_2.average_tensor`: only to ask whether the optimizer
@@ -34,23 +32,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from polyrl_runtime.imports import skipped_imports
+
 SKIPPED_ON_IMPORT = ("mlflow",)
 UNCOMPILED_ON_IMPORT = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 NOT_BUILT_OPS = ("deepspeed_shm_comm",)  # op builders' NAMEs
-
-
-@contextlib.contextmanager
-def skipped_imports(names: tuple[str, ...]) -> Iterator[None]:
-    """While inside, importing any of `names` that is not imported yet raises ImportError."""
-    added = [n for n in names if n not in sys.modules]
-    for n in added:
-        sys.modules[n] = None  # type: ignore[assignment]  # the import system's "not importable" mark
-    try:
-        yield
-    finally:
-        for n in added:
-            if n in sys.modules and sys.modules[n] is None:
-                del sys.modules[n]
 
 
 @contextlib.contextmanager
