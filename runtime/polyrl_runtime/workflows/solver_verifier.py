@@ -1,29 +1,34 @@
-"""A solver and a verifier on arithmetic word problems, two policies trained in one job.
+"""A solver and a verifier on sums, two policies trained in one job.
 
     solver:    1+2=  3
-    verifier:  user: Ann has 1 apples and gets 2 more. How many apples?
-                     1+2=3?
+    verifier:  user: 1+2=3?
                assistant: y
 
 The solver answers with one digit and is rewarded 1 for the right sum; the verifier, through its
-policy's chat template (`agent.chat`), judges the solver's answer with `y` or `n` and is rewarded 1
-for a correct judgement, whichever way the solver did. Each reply is constrained to the tokens it
-may use (`allowed`), so a randomly initialised model (`builtin://tiny-qwen2`) starts at chance (1 in
-`2 * max_operand + 1` for the solver, 1 in 2 for the verifier) and RL alone has to teach it the task.
+policy's chat template (`agent.chat`), judges an answer to the same sum with `y` or `n` and is
+rewarded 1 for a correct judgement. Each reply is constrained to the tokens it may use (`allowed`),
+so a randomly initialised model (`builtin://tiny-qwen2`) starts at chance (1 in `2 * max_operand + 1`
+for the solver, 1 in 2 for the verifier) and RL alone has to teach it the task.
 
-The problem's sum (`a+b=`) ends what each agent is shown: a random two-layer model asked the bare
-word problem collapses to the most frequent answer (its numbers sit far from where it answers),
-while the short form learns within a minute or two (docs/performance.md). The verifier's rewards
-move with the solver: while the solver is mostly wrong, `n` pays; as the solver learns, the verifier
-must learn to check, and its reward dips before it rises.
+What the verifier judges (`contrast`): the solver's answer, or, in a `contrast` share of the episodes
+(drawn per episode), an answer of the other kind: the right sum when the solver was wrong, a wrong
+digit when it was right. At 0.5 half of what it judges is right whatever the solver's accuracy.
+Shown only the solver's answers (`contrast: 0`), the verifier sees mostly wrong answers while the
+solver learns and mostly right ones after: a verifier that always says `n`, then always `y`, earns
+the majority's share without checking anything, and that is what RL finds, with full weights as
+with adapters (docs/local-run.md). Balanced, always answering one way earns 0.5, and any reward
+above it is checking.
+
+Both agents are shown the sum alone (`a+b=`): a random two-layer model asked a whole word problem
+collapses to the most frequent answer (its numbers sit far from where it answers).
 
 The problems are generated in code from the group's seed (`ctx.rng`): every episode of a GRPO group
-gets the same problem, which is what group-relative advantages compare, and the job needs no data
-file.
+gets the same sum, which is what group-relative advantages compare, and the job needs no data file.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +39,6 @@ from polyrl_runtime.workflows.api import EpisodeContext, Outcome, Workflow
 class Problem:
     a: int
     b: int
-    text: str  # the word problem
 
     @property
     def answer(self) -> int:
@@ -45,15 +49,25 @@ class Problem:
         return f"{self.a}+{self.b}="
 
 
-def make_problem(a: int, b: int) -> Problem:
-    """The word problem `a + b`."""
-    return Problem(a, b, f"Ann has {a} apples and gets {b} more. How many apples?")
-
-
 def judge_reward(verdict: str, claimed: str, answer: int) -> float:
     """The verifier's reward: 1 when `verdict` ('y' or 'n') says rightly whether `claimed` is `answer`."""
     correct = claimed.strip() == str(answer)
     return float(verdict.strip() == ("y" if correct else "n"))
+
+
+def shown_answer(
+    claimed: str, answer: int, digits: list[str], contrast: float, *, seed: int, index: int
+) -> tuple[str, bool]:
+    """What the verifier of episode `index` of group `seed` judges, and whether it is a contrasting
+    answer: `claimed`, or with probability `contrast` one of the other kind (the right answer when
+    `claimed` is wrong, else one of the wrong `digits`). Drawn from the episode's own seed, not the
+    group's, so one group's members judge both kinds."""
+    own = random.Random(f"{seed}/{index}/contrast")
+    if own.random() >= contrast:
+        return claimed, False
+    if claimed.strip() != str(answer):
+        return str(answer), True
+    return own.choice([d for d in digits if d != str(answer)]), True
 
 
 class SolverVerifier(Workflow):
@@ -63,33 +77,40 @@ class SolverVerifier(Workflow):
         solver: str = "solver",
         verifier: str = "verifier",
         max_operand: int = 2,
+        contrast: float = 0.5,
         **args: Any,
     ) -> None:
         super().__init__(**args)
         if not 1 <= max_operand <= 4:
             raise ValueError(f"max_operand must be in 1..4 (sums stay one digit), got {max_operand}")
+        if not 0.0 <= contrast <= 1.0:
+            raise ValueError(f"contrast must be in 0..1 (a share of the episodes), got {contrast}")
         if solver == verifier:
             raise ValueError(f"solver and verifier must be different agents, both are {solver!r}")
         self.solver = solver
         self.verifier = verifier
         self.max_operand = max_operand
+        self.contrast = contrast
         self.digits = [str(d) for d in range(2 * max_operand + 1)]
 
     async def run_episode(self, ctx: EpisodeContext) -> Outcome:
         rng = ctx.rng
-        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-        problem = make_problem(a, b)
-        solver = ctx.agent(self.solver)
-        solved = await solver.generate(problem.sum, max_new_tokens=1, allowed=self.digits)
+        problem = Problem(rng.randint(0, self.max_operand), rng.randint(0, self.max_operand))
+        solved = await ctx.agent(self.solver).generate(problem.sum, max_new_tokens=1, allowed=self.digits)
         claimed = solved.text.strip()
-        verifier = ctx.agent(self.verifier)
-        question = f"{problem.text}\n{problem.sum}{claimed}?"
-        judged = await verifier.chat(
-            [{"role": "user", "content": question}], max_new_tokens=1, allowed=["y", "n"]
+        shown, contrasted = shown_answer(
+            claimed, problem.answer, self.digits, self.contrast, seed=ctx.seed, index=ctx.index
+        )
+        judged = await ctx.agent(self.verifier).chat(
+            [{"role": "user", "content": f"{problem.sum}{shown}?"}], max_new_tokens=1, allowed=["y", "n"]
         )
         solver_reward = float(claimed == str(problem.answer))
-        verifier_reward = judge_reward(judged.text, claimed, problem.answer)
+        verifier_reward = judge_reward(judged.text, shown, problem.answer)
         return Outcome(
             rewards={self.solver: solver_reward, self.verifier: verifier_reward},
-            metadata={"success": solver_reward, "verifier_accuracy": verifier_reward},
+            metadata={
+                "success": solver_reward,
+                "verifier_accuracy": verifier_reward,
+                "verifier_shown_solver": float(not contrasted),
+            },
         )
