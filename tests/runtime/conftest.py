@@ -16,9 +16,15 @@ import pytest
 from polyrl_testenv.s3server import planned_server, running_s3, weed_binary
 
 # Before ray is initialised anywhere (the Makefile exports the same; plain `pytest` must work too).
+# Actors get their node's environment, here this process's as the session's Ray starts: the test
+# workflows' folder is importable in every worker, as a job's code is through the driver's
+# PYTHONPATH in `polyrl run`.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "polyrl" / "torch_extensions"))
+TEST_WORKFLOWS = Path(__file__).parent / "data"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TEST_WORKFLOWS), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

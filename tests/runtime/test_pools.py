@@ -135,13 +135,18 @@ def test_a_pooled_actor_takes_its_pools_cpu_set_and_sees_the_pods_gpus() -> None
     sets = {"rollout": frozenset({0}), "trainer": frozenset({1}), "pool:gpu": frozenset({2, 3})}
     fleet = Fleet(JOB, "objectstore", cpu_sets=sets)
     policies = {p.name: p for p in JOB.spec.policies}
-    pooled = fleet._env("trainer", JOB.spec.trainer_placement(policies["c"]))["env_vars"]
-    assert pooled[ENV] == "2-3" and pooled["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "0"
-    own = fleet._env("trainer", JOB.spec.trainer_placement(policies["d"]))["env_vars"]
-    assert own[ENV] == "1" and "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO" not in own
-    cpu_pool = fleet._env("rollout", JOB.spec.rollout_placement(policies["a"]))["env_vars"]
-    assert ENV not in cpu_pool and "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO" not in cpu_pool
-    assert fleet._env("workflow")["env_vars"].get(ENV) is None
+    pooled = fleet._env("trainer", JOB.spec.trainer_placement(policies["c"]))
+    assert pooled == {ENV: "2-3", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    own = fleet._env("trainer", JOB.spec.trainer_placement(policies["d"]))
+    assert own == {ENV: "1"}
+    # Nothing else of the driver's environment: the actor has its node's (in a pod, its role's env),
+    # and an actor with nothing to add has no runtime_env at all (no setup_worker.py interpreter).
+    assert fleet._env("rollout", JOB.spec.rollout_placement(policies["a"])) == {}
+    assert fleet._runtime_env("rollout", JOB.spec.rollout_placement(policies["a"])) == {}
+    assert fleet._runtime_env("workflow") == {}
+    assert fleet._runtime_env("trainer", JOB.spec.trainer_placement(policies["d"])) == {
+        "runtime_env": {"env_vars": {ENV: "1"}}
+    }
 
 
 # -- polyrl-runtime worker --role pool -------------------------------------------------------------

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import functools
 import itertools
-import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -103,16 +102,23 @@ class Fleet:
     def _res(self, policy: str | None, role: str) -> dict[str, float]:
         return {resource_name(policy, role): 1} if self.place_by_resource else {}
 
-    def _env(self, role: str, placement: Placement | None = None) -> dict[str, dict[str, str]]:
-        """The actor's environment: the driver's settings that matter to it, its CPU set (its pool's
-        when it runs on one) and, on a pool with GPUs, the pod's devices left visible (`ray_gpus`)."""
-        keep = ("OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PYTHONPATH")
-        env = {k: os.environ[k] for k in keep if k in os.environ}
+    def _env(self, role: str, placement: Placement | None = None) -> dict[str, str]:
+        """What the actor's environment adds to its node's: its CPU set (its pool's when it runs on
+        one) and, on a pool with GPUs, the pod's devices left visible (`ray_gpus`). Everything else
+        comes from the node, as it does for a process the node starts: in a pod the pod's own
+        environment (its role's `env`, the pod contract's directories), in `polyrl run` the driver's,
+        which the local Ray inherited."""
         pool = placement.pool if placement is not None else None
-        env.update(role_env(self.cpu_sets, cpu_set_key(role, pool)))
+        env = role_env(self.cpu_sets, cpu_set_key(role, pool))
         if placement is not None and pool is not None and placement.gpus > 0:
             env.update(KEEP_VISIBLE_DEVICES)
-        return {"env_vars": env}
+        return env
+
+    def _runtime_env(self, role: str, placement: Placement | None = None) -> dict[str, Any]:
+        """The actor option that sets `_env`, or none when it is empty: any runtime_env starts the
+        actor's worker through Ray's setup_worker.py, one more interpreter (about 0.5 s of CPU)."""
+        env = self._env(role, placement)
+        return {"runtime_env": {"env_vars": env}} if env else {}
 
     def _track(self, actor: A) -> A:
         self._started.append(actor)
@@ -153,7 +159,7 @@ class Fleet:
             "num_cpus": 0,
             "num_gpus": ray_gpus(placement, placement.gpus),
             "max_concurrency": 4096,
-            "runtime_env": self._env("rollout", placement),
+            **self._runtime_env("rollout", placement),
         }
         engine = self._engine(policy, name)
         handle: ActorHandle[Engine] = start_actor(engine.func, options, *engine.args, **engine.keywords)
@@ -203,7 +209,7 @@ class Fleet:
             "resources": {**self._res(policy.name, "rollout"), **self._res(policy.name, "trainer")},
             "num_cpus": 0,
             "max_concurrency": 4096,
-            "runtime_env": self._env("trainer", self.spec.trainer_placement(policy)),
+            **self._runtime_env("trainer", self.spec.trainer_placement(policy)),
         }
         handle = start_actor(
             ColocatedRank,
@@ -225,7 +231,7 @@ class Fleet:
             "resources": self._res(None, "workflow"),
             "num_cpus": 0,
             "max_concurrency": 4096,
-            "runtime_env": self._env("workflow"),
+            **self._runtime_env("workflow"),
         }
         handle = start_actor(
             WorkflowWorker,
@@ -257,7 +263,7 @@ class Fleet:
             "num_cpus": 0,
             "num_gpus": ray_gpus(placement, 1),
             "max_concurrency": RANK_CONCURRENCY,
-            "runtime_env": self._env("trainer", placement),
+            **self._runtime_env("trainer", placement),
         }
         ranks: list[TrainerRankClient] = []
         for slot in rank_layout(placement.min_replicas, placement.ranks_per_pod):
@@ -286,7 +292,7 @@ class Fleet:
                 "num_cpus": 0,
                 "num_gpus": ray_gpus(placement, 1),
                 "max_concurrency": RANK_CONCURRENCY * len(group),
-                "runtime_env": self._env("trainer", placement),
+                **self._runtime_env("trainer", placement),
             }
             members = [self.spec.policy(m) for m in group]
             handles = []

@@ -16,7 +16,7 @@ digit when it was right. At 0.5 half of what it judges is right whatever the sol
 Shown only the solver's answers (`contrast: 0`), the verifier sees mostly wrong answers while the
 solver learns and mostly right ones after: a verifier that always says `n`, then always `y`, earns
 the majority's share without checking anything, and that is what RL finds, with full weights as
-with adapters (docs/local-run.md). Balanced, always answering one way earns 0.5, and any reward
+with adapters (docs/workflows.md). Balanced, always answering one way earns 0.5, and any reward
 above it is checking.
 
 Both agents are shown the sum alone (`a+b=`): a random two-layer model asked a whole word problem

@@ -3,7 +3,6 @@ polyrl/<policy>/<role> resources there; `polyrl run` and the multi-process test 
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +16,8 @@ DATA = Path(__file__).parent.parent / "data"
 
 @pytest.fixture
 def ray_local(ray_session: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The session's Ray, with the test data folder importable here and in new actors."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(DATA), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv(
-        "TORCH_EXTENSIONS_DIR",
-        os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "polyrl" / "torch_extensions")),
-    )
+    """The session's Ray, with the test data folder importable here (the session's workers have it
+    on their PYTHONPATH: tests/runtime/conftest.py)."""
     monkeypatch.syspath_prepend(str(DATA))
     yield ray_session
     sys.modules.pop("faulty_workflows", None)
