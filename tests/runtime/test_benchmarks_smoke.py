@@ -245,3 +245,15 @@ def test_policy_restart_benchmark_runs() -> None:
         "speaker: steps lost (since its checkpoint)",
     ):
         float(rows[measure])  # a figure came out
+
+
+@pytest.mark.slow
+def test_verifier_check_benchmark_runs() -> None:
+    from polyrl_runtime.models.tiny_qwen2 import materialise
+
+    out = _run("verifier_check.py", str(materialise("tiny-qwen2")), "--max-operand", "1")
+    rows = [r.split("|") for r in out.splitlines() if r.startswith(("| right", "| wrong"))]
+    assert [(r[1].strip(), int(r[2])) for r in rows] == [("right", 4), ("wrong", 8)]
+    assert all(0.0 <= float(x) <= 1.0 for r in rows for x in r[3:7])
+    balanced = float(out.split("balanced accuracy ")[1].split()[0])
+    assert balanced == pytest.approx((float(rows[0][6]) + float(rows[1][6])) / 2, abs=1e-3)

@@ -49,6 +49,11 @@ class Problem:
         return f"{self.a}+{self.b}="
 
 
+def verifier_question(problem: Problem, shown: str) -> str:
+    """The verifier's user message: is `shown` the answer to `problem`?"""
+    return f"{problem.sum}{shown}?"
+
+
 def judge_reward(verdict: str, claimed: str, answer: int) -> float:
     """The verifier's reward: 1 when `verdict` ('y' or 'n') says rightly whether `claimed` is `answer`."""
     correct = claimed.strip() == str(answer)
@@ -102,7 +107,9 @@ class SolverVerifier(Workflow):
             claimed, problem.answer, self.digits, self.contrast, seed=ctx.seed, index=ctx.index
         )
         judged = await ctx.agent(self.verifier).chat(
-            [{"role": "user", "content": f"{problem.sum}{shown}?"}], max_new_tokens=1, allowed=["y", "n"]
+            [{"role": "user", "content": verifier_question(problem, shown)}],
+            max_new_tokens=1,
+            allowed=["y", "n"],
         )
         solver_reward = float(claimed == str(problem.answer))
         verifier_reward = judge_reward(judged.text, shown, problem.answer)
