@@ -76,10 +76,56 @@ def _cmd_create_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from polyrl_runtime.models import ModelLoadError, local_path, packaged_gguf
+    from polyrl_runtime.models.gguf import convert
+
+    src: str = args.source
+    dst: Path = args.directory
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        sys.stderr.write(f"error: {dst} exists and is not an empty directory; name a new one\n")
+        return 2
+    uri = src if "://" in src else f"file://{Path(src).resolve()}"
+    try:
+        if uri.startswith("builtin://"):
+            path = packaged_gguf(uri.removeprefix("builtin://"))
+        else:
+            path = local_path(uri)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
+        try:
+            convert(path, tmp, uri, final=dst)
+            if dst.exists():
+                dst.rmdir()
+            tmp.rename(dst)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except ModelLoadError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    sys.stdout.write(f"wrote {dst} (load it with model.uri: file://{dst.resolve()})\n")
+    return 0
+
+
 def register_models(subparsers: Any) -> None:
-    """Entry point (`polyrl.commands`): adds `polyrl models create-tiny DIR`."""
-    models = subparsers.add_parser("models", help="build the small Hugging Face models of the examples")
+    """Entry point (`polyrl.commands`): adds `polyrl models create-tiny DIR` and
+    `polyrl models import SRC.gguf DIR`."""
+    models = subparsers.add_parser(
+        "models", help="build the small Hugging Face models of the examples, or convert a GGUF file"
+    )
     sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    imp = sub.add_parser(
+        "import",
+        help="convert a GGUF model file (a path, file://, pvc://, s3:// or a packaged builtin:// "
+        "model) into a Hugging Face model directory DIR: float32 safetensors, config, tokenizer and "
+        "chat template",
+    )
+    imp.add_argument("source", metavar="SRC")
+    imp.add_argument("directory", metavar="DIR", type=Path)
+    imp.set_defaults(func=_cmd_import)
     tiny = sub.add_parser(
         "create-tiny",
         help="write a tiny Qwen2 (safetensors weights, a BPE tokenizer with a chat template) to DIR, "

@@ -273,6 +273,44 @@ def fetched_dir(location: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def cached_object(uri: str) -> Path:
+    """A local copy of the one object at `uri` (say, a GGUF model file), downloaded once per host into
+    `<cache_root>/objects/<hash of the URI>/<its name>`, with the same invariants as `cached_copy`
+    (complete whenever it exists, one downloader per URI, downloaded again when its size or ETag
+    changed)."""
+    objects_dir = cache_root() / "objects"
+    objects_dir.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(uri.encode()).hexdigest()[:32]
+    dest = objects_dir / name
+    fs = _filesystem()
+    with _errors(uri, "checking"):
+        info = fs.info(_key(uri))
+    if info.get("type") != "file":
+        raise NotFoundError(f"{uri}: not an object (a prefix with objects under it?)")
+    listing = {"size": info.get("size"), "ETag": info.get("ETag")}
+    file_name = _key(uri).rsplit("/", 1)[-1]
+    lock_path = objects_dir / f"{name}.lock"
+    with (
+        lock_path.open("w") as lock,
+        locked(lock, lock_path, what=f"download of {uri}", deadline_s=lock_deadline_s()),
+    ):
+        manifest = dest / _MANIFEST
+        if manifest.is_file() and json.loads(manifest.read_text()) == listing:
+            return dest / file_name
+        part = Path(tempfile.mkdtemp(prefix=f"{name}.", suffix=".part", dir=objects_dir))
+        try:
+            with _errors(uri, "downloading"):
+                fs.get_file(_key(uri), str(part / file_name))
+            (part / _MANIFEST).write_text(json.dumps(listing, sort_keys=True))
+            if dest.exists():
+                shutil.rmtree(dest)
+            part.rename(dest)
+        finally:
+            shutil.rmtree(part, ignore_errors=True)
+        log.info("storage.cached", uri=uri, path=str(dest / file_name), files=1)
+    return dest / file_name
+
+
 def cached_copy(uri: str) -> Path:
     """A local copy of the tree at `uri`, downloaded once per host into
     `<cache_root>/objects/<hash of the URI>`.

