@@ -127,7 +127,8 @@ _PATTERN_HINTS = {
     MODEL_URI_PATTERN: "must be pvc://CLAIM/PATH, file:///PATH, s3://BUCKET/PREFIX or builtin://NAME "
     "(gs:// is not supported)",
     CHECKPOINT_URI_PATTERN: "must be pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/PREFIX (gs:// is not supported)",
-    DATA_URI_PATTERN: "must be a .jsonl, .json or .parquet file at pvc://CLAIM/PATH, file:///PATH or s3://BUCKET/KEY",
+    DATA_URI_PATTERN: "must be a .jsonl, .json or .parquet file at pvc://CLAIM/PATH, file:///PATH or "
+    "s3://BUCKET/KEY, or reasoning-gym://DATASET?PARAM=VALUE&...",
     SECRET_NAME_PATTERN: "must be a Secret name: lower-case letters, digits, '-' and '.'",
     GPU_TYPE_PATTERN: "must be a GPU type name (letters, digits, '-', '_', '.')",
     ENV_NAME_PATTERN: "must be a valid environment variable name",

@@ -7,7 +7,10 @@ from pydantic import Field
 from polyrl_operator.api.base import ApiModel, Rule
 from polyrl_operator.api.patterns import _S3_URI
 
-DATA_URI_PATTERN = rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.*|file:///.*|{_S3_URI})\.(jsonl|json|parquet)$"
+DATA_URI_PATTERN = (
+    rf"^((pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.*|file:///.*|{_S3_URI})\.(jsonl|json|parquet)"
+    r"|reasoning-gym://[a-z0-9_]+/?(\?.*)?)$"
+)
 
 
 class Data(ApiModel):
@@ -19,10 +22,16 @@ class Data(ApiModel):
         max_length=1024,
         pattern=DATA_URI_PATTERN,
         description="Training rows: a JSONL (one JSON object per line) or Parquet file by URI "
-        "(pvc://claim/path, file:///path, s3://bucket/key).",
+        "(pvc://claim/path, file:///path, s3://bucket/key), or reasoning-gym://DATASET?size=N&seed=S"
+        "&PARAM=VALUE: rows generated at start by that reasoning-gym dataset with its own config "
+        "parameters (seed 0 unless given), scored by the reward reasoning_gym.",
     )
     eval: str | None = Field(
-        None, max_length=1024, pattern=DATA_URI_PATTERN, description="Evaluation rows (same formats)."
+        None,
+        max_length=1024,
+        pattern=DATA_URI_PATTERN,
+        description="Evaluation rows (same formats; a reasoning-gym dataset with another seed than "
+        "train's, or its rows are train's).",
     )
     shuffle: bool = Field(True, description="Shuffle the training rows each epoch, with training.seed.")
     epochs: int | None = Field(

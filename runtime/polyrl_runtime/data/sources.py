@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from polyrl_runtime import storage
+from polyrl_runtime.data import reasoning_gym
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -65,8 +66,11 @@ def parse_parquet(uri: str, data: bytes) -> list[dict[str, Any]]:
 
 
 def load_rows(uri: str) -> list[dict[str, Any]]:
-    """Every row of the JSONL or Parquet file at `uri`; DataError names the URI (and line) on any
-    problem, including a file with no rows."""
+    """Every row of the JSONL or Parquet file at `uri`, or of the reasoning-gym dataset a
+    `reasoning-gym://` URI names; DataError names the URI (and line) on any problem, including a
+    file with no rows."""
+    if reasoning_gym.is_reasoning_gym(uri):
+        return reasoning_gym.rows(uri, DataError)
     fmt = data_format(uri)
     data = _read(uri)
     rows = parse_jsonl(uri, data) if fmt == "jsonl" else parse_parquet(uri, data)

@@ -3,6 +3,8 @@ answer is the row's `answer` field.
 
 - `exact_match`: the completion, stripped (and a trailing period dropped), equals the answer.
 - `numeric`: the last number in the completion is within `tolerance` of the answer (a number).
+- `reasoning_gym`: for rows of `reasoning-gym://` data, the dataset's own `score_answer` (its
+  scores may lie between 0 and 1).
 - `math`: math-verify's parser and verifier (LaTeX, \\boxed{}, fractions, expressions), so
   `\\frac{1}{2}` matches `0.5`. Its timeouts use SIGALRM, which only the main thread may set: off
   that thread (a Ray async actor's event loop) they are disabled. math-verify (with sympy) is
@@ -12,6 +14,7 @@ answer is the row's `answer` field.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -68,4 +71,33 @@ def math_answer(completion: str, row: Mapping[str, Any]) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
 
 
-BUILTINS = {"exact_match": exact_match, "numeric": numeric_answer, "math": math_answer}
+@functools.cache
+def _gym_scorer(dataset: str) -> Any:
+    import importlib
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # some of its dependencies warn on import (SyntaxWarning)
+            warnings.simplefilter("ignore")
+            rg: Any = importlib.import_module("reasoning_gym")
+    except ImportError as e:
+        raise ImportError(
+            "the reward reasoning_gym needs the reasoning-gym package: pip install 'polyrl-runtime[tasks]'"
+        ) from e
+    return rg.get_score_answer_fn(dataset)
+
+
+def reasoning_gym_answer(completion: str, row: Mapping[str, Any]) -> float:
+    """The score reasoning-gym's own dataset gives `completion` on the row's entry (rows of
+    `reasoning-gym://` data: data/reasoning_gym.py). reasoning-gym is imported on first use."""
+    meta = row["metadata"]
+    entry = {"question": row["question"], "answer": row["answer"], "metadata": meta}
+    return float(_gym_scorer(meta["source_dataset"])(completion, entry))
+
+
+BUILTINS = {
+    "exact_match": exact_match,
+    "numeric": numeric_answer,
+    "math": math_answer,
+    "reasoning_gym": reasoning_gym_answer,
+}

@@ -7,23 +7,63 @@ Each group plays one row of `spec.data.train`: the agent answers the row's `prom
     workflow:
       entrypoint: polyrl_runtime.workflows.prompts:PromptCompletion
       args: {reward: math, agent: solver}
+
+Arguments beside `reward` and `agent`:
+- `chat` (default false): a `prompt` row is sent as one user message through the chat template (an
+  instruct model's form) rather than as plain text;
+- `instruction`: text appended to a `prompt` on a line of its own (say, how to write the answer);
+- `extract` (default `reply`): what of the reply the reward scores: `reply` (all of it, stripped),
+  `answer_tag` (the text inside the last `<answer>...</answer>`; nothing when there is none), or
+  `last_line` (the last line that is not blank);
+- `max_new_tokens`: the reply's length cap.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 from polyrl_runtime.rewards.load import load_reward
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, Workflow
 
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _answer_tag(reply: str) -> str:
+    found = _ANSWER_TAG.findall(reply)
+    return str(found[-1]).strip() if found else ""
+
+
+def _last_line(reply: str) -> str:
+    lines = [line.strip() for line in reply.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+EXTRACTORS: dict[str, Callable[[str], str]] = {
+    "reply": str.strip,
+    "answer_tag": _answer_tag,
+    "last_line": _last_line,
+}
+
 
 class PromptCompletion(Workflow):
     def __init__(
-        self, reward: str = "exact_match", agent: str = "agent", max_new_tokens: int | None = None
+        self,
+        reward: str = "exact_match",
+        agent: str = "agent",
+        max_new_tokens: int | None = None,
+        *,
+        chat: bool = False,
+        instruction: str | None = None,
+        extract: str = "reply",
     ) -> None:
         super().__init__()
         load_reward(reward)  # a bad name fails the job at start, not every episode
+        if extract not in EXTRACTORS:
+            raise ValueError(f"workflow.args.extract {extract!r}: expected one of {', '.join(EXTRACTORS)}")
         self.reward, self.agent, self.max_new_tokens = reward, agent, max_new_tokens
+        self.chat, self.instruction, self.extract = chat, instruction, EXTRACTORS[extract]
 
     async def run_episode(self, ctx: EpisodeContext) -> Outcome:
         row = ctx.sample
@@ -31,7 +71,12 @@ class PromptCompletion(Workflow):
             raise ValueError("PromptCompletion plays rows of spec.data.train, and the job has no spec.data")
         agent = ctx.agent(self.agent)
         # A row with neither field: the KeyError names the file, the row index and the row's fields.
-        prompt: Any = agent.chat_prompt(row["messages"]) if "messages" in row else str(row["prompt"])
+        prompt: Any
+        if "messages" in row:
+            prompt = agent.chat_prompt(row["messages"])
+        else:
+            text = str(row["prompt"]) + (f"\n{self.instruction}" if self.instruction else "")
+            prompt = agent.chat_prompt([{"role": "user", "content": text}]) if self.chat else text
         reply = await agent.generate(prompt, max_new_tokens=self.max_new_tokens)
-        r = ctx.reward(self.reward, reply.text)
+        r = ctx.reward(self.reward, self.extract(reply.text))
         return Outcome({self.agent: r}, {"success": r})
