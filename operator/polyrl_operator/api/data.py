@@ -57,6 +57,11 @@ class Evaluation(ApiModel):
     )
 
     every_steps: int = Field(10, ge=1, le=10_000_000, description="Evaluate every N steps (and at the end).")
+    before_training: bool = Field(
+        True,
+        description="Also evaluate once before the first step (step 0), so every run shows where the "
+        "policies started; a resumed job does not evaluate again before its next step.",
+    )
     k: int = Field(1, ge=1, le=64, description="Episodes per eval row: pass@k counts a row solved if any is.")
     greedy: bool = Field(True, description="Greedy decoding (temperature 0); false samples as in training.")
     max_rows: int | None = Field(

@@ -133,6 +133,8 @@ class Driver:
         )
         self.registry = VersionRegistry()
         self.parts: JobParts | None = None  # once `run` has started the job
+        self.evaluator: Evaluator | None = None  # once started, for a job with spec.evaluation
+        self.resumed = False  # once started: whether from a checkpoint
         self.closed = False
 
     async def run(self) -> RunSummary:
@@ -146,6 +148,7 @@ class Driver:
     async def _run(self) -> RunSummary:
         try:
             parts = self.parts = await self._start()
+            await self._evaluate_before_training()
             self.state = "running"
             guarded = self.control.guarded
             trainers = [guarded(t.loop(), f"policy {n}: training loop") for n, t in parts.trainers.items()]
@@ -181,6 +184,24 @@ class Driver:
         startup = self.control.startup.seconds
         buffer = self.parts.buffer if self.parts is not None else None
         return await run_summary(self.snapshot(), self.records, buffer, self.metrics.ends, startup)
+
+    async def _evaluate_before_training(self) -> None:
+        """The eval pass of the initial weights (step 0), recorded as each policy's step-0 metrics
+        row and its latest evaluation; a resumed job has its checkpoint's latest pass instead."""
+        ev, cfg = self.evaluator, self.spec.evaluation
+        if ev is None or cfg is None or not cfg.before_training or self.resumed:
+            return
+        with self.control.phase(
+            "eval_before_training", f"evaluating the initial weights on {len(ev.rows)} eval rows"
+        ):
+            results = await ev.before_training()
+        for name, res in results.items():
+            run = self.runs[name]
+            run.last_eval = res.progress()
+            rec = StepRecord.before_training(
+                name, run.version, self.control.elapsed(), res.reward_mean, res.pass_at_k
+            )
+            await self.metrics.add(rec)
 
     async def _until_done_or_stopped(self, trainers: list[asyncio.Task[None]]) -> None:
         waiters: list[asyncio.Future[Any]] = [
@@ -267,7 +288,8 @@ class Driver:
         producer = self._new_producer(feed, buffer)
         # What a checkpoint records beside the trainers and the buffer (`_restore_counters` reads it).
         self.checkpointer.attach(buffer, producer.state, self.metrics.flush)
-        evaluator = Evaluator(spec, eval_rows, fleet) if eval_rows is not None else None
+        evaluator = self.evaluator = Evaluator(spec, eval_rows, fleet) if eval_rows is not None else None
+        self.resumed = ref is not None
         shared = TrainingParts(
             control=self.control,
             buffer=buffer,

@@ -1,4 +1,5 @@
-"""Evaluation: every `evaluation.everySteps` steps, and at a policy's last step, the current weights
+"""Evaluation: before the first step (`evaluation.beforeTraining`, step 0: the initial weights), every
+`evaluation.everySteps` steps, and at a policy's last step, the current weights
 of the policies play the `data.eval` rows, `k` episodes per row (greedy or sampled), on the workflow
 workers but outside the buffer: nothing is trained on them.
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from polyrl_operator.api.progress import EvalProgress
 from polyrl_operator.api.spec import RLJobSpec
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.data import DataError, RowRef, load_rows
@@ -36,6 +38,12 @@ class EvalResult:
     k: int
     rows: int  # rows with at least one finished episode of the policy
     failed: int  # eval episodes that failed
+
+    def progress(self) -> EvalProgress:
+        """The pass as /progress and the RLJob status report it."""
+        return EvalProgress(
+            step=self.step, reward_mean=self.reward_mean, pass_at_k=self.pass_at_k, k=self.k, rows=self.rows
+        )
 
 
 def summarize(
@@ -73,6 +81,12 @@ class Evaluator:
 
     def due(self, step: int, last: bool) -> bool:
         return last or step % self.cfg.every_steps == 0
+
+    async def before_training(self) -> dict[str, EvalResult]:
+        """The pass at step 0 (the initial weights), for every policy."""
+        if 0 not in self._passes:
+            self._passes[0] = asyncio.ensure_future(self._pass(0))
+        return await asyncio.shield(self._passes[0])
 
     async def at_step(self, policy: str, step: int, last: bool) -> EvalResult | None:
         """The policy's result of the pass at `step` when one is due (None otherwise)."""

@@ -18,7 +18,6 @@ from typing import Any, Literal
 import structlog
 
 from polyrl_operator.api import RLJob
-from polyrl_operator.api.progress import EvalProgress
 from polyrl_runtime.actors import Actor, actor_gone
 from polyrl_runtime.coordinator import policy_restart
 from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
@@ -287,9 +286,7 @@ class PolicyTrainer:
         res = await self.evaluator.at_step(self.run.name, rec.step, last)
         if res is None:
             return rec
-        self.run.last_eval = EvalProgress(
-            step=res.step, reward_mean=res.reward_mean, pass_at_k=res.pass_at_k, k=res.k, rows=res.rows
-        )
+        self.run.last_eval = res.progress()
         return replace(rec, eval_reward_mean=res.reward_mean, eval_pass_at_k=res.pass_at_k)
 
     async def _wait_for_step(self) -> int:

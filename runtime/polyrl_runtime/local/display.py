@@ -71,11 +71,13 @@ class ProgressDisplay:
             self._live.update(self._table())
             return
         every = max(1, self.total // 20)
-        if rec.step % every == 0 or rec.step in (self.total, 1):
+        if rec.step % every == 0 or rec.step in (self.total, 1) or rec.eval_pass_at_k is not None:
             write(self._line(rec))
 
     def _line(self, r: StepRecord) -> str:
         succ = f" success {_fmt(r.success_mean, 2)}" if r.success_mean is not None else ""
+        if r.eval_pass_at_k is not None:
+            succ += f" eval pass@k {_fmt(r.eval_pass_at_k, 2)}"
         return (
             f"[{r.elapsed_s:6.1f}s] {r.policy:>12} step {r.step:4d}/{self.total} reward {_fmt(r.reward_mean)}"
             f"{succ} staleness {r.staleness_mean:.2f}/{r.staleness_max} {r.samples_per_s:7.1f} samples/s"

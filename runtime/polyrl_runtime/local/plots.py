@@ -55,7 +55,8 @@ def reward_curves(out_dir: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
                 linestyle="--",
                 label="success (smoothed)",
             )
-        evals = [r for r in mine if r.get("eval_reward_mean") is not None]
+        # the eval passes, the one before training (step 0, no reward of its own) among them
+        evals = [r for r in rows if r["policy"] == policy and r.get("eval_reward_mean") is not None]
         if evals:  # spec.evaluation: the eval passes' mean reward and pass@k on the eval rows
             ax.plot(
                 [int(r["step"]) for r in evals],

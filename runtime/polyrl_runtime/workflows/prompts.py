@@ -14,7 +14,8 @@ Arguments beside `reward` and `agent`:
 - `instruction`: text appended to a `prompt` on a line of its own (say, how to write the answer);
 - `extract` (default `reply`): what of the reply the reward scores: `reply` (all of it, stripped),
   `answer_tag` (the text inside the last `<answer>...</answer>`; nothing when there is none), or
-  `last_line` (the last line that is not blank);
+  `last_line` (the last line that is not blank), or `last_number` (the last number written, as
+  digits: `12`, `-3`, `2.5`; nothing when there is none), how small models answer arithmetic;
 - `max_new_tokens`: the reply's length cap.
 """
 
@@ -24,6 +25,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from polyrl_runtime.rewards.builtins import last_number
 from polyrl_runtime.rewards.load import load_reward
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, Workflow
 
@@ -40,10 +42,18 @@ def _last_line(reply: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _last_number(reply: str) -> str:
+    found = last_number(reply)
+    if found is None:
+        return ""
+    return str(int(found)) if found.is_integer() else repr(found)
+
+
 EXTRACTORS: dict[str, Callable[[str], str]] = {
     "reply": str.strip,
     "answer_tag": _answer_tag,
     "last_line": _last_line,
+    "last_number": _last_number,
 }
 
 

@@ -1,6 +1,6 @@
 """Evaluation: pass@k and mean reward from eval episodes (table), the /progress document carrying a
 policy's latest pass, and a tiny job under `polyrl run` (tiny-qwen2, a generic data-driven workflow)
-that evaluates every 2 steps and at the end, with the results in its metrics and plot."""
+that evaluates before training, every 2 steps and at the end, with the results in its metrics and plot."""
 
 from __future__ import annotations
 
@@ -110,11 +110,16 @@ def test_polyrl_run_evaluates_every_n_steps_and_at_the_end(tmp_path: Path) -> No
         },
     }
     out = tmp_path / "out"
-    run_to_end(write_job(job, tmp_path / "job.yaml"), out, "--plain")
+    summary = run_to_end(write_job(job, tmp_path / "job.yaml"), out, "--plain")
     rows = metrics_rows(out)
-    assert [x["step"] for x in rows] == [1, 2, 3]
-    assert rows[0].get("eval_reward_mean") is None and rows[0].get("eval_pass_at_k") is None
-    for x in rows[1:]:  # step 2 (everySteps) and step 3 (the last)
+    assert [x["step"] for x in rows] == [0, 1, 2, 3]
+    # step 0: the pass of the initial weights (evaluation.beforeTraining, on by default); no step ran
+    before = rows[0]
+    assert (before["reward_mean"], before["samples"], before["version"]) == (None, 0, 0)
+    assert "eval_before_training" in summary["startup"]
+    assert summary["first_reward"]["agent"] == rows[1]["reward_mean"]  # the series starts at step 1
+    assert rows[1].get("eval_reward_mean") is None and rows[1].get("eval_pass_at_k") is None
+    for x in [rows[0], *rows[2:]]:  # step 0, step 2 (everySteps) and step 3 (the last)
         assert 0.0 <= x["eval_reward_mean"] <= 1.0 and 0.0 <= x["eval_pass_at_k"] <= 1.0
         # pass@k counts a row once any of its k episodes is right: never below the mean reward
         assert x["eval_pass_at_k"] >= x["eval_reward_mean"] - 1e-9

@@ -74,6 +74,43 @@ class StepRecord:
     version_skew_mean: dict[str, float] = field(default_factory=dict)
     version_skew_max: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def before_training(
+        cls,
+        policy: str,
+        version: int,
+        elapsed_s: float,
+        eval_reward_mean: float | None,
+        eval_pass_at_k: float | None,
+    ) -> StepRecord:
+        """The row at step 0: the eval pass of the initial weights (`evaluation.beforeTraining`).
+        No step ran, so its counters are 0 and its rewards None; only its eval columns are results."""
+        return cls(
+            policy=policy,
+            step=0,
+            version=version,
+            reward_mean=None,
+            success_mean=None,
+            episodes=0,
+            samples=0,
+            tokens=0,
+            loss=0.0,
+            staleness_mean=0.0,
+            staleness_max=0,
+            is_weight_mean=0.0,
+            is_truncated_frac=0.0,
+            clip_frac=0.0,
+            kl=0.0,
+            entropy=0.0,
+            grad_norm=0.0,
+            train_s=0.0,
+            sync_s=0.0,
+            elapsed_s=elapsed_s,
+            samples_per_s=0.0,
+            eval_reward_mean=eval_reward_mean,
+            eval_pass_at_k=eval_pass_at_k,
+        )
+
     def row(self) -> dict[str, Any]:
         d = asdict(self)
         for k, v in sorted(d.pop("dropped").items()):

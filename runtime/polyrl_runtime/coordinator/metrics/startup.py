@@ -14,6 +14,7 @@ STARTUP_PHASES: dict[str, str] = {
     "model_load": "model load",
     "trainer_init": "trainer init",
     "first_weights": "first weights",
+    "eval_before_training": "first eval",
 }
 
 
@@ -30,7 +31,9 @@ class StartupPhases:
       tokenizer, as they start (with the other actors: this is what is left once those answered);
     - trainer_init: the trainer ranks joining their process group and building their model,
       reference model and DeepSpeed engine (and loading the checkpoint, on a resume);
-    - first_weights: publishing each policy's starting weights to its engines.
+    - first_weights: publishing each policy's starting weights to its engines;
+    - eval_before_training: the eval pass of the initial weights (`evaluation.beforeTraining`; not
+      on a resume, nor for a job without evaluation).
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
