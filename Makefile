@@ -40,10 +40,11 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/polyrl crds check
 
-# Trains the main example locally: two Hugging Face policies (the built-in tiny Qwen2) on CPU, with
-# live progress, then a summary, reward curves, metrics, checkpoints and exports in runs/guessing-hf.
+# Trains the main example locally: SmolLM2-135M-Instruct, a real pretrained model, on reasoning-gym
+# arithmetic on CPU, with live progress, then a summary, reward and eval curves, metrics, checkpoints
+# and exports in runs/reasoning-gym-smollm2.
 run: install
-	$(BIN)/polyrl run manifests/examples/guessing-hf-cpu.yaml --out runs/guessing-hf
+	$(BIN)/polyrl run manifests/examples/reasoning-gym-smollm2-cpu.yaml --out runs/reasoning-gym-smollm2
 
 # A cluster on this machine (control plane, operator, pods as local processes) for kubectl; see README.
 laptop: install controlplane

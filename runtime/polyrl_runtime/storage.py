@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -275,40 +275,20 @@ def fetched_dir(location: str) -> Iterator[Path]:
 
 def cached_object(uri: str) -> Path:
     """A local copy of the one object at `uri` (say, a GGUF model file), downloaded once per host into
-    `<cache_root>/objects/<hash of the URI>/<its name>`, with the same invariants as `cached_copy`
-    (complete whenever it exists, one downloader per URI, downloaded again when its size or ETag
-    changed)."""
-    objects_dir = cache_root() / "objects"
-    objects_dir.mkdir(parents=True, exist_ok=True)
-    name = hashlib.sha256(uri.encode()).hexdigest()[:32]
-    dest = objects_dir / name
+    `<cache_root>/objects/<hash of the URI>/<its name>`, with `cached_copy`'s invariants (downloaded
+    again when its size or ETag changed)."""
     fs = _filesystem()
     with _errors(uri, "checking"):
         info = fs.info(_key(uri))
     if info.get("type") != "file":
         raise NotFoundError(f"{uri}: not an object (a prefix with objects under it?)")
-    listing = {"size": info.get("size"), "ETag": info.get("ETag")}
     file_name = _key(uri).rsplit("/", 1)[-1]
-    lock_path = objects_dir / f"{name}.lock"
-    with (
-        lock_path.open("w") as lock,
-        locked(lock, lock_path, what=f"download of {uri}", deadline_s=lock_deadline_s()),
-    ):
-        manifest = dest / _MANIFEST
-        if manifest.is_file() and json.loads(manifest.read_text()) == listing:
-            return dest / file_name
-        part = Path(tempfile.mkdtemp(prefix=f"{name}.", suffix=".part", dir=objects_dir))
-        try:
-            with _errors(uri, "downloading"):
-                fs.get_file(_key(uri), str(part / file_name))
-            (part / _MANIFEST).write_text(json.dumps(listing, sort_keys=True))
-            if dest.exists():
-                shutil.rmtree(dest)
-            part.rename(dest)
-        finally:
-            shutil.rmtree(part, ignore_errors=True)
-        log.info("storage.cached", uri=uri, path=str(dest / file_name), files=1)
-    return dest / file_name
+
+    def download(part: Path) -> None:
+        with _errors(uri, "downloading"):
+            fs.get_file(_key(uri), str(part / file_name))
+
+    return _cached(uri, {"size": info.get("size"), "ETag": info.get("ETag")}, download) / file_name
 
 
 def cached_copy(uri: str) -> Path:
@@ -318,15 +298,21 @@ def cached_copy(uri: str) -> Path:
     Invariants: the copy is complete whenever it exists (downloaded beside it, then renamed); one
     process downloads while others wait (an exclusive file lock per URI); a copy whose listing (keys,
     sizes, ETags) no longer matches the store is downloaded again."""
-    objects_dir = cache_root() / "objects"
-    objects_dir.mkdir(parents=True, exist_ok=True)
-    name = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:32]
-    dest = objects_dir / name
     fs = _filesystem()
     with _errors(uri, "listing"):
         listing = {rel: [info.get("size"), info.get("ETag")] for rel, info in _objects(fs, uri).items()}
     if not listing:
         raise NotFoundError(f"{uri}: no objects under this prefix (no such bucket or key)")
+    return _cached(uri, listing, lambda part: get_tree(uri, part))
+
+
+def _cached(uri: str, listing: Any, download: Callable[[Path], Any]) -> Path:
+    """`<cache_root>/objects/<hash of uri>`, filled by `download(directory)` unless it holds the
+    download of the same `listing` already (see `cached_copy`)."""
+    objects_dir = cache_root() / "objects"
+    objects_dir.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:32]
+    dest = objects_dir / name
     lock_path = objects_dir / f"{name}.lock"
     with (
         lock_path.open("w") as lock,
@@ -337,12 +323,14 @@ def cached_copy(uri: str) -> Path:
             return dest
         part = Path(tempfile.mkdtemp(prefix=f"{name}.", suffix=".part", dir=objects_dir))
         try:
-            get_tree(uri, part)
+            download(part)
             (part / _MANIFEST).write_text(json.dumps(listing, sort_keys=True))
             if dest.exists():
                 shutil.rmtree(dest)
             part.rename(dest)
         finally:
             shutil.rmtree(part, ignore_errors=True)
-        log.info("storage.cached", uri=uri, path=str(dest), files=len(listing))
+        log.info(
+            "storage.cached", uri=uri, path=str(dest), files=sum(p.is_file() for p in dest.rglob("*")) - 1
+        )
     return dest

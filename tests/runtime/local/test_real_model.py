@@ -34,9 +34,10 @@ def test_smollm2_trains_on_reasoning_gym_and_exports(tmp_path: Path) -> None:
     summary = run_to_end(path, tmp_path / "out", "--quiet", timeout=900)
     assert summary["steps"] == {"solver": 2}
     rows = metrics_rows(tmp_path / "out")
-    assert [r["step"] for r in rows] == [1, 2]
-    assert rows[-1]["eval_pass_at_k"] is not None  # 4 held-out questions, greedy
-    assert all(r["samples"] == 4 for r in rows)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # 4 held-out questions, greedy: before training and at the last step
+    assert rows[0]["eval_pass_at_k"] is not None and rows[-1]["eval_pass_at_k"] is not None
+    assert [r["samples"] for r in rows] == [0, 4, 4]
     export = tmp_path / "out" / "checkpoints" / "export" / "step-000002" / "solver"
     model = transformers.AutoModelForCausalLM.from_pretrained(str(export))
     assert type(model).__name__ == "LlamaForCausalLM"

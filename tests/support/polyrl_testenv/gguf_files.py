@@ -22,37 +22,24 @@ import transformers
 ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
 
 
-def build_model(arch: str, directory: Path, *, seed: int = 0, tied: bool = True) -> Path:
-    """A tiny `arch` model (the tiny Qwen2's shape and tokenizer), its weights drawn at std 0.15 so
-    that logits differ visibly between positions, saved as a Hugging Face directory."""
-    from polyrl_runtime.models.tiny_qwen2 import SIZES, _tokenizer
+def build_model(arch: str, directory: Path, *, seed: int = 0) -> Path:
+    """A tiny `arch` model (the built-in tiny Qwen2's shape, tokenizer and template; a Llama takes its
+    config's fields), its weights drawn at std 0.15 so that logits differ visibly between positions,
+    saved as a Hugging Face directory."""
+    from polyrl_runtime.models.tiny_qwen2 import create_tiny_qwen2
 
-    size = SIZES["tiny-qwen2"]
-    tok = _tokenizer()
-    common: dict[str, Any] = dict(
-        vocab_size=size.vocab_size,
-        hidden_size=size.hidden_size,
-        intermediate_size=size.intermediate_size,
-        num_hidden_layers=size.num_hidden_layers,
-        num_attention_heads=size.num_attention_heads,
-        num_key_value_heads=size.num_key_value_heads,
-        max_position_embeddings=size.max_position_embeddings,
-        tie_word_embeddings=tied,
-        eos_token_id=int(tok.eos_token_id),
-        pad_token_id=int(tok.pad_token_id),
-        bos_token_id=None,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-    )
-    config = transformers.LlamaConfig(**common) if arch == "llama" else transformers.Qwen2Config(**common)
+    create_tiny_qwen2(directory, seed=seed)
+    config: Any = transformers.AutoConfig.from_pretrained(str(directory))
+    if arch == "llama":
+        config = transformers.LlamaConfig(**{k: v for k, v in config.to_dict().items() if k != "model_type"})
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    (directory / "model.safetensors").unlink()
     model.save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
     return directory
 
 
