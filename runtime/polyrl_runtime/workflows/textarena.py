@@ -1,0 +1,165 @@
+"""TextArena's two-player text games as a workflow: each player is a policy, an episode is one game.
+
+    workflow:
+      entrypoint: polyrl_runtime.workflows.textarena:TextArenaGame
+      args: {env: TicTacToe-v0, players: [alice, bob], max_turns: 12, max_new_tokens: 24}
+
+`players` names the policy of player 0 and of player 1; the same policy twice is self-play (its two
+agents, `player0` and `player1`, are normalised apart as any two agents of one policy are). Each
+player's side of the game is one chat conversation, trained as one sequence: the game's messages since
+the player's last move come as a user message (the game's prompt first), its reply is its move, so
+only the tokens it sampled carry loss (workflows/chat.py). The game is TextArena's own, unwrapped
+(the `-raw` form of the id): what counts as a move, what an invalid move costs (TextArena's rule: the
+first in a row is refused and the player moves again, the second loses the game) and the final
+rewards (+1 win, -1 loss, 0 draw, per player; Poker's chip counts) are the game's. `max_turns` caps
+the moves of both players together (a game still going then is a draw: 0 each, metadata
+`ended: turn_cap`); `max_new_tokens` caps each move. The group's seed seeds the game, so a group's
+members play the same deal or board.
+
+Refused when the workflow is created, naming `workflow.args.env`: an id TextArena does not have (with
+the closest ids), a game for another number of players, and a game that needs the network or data
+TextArena downloads at run time (nltk corpora, a model behind OpenRouter): no pod may reach them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import random
+from typing import Any
+
+from polyrl_runtime.workflows.api import Agent, EpisodeContext, Outcome, Workflow
+
+TASKS_EXTRA = "tasks"
+# What a game's source does when it needs more than the wheel: downloads (nltk's corpora, files
+# fetched with requests) or a model behind an online API. Found in the game's module source.
+_NEEDS_NETWORK = {
+    "nltk.download": "downloads nltk corpora",
+    "EnglishDictionary": "reads nltk's word lists, which it downloads",
+    "OpenRouter": "calls a model through OpenRouter (network access and an API key)",
+    "requests.get": "downloads data with requests",
+    "load_dataset": "downloads a Hugging Face dataset",
+}
+
+
+def _textarena() -> Any:
+    try:
+        return importlib.import_module("textarena")
+    except ImportError as e:
+        raise ValueError(
+            f"workflow TextArenaGame needs the textarena package: pip install 'polyrl-runtime[{TASKS_EXTRA}]'"
+        ) from e
+
+
+def _raw_id(env: str) -> str:
+    base = env.removesuffix("-raw").removesuffix("-train")
+    return f"{base}-raw"
+
+
+def check_env(env: str) -> str:
+    """The unwrapped id of TextArena game `env` after checking that it can run here (see the module
+    doc); a ValueError naming `workflow.args.env` otherwise."""
+    ta = _textarena()
+    registry: dict[str, Any] = ta.envs.registration.ENV_REGISTRY
+    raw = _raw_id(env)
+    if raw not in registry:
+        close = difflib.get_close_matches(
+            env, [k for k in registry if not k.endswith(("-raw", "-train"))], n=5
+        )
+        hint = (
+            f"the closest: {', '.join(close)}"
+            if close
+            else "textarena.envs.registration.ENV_REGISTRY lists them"
+        )
+        raise ValueError(f"workflow.args.env {env!r}: TextArena has no such game ({hint})")
+    module_name = str(registry[raw].entry_point).partition(":")[0]
+    try:
+        module = importlib.import_module(module_name)
+        source = inspect.getsource(module)
+    except Exception as e:  # a game whose module does not import on this Python (a SyntaxError)
+        raise ValueError(f"workflow.args.env {env!r}: TextArena's game does not import here: {e}") from e
+    for needle, what in _NEEDS_NETWORK.items():
+        if needle in source:
+            raise ValueError(
+                f"workflow.args.env {env!r}: the game {what}, and a job's pods may not reach the network; "
+                "choose a game that runs offline (TicTacToe-v0, KuhnPoker-v0, ConnectFour-v0, Nim-v0, ...)"
+            )
+    game = ta.make(raw)
+    try:
+        game.reset(num_players=2, seed=0)
+    except Exception as e:
+        raise ValueError(f"workflow.args.env {env!r}: the game cannot be played by 2 players: {e}") from e
+    return raw
+
+
+def _render(messages: list[tuple[int, str, Any]], me: int) -> str:
+    """The game's messages to player `me` since its last move, as one text (its own moves are left
+    out: they are its replies already)."""
+    lines = []
+    for sender, text, _kind in messages:
+        if sender == me:
+            continue
+        who = "GAME" if sender < 0 else f"Player {sender}"
+        lines.append(f"[{who}] {text}")
+    return "\n".join(lines)
+
+
+class TextArenaGame(Workflow):
+    def __init__(
+        self,
+        env: str = "TicTacToe-v0",
+        players: list[str] | None = None,
+        max_turns: int = 20,
+        max_new_tokens: int | None = None,
+        **args: Any,
+    ) -> None:
+        super().__init__(**args)
+        if not players or len(players) != 2 or not all(isinstance(p, str) and p for p in players):
+            raise ValueError(
+                f"workflow.args.players {players!r}: name two policies, player 0's then player 1's "
+                "(the same one twice for self-play)"
+            )
+        if max_turns < 1:
+            raise ValueError(f"workflow.args.max_turns {max_turns}: must be at least 1")
+        self.env = check_env(env)
+        self.players, self.max_turns, self.max_new_tokens = list(players), max_turns, max_new_tokens
+
+    async def run_episode(self, ctx: EpisodeContext) -> Outcome:
+        for p in self.players:
+            if p not in ctx.tokenizers:
+                raise KeyError(
+                    f"workflow.args.players: {p!r} is not a policy of the job ({sorted(ctx.tokenizers)})"
+                )
+        agents = [Agent(ctx, f"player{i}", policy) for i, policy in enumerate(self.players)]
+        history: list[list[dict[str, Any]]] = [[], []]
+        ta = _textarena()
+        game = ta.make(self.env)
+        # TextArena seeds the module-level `random` on reset: keep the process's own draws as they were.
+        state = random.getstate()
+        try:
+            game.reset(num_players=2, seed=ctx.seed)
+        finally:
+            random.setstate(state)
+        done, turns, refused = False, 0, [0, 0]
+        while not done and turns < self.max_turns:
+            pid, observation = game.get_observation()
+            history[pid].append({"role": "user", "content": _render(observation, pid)})
+            reply = await agents[pid].chat(history[pid], max_new_tokens=self.max_new_tokens)
+            history[pid].append(reply.message)
+            errors = getattr(game.state, "error_count", 0)
+            done, _info = game.step(reply.text)
+            refused[pid] += getattr(game.state, "error_count", 0) > errors  # refused, to be moved again
+            turns += 1
+        rewards, info = game.close()
+        info = info if isinstance(info, dict) else {}
+        meta = {
+            "env": self.env,
+            "turns": turns,
+            "ended": "game" if rewards is not None else "turn_cap",
+            "refused_moves": {f"player{i}": refused[i] for i in range(2)},
+            "lost_on_invalid_move": [f"player{i}" for i in range(2) if info.get(i, {}).get("invalid_move")],
+            "reason": str(info.get(0, {}).get("reason", "")),
+        }
+        scores = {f"player{i}": float(rewards[i]) if rewards is not None else 0.0 for i in range(2)}
+        return Outcome(scores, meta)

@@ -1,0 +1,110 @@
+"""TextArena games as a workflow, with the tiny Qwen2 on the real torch engine: one episode is one game
+between two agents (here one policy in self-play), each side one multi-turn conversation with loss
+only on the sampled moves, rewards from the game, TextArena's invalid-move rule, the turn cap; and
+the games refused when the workflow is created."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polyrl_runtime.engines.api import SamplingParams
+from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.engines.torch_engine import TorchEngine
+from polyrl_runtime.models import load_tokenizer
+from polyrl_runtime.workflows.api import EpisodeContext, Outcome
+from polyrl_runtime.workflows.textarena import TextArenaGame, _render
+from polyrl_testenv.inprocess import engine_routes
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Awaitable[Any]]) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        return self.fn(*args)
+
+
+def _play(uri: str, game: TextArenaGame, seed: int) -> tuple[Outcome, EpisodeContext]:
+    engine = TorchEngine("e0", "me", uri, transport="shm", seed=1, dtype="float32")
+    handle = type("H", (), {"generate": _Method(engine.generate)})()
+
+    async def go() -> tuple[Outcome, EpisodeContext]:
+        ctx = EpisodeContext(
+            "ep-1",
+            "g-1",
+            0,
+            seed,
+            EnginePool(engine_routes({"me": {"e0": handle}})),
+            {"me": load_tokenizer(uri)},
+            {"me": SamplingParams(temperature=1.0, max_new_tokens=6)},
+        )
+        return await game.run_episode(ctx), ctx
+
+    return asyncio.run(go())
+
+
+def test_a_game_is_one_episode_with_a_conversation_per_player(tiny_qwen2_dir: Path) -> None:
+    uri = f"file://{tiny_qwen2_dir}"
+    outcome, ctx = _play(uri, TextArenaGame(env="TicTacToe-v0", players=["me", "me"], max_turns=12), seed=3)
+    # The untrained model writes no valid move: TextArena refuses the first, and the second in a row
+    # loses the game for the player who wrote it.
+    assert outcome.metadata["ended"] == "game"
+    assert outcome.metadata["lost_on_invalid_move"] == ["player0"]
+    assert outcome.rewards == {"player0": -1.0, "player1": 1.0}
+    assert outcome.metadata["refused_moves"] == {"player0": 1, "player1": 0}
+    [turn] = ctx.turns  # player 0 moved twice in one conversation; player 1 never moved
+    assert turn.agent == "player0" and turn.policy == "me"
+    mask = turn.loss_mask
+    assert mask[0] and mask[-1] and not mask.all()  # move, the game's refusal (context), move
+    tok = load_tokenizer(uri)
+    prompt = tok.decode(turn.prompt_ids.tolist(), skip_special=False)
+    assert "[GAME] You are Player 0 in Tic Tac Toe." in prompt and "Available Moves:" in prompt
+    context = tok.decode(turn.response_ids[~mask].tolist(), skip_special=False)
+    assert "[GAME]" in context and "<|im_start|>user\n" in context
+
+
+def test_a_game_still_going_at_the_turn_cap_is_a_draw(tiny_qwen2_dir: Path) -> None:
+    outcome, ctx = _play(
+        f"file://{tiny_qwen2_dir}",
+        TextArenaGame(env="TicTacToe-v0", players=["me", "me"], max_turns=1),
+        seed=3,
+    )
+    assert outcome.metadata["ended"] == "turn_cap" and outcome.metadata["turns"] == len(ctx.turns) == 1
+    assert outcome.rewards == {"player0": 0.0, "player1": 0.0}
+
+
+def test_the_game_messages_a_player_sees_leave_out_its_own_moves() -> None:
+    msgs = [(-1, "Board", None), (0, "[4]", None), (1, "[0]", None)]
+    assert _render(msgs, 0) == "[GAME] Board\n[Player 1] [0]"
+    assert _render(msgs, 1) == "[GAME] Board\n[Player 0] [4]"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            {"env": "TicTacTo-v0"},
+            r"workflow.args.env 'TicTacTo-v0': TextArena has no such game \(the closest: TicTacToe-v0",
+        ),
+        (
+            {"env": "WordChains-v0"},
+            r"workflow.args.env 'WordChains-v0': the game downloads nltk corpora, .* may not reach the network",
+        ),
+        (
+            {"env": "Mastermind-v0"},
+            r"workflow.args.env 'Mastermind-v0': the game cannot be played by 2 players",
+        ),
+        ({"players": ["me"]}, r"workflow.args.players \['me'\]: name two policies"),
+        ({"max_turns": 0}, r"workflow.args.max_turns 0: must be at least 1"),
+    ],
+)
+def test_a_game_that_cannot_run_here_is_refused_naming_the_argument(
+    args: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        TextArenaGame(**{"players": ["me", "me"], **args})
