@@ -33,12 +33,23 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
+def _written(arch: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the Hugging Face directory built in code, the GGUF file written from it)."""
+    d = tmp_path_factory.mktemp(arch)
+    hf = build_model(arch, d / "hf")
+    return hf, write_gguf(hf, d / f"tiny-{arch}.gguf")
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(the Hugging Face directory built in code, the GGUF file written from it)."""
-    d = tmp_path_factory.mktemp(request.param)
-    hf = build_model(request.param, d / "hf")
-    return hf, write_gguf(hf, d / f"tiny-{request.param}.gguf")
+    """Each architecture's model and GGUF file: for what depends on the architecture."""
+    return _written(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The Llama's: for what does not depend on the architecture (the cache, the URIs, bad files)."""
+    return _written("llama", tmp_path_factory)
 
 
 def _logits(model: Any, ids: list[int]) -> torch.Tensor:
@@ -90,9 +101,9 @@ def test_quantised_tensors_are_dequantised_exactly_as_the_gguf_package_does(
 
 
 def test_the_cache_is_keyed_by_content_and_converts_once(
-    written: tuple[Path, Path], cache: Path, tmp_path: Path
+    llama: tuple[Path, Path], cache: Path, tmp_path: Path
 ) -> None:
-    file = written[1]
+    file = llama[1]
     first = model_dir(f"file://{file}")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     copy = tmp_path / "elsewhere" / "renamed.gguf"
@@ -108,13 +119,13 @@ def test_the_cache_is_keyed_by_content_and_converts_once(
 
 
 def test_two_processes_converting_one_file_at_once_share_one_complete_conversion(
-    written: tuple[Path, Path], cache: Path
+    llama: tuple[Path, Path], cache: Path
 ) -> None:
     code = (
         "import sys; from polyrl_runtime.models import model_dir; "
         "print('DIR', model_dir(sys.argv[1]), flush=True)"
     )
-    uri = f"file://{written[1]}"
+    uri = f"file://{llama[1]}"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, uri], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -132,14 +143,14 @@ def test_two_processes_converting_one_file_at_once_share_one_complete_conversion
 
 
 def test_a_gguf_file_on_s3_is_downloaded_once_and_converted(
-    written: tuple[Path, Path], bucket: str, tmp_path: Path
+    llama: tuple[Path, Path], bucket: str, tmp_path: Path
 ) -> None:
     uri = f"s3://{bucket}/models/tiny.gguf"
-    storage.write_bytes(uri, written[1].read_bytes())
+    storage.write_bytes(uri, llama[1].read_bytes())
     converted = model_dir(uri)
     assert torch.equal(
         load_file(str(converted / "model.safetensors"))["model.embed_tokens.weight"],
-        load_file(str(written[0] / "model.safetensors"))["model.embed_tokens.weight"],
+        load_file(str(llama[0] / "model.safetensors"))["model.embed_tokens.weight"],
     )
     assert model_dir(uri) == converted
     with pytest.raises(ModelLoadError, match=f"s3://{bucket}/models/none.gguf: .*no such bucket or key"):
@@ -189,9 +200,9 @@ def _arch_file(tmp_path: Path, arch: str) -> Path:
     ids=["missing", "not-gguf", "truncated", "damaged-header", "architecture", "quantisation"],
 )
 def test_a_bad_gguf_file_is_refused_naming_the_uri_and_the_cause(
-    make: Any, message: str, tmp_path: Path, cache: Path, written: tuple[Path, Path]
+    make: Any, message: str, tmp_path: Path, cache: Path, llama: tuple[Path, Path]
 ) -> None:
-    path = make(tmp_path, written[1])
+    path = make(tmp_path, llama[1])
     uri = f"file://{path}"
     with pytest.raises(ModelLoadError, match=f"^{uri}: {message}"):
         model_dir(uri)
@@ -224,15 +235,15 @@ def _polyrl(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(polyrl), *map(str, args)], capture_output=True, text=True, check=False)
 
 
-def test_models_import_writes_a_hugging_face_directory(written: tuple[Path, Path], tmp_path: Path) -> None:
+def test_models_import_writes_a_hugging_face_directory(llama: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "imported"
-    done = _polyrl("models", "import", written[1], out)
+    done = _polyrl("models", "import", llama[1], out)
     assert done.returncode == 0, done.stderr
     assert f"file://{out}" in done.stdout
-    want, got = load_model(f"file://{written[0]}"), load_model(f"file://{out}")
+    want, got = load_model(f"file://{llama[0]}"), load_model(f"file://{out}")
     ids = load_tokenizer(f"file://{out}").apply_chat_template(MESSAGES)
     assert torch.equal(_logits(got, ids), _logits(want, ids))
-    again = _polyrl("models", "import", written[1], out)
+    again = _polyrl("models", "import", llama[1], out)
     assert again.returncode == 2
     assert "exists and is not an empty directory" in again.stderr
     bad = _polyrl("models", "import", tmp_path / "none.gguf", tmp_path / "x")

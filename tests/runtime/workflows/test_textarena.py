@@ -96,6 +96,10 @@ def test_the_game_messages_a_player_sees_leave_out_its_own_moves() -> None:
             r"workflow.args.env 'WordChains-v0': the game downloads nltk corpora, .* may not reach the network",
         ),
         (
+            {"env": "Debate-v0"},
+            r"workflow.args.env 'Debate-v0': the game calls a model through OpenRouter",
+        ),
+        (
             {"env": "Mastermind-v0"},
             r"workflow.args.env 'Mastermind-v0': the game cannot be played by 2 players",
         ),
