@@ -161,8 +161,17 @@ def test_runtime_pins_agree_with_pyproject() -> None:
     runs = " ".join(a for o, a in instructions(RUNTIME) if o == "RUN")
     deepspeed = re.search(r'"(deepspeed[^"]*)"', runs)
     assert deepspeed and deepspeed[1] == requirement("runtime", "deepspeed")
-    # The CUDA variant installs the runtime's gpu extra (vLLM); the CPU variant does not.
-    assert 'EXTRA="[gpu]"' in runs and "gpu" in pyproject("runtime")["project"]["optional-dependencies"]
+    # The CUDA variant installs the runtime's gpu extra (vLLM), the CPU variant does not; both install
+    # the extras of real models and tasks (builtin://smollm2-135m-instruct, reasoning-gym, TextArena).
+    extras = pyproject("runtime")["project"]["optional-dependencies"]
+    chosen = {
+        v: set(e.split(","))
+        for v, e in re.findall(r'"\$VARIANT" = (\w+) \]; then EXTRA="\[([^\]]*)\]"', runs)
+    }
+    others = re.search(r'else EXTRA="\[([^\]]*)\]"', runs)
+    assert chosen and others, runs
+    assert chosen["cuda"] == {"gpu", *others[1].split(",")} and "gpu" not in others[1].split(",")
+    assert {"smollm2", "tasks"} <= set(others[1].split(",")) and chosen["cuda"] <= set(extras)
     assert "download.pytorch.org/whl/cpu" in runs  # CPU images get the CPU wheel, not CUDA's
     assert args["VARIANT"] == "cpu"
     stages = [a for o, a in instructions(RUNTIME) if o == "FROM"]
