@@ -165,7 +165,8 @@ class RLJobSpec(ApiModel):
         Rule(
             cel="!has(self.pools) || self.policies.all(p, !has(p.rollout.pool) || "
             "p.rollout.engine != 'vllm' || self.pools.all(q, q.name != p.rollout.pool || q.gpus >= 1))",
-            message="a pool that runs a vllm rollout must have gpus >= 1 (vLLM runs on GPUs only)",
+            message="a pool that runs a vllm rollout (rollout.engine vllm, the default) must have gpus >= 1 "
+            "(vLLM runs on GPUs only); on a CPU pool set the policy's rollout.engine: torch",
             check=lambda s: all(
                 p.rollout.pool is None or p.rollout.engine != "vllm" or s.pool_gpus(p.rollout.pool) >= 1
                 for p in s.policies
