@@ -31,6 +31,7 @@ from typing import Any
 
 import structlog
 
+from polyrl_runtime import storage
 from polyrl_runtime.models.hf import ModelLoadError
 from polyrl_runtime.waiting import lock_deadline_s, locked
 
@@ -193,7 +194,7 @@ def content_hash(path: Path) -> str:
     """sha256 of the file, memoised per (path, size, mtime) so that each process reading a cached
     conversion does not hash the whole file again."""
     st = path.stat()
-    memo_dir = _cache_root() / "content-hashes"
+    memo_dir = storage.cache_root() / "models" / "content-hashes"
     key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
     memo = memo_dir / key
     if memo.is_file():
@@ -210,16 +211,11 @@ def content_hash(path: Path) -> str:
     return digest
 
 
-def _cache_root() -> Path:
-    base = os.environ.get("POLYRL_CACHE") or str(Path.home() / ".cache" / "polyrl")
-    return Path(base) / "models"
-
-
 def converted_dir(path: Path, uri: str) -> Path:
     """The cached Hugging Face checkpoint of the GGUF file `path`, converted on first use."""
     if not path.is_file():
         inspect(path, uri)  # raises the missing-file error
-    root = _cache_root()
+    root = storage.cache_root() / "models"
     final = root / f"gguf-{content_hash(path)[:32]}-c{CONVERSION}"
     if (final / "config.json").is_file():
         return final
