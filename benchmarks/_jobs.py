@@ -85,13 +85,15 @@ def run_job(
     on_record: Callable[[Any], None] | None = None,
     *,
     cpu_sets: dict[str, frozenset[int]] | None = None,
+    checkpoint_root: Path | None = None,
 ) -> RunSummary:
     """Train `job` in this process (actors placed without pod resources) in a scratch folder;
-    `cpu_sets` pins each role's actors (`polyrl run --cpus`), None shares every core."""
+    `cpu_sets` pins each role's actors (`polyrl run --cpus`), None shares every core;
+    `checkpoint_root` keeps the checkpoints and exports (`export/step-N/<policy>/`) there."""
     with tempfile.TemporaryDirectory() as tmp:
         opts = DriverOptions(
             out_dir=Path(tmp),
-            checkpoint_root=Path(tmp) / "ckpt",
+            checkpoint_root=checkpoint_root or Path(tmp) / "ckpt",
             place_by_resource=False,
             on_record=on_record,
             cpu_sets=dict(cpu_sets or {}),

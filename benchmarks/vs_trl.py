@@ -142,7 +142,30 @@ def write_rows(path: Path, data: list[dict[str, str]]) -> Path:
 
 
 def trl_run(h: Hyper, model_dir: Path, data_path: Path, threads: int) -> Result:
-    """One `GRPOTrainer.train()` on CPU with `threads` torch threads (run in its own process)."""
+    """One `GRPOTrainer.train()` of this task on CPU with `threads` torch threads (in its own process)."""
+    from polyrl_runtime.rewards.load import load_reward
+
+    score = load_reward(REWARD)
+
+    def reward(completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
+        return [float(score(c, {"answer": a})) for c, a in zip(completions, answer, strict=True)]
+
+    data = [json.loads(line) for line in data_path.read_text().splitlines()]
+    return trl_train(h, model_dir, data, reward, threads)
+
+
+def trl_train(
+    h: Hyper,
+    model_dir: Path,
+    data: list[dict[str, Any]],
+    reward: Any,
+    threads: int,
+    *,
+    finish: Any = None,
+) -> Result:
+    """`GRPOTrainer.train()` on CPU with `threads` torch threads: `data` rows (the dataset's columns
+    reach `reward` as keyword arguments), the settings both sides share (the module docstring);
+    `finish(trainer)` runs after training, before the trainer's scratch folder goes."""
     import importlib
 
     import torch
@@ -151,15 +174,8 @@ def trl_run(h: Hyper, model_dir: Path, data_path: Path, threads: int) -> Result:
     trl: Any = importlib.import_module("trl")
     datasets: Any = importlib.import_module("datasets")
 
-    from polyrl_runtime.rewards.load import load_reward
-
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    score = load_reward(REWARD)
-
-    def reward(completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
-        return [float(score(c, {"answer": a})) for c, a in zip(completions, answer, strict=True)]
-
     out = Result()
     cpu_first = 0.0
 
@@ -175,7 +191,6 @@ def trl_run(h: Hyper, model_dir: Path, data_path: Path, threads: int) -> Result:
                 out.tokens.append(round(float(logs["completions/mean_length"]) * h.batch))
                 out.rewards.append(float(logs["reward"]))
 
-    data = [json.loads(line) for line in data_path.read_text().splitlines()]
     with tempfile.TemporaryDirectory() as tmp:
         config = trl.GRPOConfig(
             output_dir=tmp,
@@ -214,6 +229,8 @@ def trl_run(h: Hyper, model_dir: Path, data_path: Path, threads: int) -> Result:
         )
         out.startup_s = time.perf_counter() - t0
         trainer.train()
+        if finish is not None:
+            finish(trainer)
     return out
 
 
@@ -226,26 +243,25 @@ def _trl_command(h: Hyper, model_dir: Path, data_path: Path, threads: int) -> li
 
 def trl_processes(h: Hyper, model_dir: Path, data_path: Path, threads: int, n: int) -> list[Result]:
     """`n` TRL runs as concurrent processes (n=1: one run); each prints its Result as JSON."""
+    runs = worker_processes([_trl_command(h, model_dir, data_path, threads)] * n, "TRL run")
+    return [Result(**r) for r in runs]
+
+
+def worker_processes(commands: list[list[str]], what: str) -> list[dict[str, Any]]:
+    """Run `commands` as concurrent processes; each prints a JSON object as its last line."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     procs = []
-    for _ in range(n):
-        # Each TRL process rendezvouses on a port of its own: one inherited from this process (a
-        # trainer of the polyrl run set MASTER_PORT) may be taken by then, by anything on the host.
+    for command in commands:
+        # Each process rendezvouses (torch.distributed, under TRL's accelerate) on a port of its own:
+        # one inherited from this process (a trainer of a polyrl run set MASTER_PORT) may be taken.
         env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        procs.append(
-            subprocess.Popen(
-                _trl_command(h, model_dir, data_path, threads),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-            )
-        )
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
     results = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=3600)
         if p.returncode != 0:
-            raise SystemExit(f"TRL run failed (exit {p.returncode}):\n{stderr.decode()[-3000:]}")
-        results.append(Result(**json.loads(stdout.decode().strip().splitlines()[-1])))
+            raise SystemExit(f"{what} failed (exit {p.returncode}):\n{stderr.decode()[-3000:]}")
+        results.append(json.loads(stdout.decode().strip().splitlines()[-1]))
     return results
 
 
@@ -336,8 +352,16 @@ def job_cpu_s() -> Counter[str]:
 def polyrl_run(
     h: Hyper, model_dir: Path, data_path: Path, policies: list[str], mode: str, *, pool: bool
 ) -> dict[str, Result]:
-    """One in-process `Driver` run (benchmarks/_jobs.py, as `polyrl run --separate` does) of the job. The job's
-    CPU time (from the first step's end to the last's) is shared among the policies by their samples."""
+    """One in-process `Driver` run (benchmarks/_jobs.py, as `polyrl run --separate` does) of the job."""
+    return measure_job(polyrl_job(h, model_dir, data_path, policies, mode, pool=pool), policies, h.steps)
+
+
+def measure_job(
+    job: Any, policies: list[str], steps: int, checkpoint_root: Path | None = None
+) -> dict[str, Result]:
+    """Each policy's steps of one in-process run of `job`, timed as TRL's are. The job's CPU time
+    (from the first step's end to the last's) is shared among the policies by their samples;
+    `checkpoint_root` keeps the job's exports."""
     from _jobs import run_job  # type: ignore[import-not-found]
 
     results = {p: Result() for p in policies}
@@ -352,10 +376,10 @@ def polyrl_run(
         r.samples.append(int(rec.samples))
         r.tokens.append(int(rec.tokens))
         r.rewards.append(float(rec.reward_mean) if rec.reward_mean is not None else float("nan"))
-        if not cpu or all(len(x.ends) >= h.steps for x in results.values()):
+        if not cpu or all(len(x.ends) >= steps for x in results.values()):
             cpu.append(job_cpu_s())  # read at the first step's end and once every policy is done
 
-    summary = run_job(polyrl_job(h, model_dir, data_path, policies, mode, pool=pool), on_record)
+    summary = run_job(job, on_record, checkpoint_root=checkpoint_root)
     if summary.state != "done":
         raise SystemExit(f"polyrl run ended {summary.state}: {summary.message}")
     work = sum(r.work() for r in results.values())

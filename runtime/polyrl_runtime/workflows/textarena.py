@@ -153,13 +153,17 @@ class TextArenaGame(Workflow):
             turns += 1
         rewards, info = game.close()
         info = info if isinstance(info, dict) else {}
+        lost = [f"player{i}" for i in range(2) if info.get(i, {}).get("invalid_move")]
         meta = {
             "env": self.env,
             "turns": turns,
             "ended": "game" if rewards is not None else "turn_cap",
             "refused_moves": {f"player{i}": refused[i] for i in range(2)},
-            "lost_on_invalid_move": [f"player{i}" for i in range(2) if info.get(i, {}).get("invalid_move")],
+            "lost_on_invalid_move": lost,
             "reason": str(info.get(0, {}).get("reason", "")),
+            # The job's success_mean: the share of games played out by the rules (no loss on an
+            # invalid move, no turn cap), what two players learning a game's format raise first.
+            "success": float(rewards is not None and not lost),
         }
         scores = {f"player{i}": float(rewards[i]) if rewards is not None else 0.0 for i in range(2)}
         return Outcome(scores, meta)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes import FakeEngine
 
 from polyrl_runtime.engines.api import SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
@@ -55,6 +56,7 @@ def test_a_game_is_one_episode_with_a_conversation_per_player(tiny_qwen2_dir: Pa
     # loses the game for the player who wrote it.
     assert outcome.metadata["ended"] == "game"
     assert outcome.metadata["lost_on_invalid_move"] == ["player0"]
+    assert outcome.metadata["success"] == 0.0  # not played out by the rules
     assert outcome.rewards == {"player0": -1.0, "player1": 1.0}
     assert outcome.metadata["refused_moves"] == {"player0": 1, "player1": 0}
     [turn] = ctx.turns  # player 0 moved twice in one conversation; player 1 never moved
@@ -75,7 +77,33 @@ def test_a_game_still_going_at_the_turn_cap_is_a_draw(tiny_qwen2_dir: Path) -> N
         seed=3,
     )
     assert outcome.metadata["ended"] == "turn_cap" and outcome.metadata["turns"] == len(ctx.turns) == 1
+    assert outcome.metadata["success"] == 0.0
     assert outcome.rewards == {"player0": 0.0, "player1": 0.0}
+
+
+def test_a_game_played_out_by_the_rules_is_a_success(tiny_qwen2_dir: Path) -> None:
+    """Both players always check: every round of Kuhn Poker ends at the showdown, no move is refused."""
+    uri = f"file://{tiny_qwen2_dir}"
+    tok = load_tokenizer(uri)
+    engine = FakeEngine(lambda prompt, params: [*tok.encode("[check]", bos=False), *tok.stop_ids[:1]])
+
+    async def go() -> Outcome:
+        ctx = EpisodeContext(
+            "ep-1",
+            "g-1",
+            0,
+            5,
+            EnginePool(engine_routes({"me": {"e0": engine}})),
+            {"me": tok},
+            {"me": SamplingParams(temperature=1.0, max_new_tokens=6)},
+        )
+        return await TextArenaGame(env="KuhnPoker-v0", players=["me", "me"], max_turns=12).run_episode(ctx)
+
+    outcome = asyncio.run(go())
+    assert outcome.metadata["ended"] == "game" and outcome.metadata["lost_on_invalid_move"] == []
+    assert outcome.metadata["refused_moves"] == {"player0": 0, "player1": 0}
+    assert outcome.metadata["turns"] == 6  # 3 rounds of check, check
+    assert outcome.metadata["success"] == 1.0
 
 
 def test_the_game_messages_a_player_sees_leave_out_its_own_moves() -> None:
