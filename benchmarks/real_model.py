@@ -265,7 +265,7 @@ class PairedChat(Workflow):
         return Outcome(rewards, {"success": statistics.fmean(rewards.values())})
 
 
-def polyrl_job(h: Hyper, data_path: Path, policies: list[str], mode: str) -> Any:
+def polyrl_job(h: Hyper, model: str, data_path: Path, policies: list[str], mode: str) -> Any:
     from polyrl_operator.api import RLJob
 
     if len(policies) == 1:
@@ -275,7 +275,7 @@ def polyrl_job(h: Hyper, data_path: Path, policies: list[str], mode: str) -> Any
         workflow = {"entrypoint": "real_model:PairedChat", "args": {}}
     workflow["args"]["max_new_tokens"] = h.max_new_tokens
     policy = {
-        "model": {"uri": MODEL, "dtype": "float32"},
+        "model": {"uri": model, "dtype": "float32"},
         "algorithm": {
             "name": "grpo", "groupSize": h.group, "lr": h.lr, "advantageNorm": "per-policy",
             "clipEps": 0.2, "klCoef": 0.0, "maxGradNorm": 1.0,
@@ -306,7 +306,7 @@ def polyrl_job(h: Hyper, data_path: Path, policies: list[str], mode: str) -> Any
 
 
 def polyrl_side(
-    h: Hyper, data_path: Path, held: list[dict[str, Any]], policies: list[str], mode: str
+    h: Hyper, model: str, data_path: Path, held: list[dict[str, Any]], policies: list[str], *, mode: str
 ) -> dict[str, Side]:
     """One job; each policy's pass@1 from its export at the last step."""
     import torch
@@ -316,7 +316,7 @@ def polyrl_side(
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "ckpt"
-        runs = measure_job(polyrl_job(h, data_path, policies, mode), policies, h.steps, root)
+        runs = measure_job(polyrl_job(h, model, data_path, policies, mode), policies, h.steps, root)
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         out = {}
         for p in policies:
@@ -331,7 +331,9 @@ def polyrl_side(
 # -- the comparison ----------------------------------------------------------------------------------
 
 
-def seed_run(h: Hyper, model_dir: Path, eval_rows: int, mode: str, two: bool) -> dict[str, list[Side]]:
+def seed_run(
+    h: Hyper, model: str, model_dir: Path, eval_rows: int, mode: str, *, two: bool
+) -> dict[str, list[Side]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -347,12 +349,14 @@ def seed_run(h: Hyper, model_dir: Path, eval_rows: int, mode: str, two: bool) ->
     with tempfile.TemporaryDirectory() as tmp:
         data_path = Path(tmp) / "train.jsonl"
         data_path.write_text("".join(json.dumps(r) + "\n" for r in train))
-        sides["polyrl"] = list(polyrl_side(h, data_path, held, ["solver"], mode).values())
+        sides["polyrl"] = list(polyrl_side(h, model, data_path, held, ["solver"], mode=mode).values())
         for kind in ("trl", "plain"):
             [res] = worker_processes([in_process(kind, h, model_dir, eval_rows, cores)], kind)
             sides[kind] = [Side(**res)]
         if two:
-            sides["polyrl, two policies"] = list(polyrl_side(h, data_path, held, ["a", "b"], mode).values())
+            sides["polyrl, two policies"] = list(
+                polyrl_side(h, model, data_path, held, ["a", "b"], mode=mode).values()
+            )
     for s in sides.values():
         for r in s:
             r.before = before
@@ -418,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--mode", choices=("async", "sync"), default="async", help="polyrl's mode")
+    ap.add_argument("--model", default=MODEL, help="a Hugging Face model URI every side loads")
     ap.add_argument("--no-two", dest="two", action="store_false", help="skip the two-policy job")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -430,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Workflow workers import `real_model:PairedChat`: Ray's processes inherit this path.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    where = Path(model_dir(MODEL))  # converted once (cached): every side loads this directory
+    where = Path(model_dir(args.model))  # converted once (cached): every side loads this directory
     cores = len(os.sched_getaffinity(0))
     print(
         f"# {cores} cores, load average {os.getloadavg()[0]:.1f} at start, polyrl mode {args.mode}, model {where}"
@@ -443,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.steps, args.prompts, args.group, args.lr, args.max_new_tokens, args.temperature, seed
             )
             print(f"\n## seed {seed}: {h}")
-            per_seed.append(seed_run(h, where, args.eval_rows, args.mode, args.two))
+            per_seed.append(seed_run(h, args.model, where, args.eval_rows, args.mode, two=args.two))
             report([seed], per_seed[-1:])
     finally:
         stop_ray()

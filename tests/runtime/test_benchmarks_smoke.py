@@ -198,6 +198,21 @@ def test_vs_trl_benchmark_runs() -> None:
 
 
 @pytest.mark.slow
+def test_real_model_benchmark_runs() -> None:
+    """The three sides on the tiny Qwen2 (the figures are SmolLM2's: docs/performance.md)."""
+    out = _run(
+        "real_model.py",
+        *("--model", "builtin://tiny-qwen2", "--seeds", "1", "--steps", "2", "--prompts", "2"),
+        *("--group", "2", "--eval-rows", "4", "--max-new-tokens", "4", "--no-two"),
+    )
+    rows = [r.split("|") for r in out.split("# all seeds")[1].splitlines() if r.startswith("| ")]
+    sides = {r[1].strip(): r for r in rows if len(r) == 10 and r[2].strip() == "1"}
+    assert set(sides) == {"polyrl", "trl", "plain"}, out
+    assert all(float(r[6]) > 0 and float(r[7]) > 0 for r in sides.values())  # samples/s, CPU-s/sample
+    assert "goal: one policy >= 1.0x TRL's samples/s" in out
+
+
+@pytest.mark.slow
 def test_stability_benchmark_runs() -> None:
     out = _run("stability.py", "--seeds", "1", "--steps", "2", "--episodes", "8", "--dtypes", "float32")
     runs = [line for line in out.splitlines() if line.startswith("float32 seed 1 ")]
