@@ -67,6 +67,7 @@ from vs_trl import (  # type: ignore[import-not-found]  # noqa: E402
     Result,
     combined,
     cpu_ms_per_sample,
+    grpo_policy,
     measure_job,
     worker_processes,
 )
@@ -274,18 +275,7 @@ def polyrl_job(h: Hyper, model: str, data_path: Path, policies: list[str], mode:
     else:
         workflow = {"entrypoint": "real_model:PairedChat", "args": {}}
     workflow["args"]["max_new_tokens"] = h.max_new_tokens
-    policy = {
-        "model": {"uri": model, "dtype": "float32"},
-        "algorithm": {
-            "name": "grpo", "groupSize": h.group, "lr": h.lr, "advantageNorm": "per-policy",
-            "clipEps": 0.2, "klCoef": 0.0, "maxGradNorm": 1.0,
-        },
-        "rollout": {
-            "engine": "torch", "gpus": 0,
-            "sampling": {"temperature": h.temperature, "topP": 1.0, "maxNewTokens": h.max_new_tokens},
-        },
-        "trainer": {"zeroStage": 0, "gpus": 0, "microBatchSize": h.batch},
-    }  # fmt: skip
+    policy = grpo_policy(h, model)
     return RLJob.model_validate(
         {
             "apiVersion": "polyrl.dev/v1alpha1",

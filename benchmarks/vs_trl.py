@@ -268,23 +268,10 @@ def worker_processes(commands: list[list[str]], what: str) -> list[dict[str, Any
 # -- polyrl ------------------------------------------------------------------------------------------
 
 
-def polyrl_job(
-    h: Hyper, model_dir: Path, data_path: Path, policies: list[str], mode: str, *, pool: bool
-) -> Any:
-    """One job: one policy plays `PromptCompletion`; two play `PairedCompletion` (below), each policy
-    answering every row on its own, so each gets the same samples per step as one TRL run. `pool`:
-    every rollout and trainer on one CPU pool."""
-    from polyrl_operator.api import RLJob
-
-    if len(policies) == 1:
-        workflow = {
-            "entrypoint": "polyrl_runtime.workflows.prompts:PromptCompletion",
-            "args": {"reward": REWARD, "agent": policies[0], "max_new_tokens": h.max_new_tokens},
-        }
-    else:
-        workflow = {"entrypoint": "vs_trl:PairedCompletion", "args": {"max_new_tokens": h.max_new_tokens}}
-    policy = {
-        "model": {"uri": f"file://{model_dir}", "dtype": "float32"},
+def grpo_policy(h: Hyper, uri: str) -> dict[str, Any]:
+    """A polyrl policy of model `uri` with the settings TRL's run shares (the module docstring)."""
+    return {
+        "model": {"uri": uri, "dtype": "float32"},
         "algorithm": {
             "name": "grpo",
             "groupSize": h.group,
@@ -301,6 +288,24 @@ def polyrl_job(
         },
         "trainer": {"zeroStage": 0, "gpus": 0, "microBatchSize": h.batch},
     }
+
+
+def polyrl_job(
+    h: Hyper, model_dir: Path, data_path: Path, policies: list[str], mode: str, *, pool: bool
+) -> Any:
+    """One job: one policy plays `PromptCompletion`; two play `PairedCompletion` (below), each policy
+    answering every row on its own, so each gets the same samples per step as one TRL run. `pool`:
+    every rollout and trainer on one CPU pool."""
+    from polyrl_operator.api import RLJob
+
+    if len(policies) == 1:
+        workflow = {
+            "entrypoint": "polyrl_runtime.workflows.prompts:PromptCompletion",
+            "args": {"reward": REWARD, "agent": policies[0], "max_new_tokens": h.max_new_tokens},
+        }
+    else:
+        workflow = {"entrypoint": "vs_trl:PairedCompletion", "args": {"max_new_tokens": h.max_new_tokens}}
+    policy = grpo_policy(h, f"file://{model_dir}")
     pools = None
     if pool:
         pools = [{"name": "shared", "gpus": 0}]
