@@ -283,7 +283,7 @@ def polyrl_job(h: Hyper, model: str, data_path: Path, policies: list[str], mode:
             "metadata": {"name": "real-model"},
             "spec": {
                 "mode": mode,
-                "maxStaleness": 1,
+                **({"maxStaleness": 1} if mode == "async" else {}),
                 "training": {"totalSteps": h.steps, "episodesPerStep": h.batch, "seed": h.seed},
                 "data": {"train": f"file://{data_path}", "shuffle": True},
                 "workflow": workflow,
