@@ -32,6 +32,7 @@ from typing import Any
 from polyrl_runtime.rewards.load import load_reward
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, Workflow
 from polyrl_runtime.workflows.prompts import EXTRACTORS
+from polyrl_runtime.workflows.solver_verifier import contrast_rng
 
 
 def verifier_message(question: str, shown: str, verdicts: tuple[str, str] = ("yes", "no")) -> str:
@@ -99,8 +100,7 @@ class CheckedAnswers(Workflow):
         )
         claimed = self.extract(solved.text)
         solver_reward = ctx.reward(self.reward, claimed)
-        # Drawn from the episode's own seed, not the group's: one group's members judge both kinds.
-        own = random.Random(f"{ctx.seed}/{ctx.index}/contrast")
+        own = contrast_rng(ctx.seed, ctx.index)
         contrasted = own.random() < self.contrast
         shown = claimed
         if contrasted:

@@ -60,6 +60,12 @@ def judge_reward(verdict: str, claimed: str, answer: int) -> float:
     return float(verdict.strip() == ("y" if correct else "n"))
 
 
+def contrast_rng(seed: int, index: int) -> random.Random:
+    """The draws of episode `index` of group `seed` that decide what its verifier judges: the
+    episode's own seed, not the group's, so one group's members judge both kinds."""
+    return random.Random(f"{seed}/{index}/contrast")
+
+
 def shown_answer(
     claimed: str, answer: int, digits: list[str], contrast: float, *, seed: int, index: int
 ) -> tuple[str, bool]:
@@ -67,7 +73,7 @@ def shown_answer(
     answer: `claimed`, or with probability `contrast` one of the other kind (the right answer when
     `claimed` is wrong, else one of the wrong `digits`). Drawn from the episode's own seed, not the
     group's, so one group's members judge both kinds."""
-    own = random.Random(f"{seed}/{index}/contrast")
+    own = contrast_rng(seed, index)
     if own.random() >= contrast:
         return claimed, False
     if claimed.strip() != str(answer):
