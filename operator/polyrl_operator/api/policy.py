@@ -96,7 +96,12 @@ class Algorithm(ApiModel):
         "grpo", description="grpo (group-relative advantages) or ppo (clipped)."
     )
     group_size: int = Field(
-        8, ge=1, le=1024, description="Episodes sharing a prompt whose rewards are compared (grpo)."
+        8,
+        ge=1,
+        le=1024,
+        description="Episodes of one task whose rewards are compared (grpo). A group is as many episodes "
+        "as the largest groupSize of the job's grpo policies; a policy with a smaller one compares its "
+        "rewards within consecutive sub-groups of its own size.",
     )
     advantage_norm: Literal["per-policy", "per-agent", "global", "none"] = Field(
         "per-policy",
@@ -166,6 +171,17 @@ RESERVED_ENGINE_ARGS = (
 
 class Sampling(ApiModel):
     """Sampling parameters of the rollout engine."""
+
+    __rules__ = (
+        Rule(
+            cel="!has(self.topP) || self.topP == 1.0",
+            message="must be 1: the trainer scores each token under the full distribution at the "
+            "temperature, and its importance weights divide by the engine's log-probabilities, which "
+            "ignore a nucleus; sampling from one would bias every weight (lower the temperature instead)",
+            check=lambda s: s.top_p == 1.0,
+            field=".topP",
+        ),
+    )
 
     temperature: float = Field(1.0, ge=0, le=10.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling threshold.")

@@ -48,6 +48,13 @@ class Workflow(RoleOverrides):
     args: dict[str, Any] | None = Field(
         None, description="Keyword arguments for the workflow class (free-form)."
     )
+    episode_timeout_seconds: float = Field(
+        300.0,
+        gt=0,
+        le=86_400.0,
+        description="Seconds an episode may run: one still running then fails (reason timeout) and "
+        "its ticket goes back to be played again.",
+    )
     replicas: Replicas = Field(
         default_factory=Replicas, description="Workflow worker pods that run episodes (elastic)."
     )

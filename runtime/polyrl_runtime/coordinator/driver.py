@@ -278,7 +278,7 @@ class Driver:
                 self.runs[p.name] = PolicyRun(p.name, ranks, window=RewardWindow(self.episodes_per_step))
             job_json = self.job.model_dump_json(by_alias=True)
             for _ in range(spec.workflow.replicas.min):
-                fleet.new_worker(job_json, buffer, self.opts.episode_timeout_s)
+                fleet.new_worker(job_json, buffer)
             await asyncio.gather(
                 buffer.ready(), *(self._reported(n, self._ready(run.ranks)) for n, run in self.runs.items())
             )
@@ -312,7 +312,6 @@ class Driver:
             control=self.control,
             checkpointer=self.checkpointer,
             poll_s=self.opts.poll_s,
-            episode_timeout_s=self.opts.episode_timeout_s,
         )
         transports = self.transports
         log.info("weights.transports", transports=transports)

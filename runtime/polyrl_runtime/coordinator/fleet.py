@@ -223,7 +223,7 @@ class Fleet:
         self._add_engine(name, EngineClient(engine), policy, ())
         return TrainerRankClient(rank)
 
-    def new_worker(self, job_json: str, buffer: BufferClient, episode_timeout_s: float) -> WorkerSlot:
+    def new_worker(self, job_json: str, buffer: BufferClient) -> WorkerSlot:
         from polyrl_runtime.workflows.runner import WorkflowWorker
 
         name = f"workflow-{next(self._ids)}"
@@ -240,7 +240,6 @@ class Fleet:
             job_json,
             buffer,
             self.routes(),
-            episode_timeout_s,
             routes_epoch=self.routes_epoch,
         )
         slot = Slot(name, self._track(WorkflowWorkerClient(handle)))

@@ -29,11 +29,10 @@ class FleetSupervisor:
         control: JobControl,
         checkpointer: Checkpointer,
         poll_s: float,
-        episode_timeout_s: float,
     ) -> None:
         self.job, self.spec, self.fleet, self.runs, self.buffer = job, job.spec, fleet, runs, buffer
         self.control, self.checkpointer = control, checkpointer
-        self.poll_s, self.episode_timeout_s = poll_s, episode_timeout_s
+        self.poll_s = poll_s
 
     async def loop(self) -> None:
         while not self.control.stop.is_set():
@@ -73,9 +72,7 @@ class FleetSupervisor:
         live_workers = [w for w in self.fleet.workers.values() if not w.dead]
         free_w = self.fleet.free_units(None, "workflow")
         if free_w and len(live_workers) < self.spec.workflow.replicas.max:
-            worker = self.fleet.new_worker(
-                self.job.model_dump_json(by_alias=True), self.buffer, self.episode_timeout_s
-            )
+            worker = self.fleet.new_worker(self.job.model_dump_json(by_alias=True), self.buffer)
             changed = True
             self.control.emit("worker_added", worker=worker.name)
         if changed:

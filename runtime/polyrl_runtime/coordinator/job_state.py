@@ -42,7 +42,6 @@ class DriverOptions:
     out_dir: Path
     checkpoint_root: Path | str  # a local directory or an object-store URI (coordinator/checkpoints/store.py)
     resume: bool = True
-    episode_timeout_s: float = 300.0
     max_consecutive_failures: int = 64
     max_in_flight_per_worker: int = 512
     groups_per_call: int = 4  # episode groups a worker gets per Ray call (a call costs ~1 ms of CPU)

@@ -6,10 +6,11 @@ answer is the row's `answer` field.
 - `reasoning_gym`: for rows of `reasoning-gym://` data, the dataset's own `score_answer` (its
   scores may lie between 0 and 1).
 - `math`: math-verify's parser and verifier (LaTeX, \\boxed{}, fractions, expressions), so
-  `\\frac{1}{2}` matches `0.5`. Its timeouts use SIGALRM, which only the main thread may set: off
-  that thread (a Ray async actor's event loop) they are disabled. math-verify (with sympy) is
-  imported on the first `math` reward, not with this module: every job's driver and workflow
-  workers import the built-ins, and sympy costs each of them about half a second of CPU.
+  `\\frac{1}{2}` matches `0.5`. It runs in a child process of its own (rewards/isolated.py): a
+  call that takes more than MATH_TIMEOUT_S (sympy on a pathological expression) is ended with its
+  process and fails the episode (reward_error), so it cannot stall a workflow worker's event loop
+  longer than that. The child (and sympy, about a second of CPU) starts on the first `math`
+  reward, not with this module: every job's driver and workflow workers import the built-ins.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from __future__ import annotations
 import functools
 import math
 import re
-import threading
 from collections.abc import Mapping
 from typing import Any
+
+from polyrl_runtime.rewards.isolated import IsolatedCall
 
 ANSWER_FIELD = "answer"
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -54,21 +56,28 @@ def numeric_answer(completion: str, row: Mapping[str, Any], tolerance: float = 1
     return 1.0 if math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance) else 0.0
 
 
-def math_answer(completion: str, row: Mapping[str, Any]) -> float:
+MATH_TIMEOUT_S = 10.0
+
+
+def _math_verified(completion: str, gold_text: str) -> float:
+    """math-verify's verdict; runs in `_MATH`'s child process, on its main thread, where
+    math-verify's own SIGALRM timeouts work too."""
     from math_verify import parse, verify
 
-    main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if main else None
-    gold_text = str(_answer(row))
     # A bare reference like `3` or `1/2` parses as an expression; wrapping it in $...$ lets the LaTeX
     # extractor read `\frac{1}{2}` too.
-    gold = parse(
-        gold_text if "$" in gold_text or "\\boxed" in gold_text else f"${gold_text}$", parsing_timeout=timeout
-    )
-    pred = parse(completion, parsing_timeout=timeout)
+    gold = parse(gold_text if "$" in gold_text or "\\boxed" in gold_text else f"${gold_text}$")
+    pred = parse(completion)
     if not gold or not pred:
         return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+    return 1.0 if verify(gold, pred) else 0.0
+
+
+_MATH = IsolatedCall(_math_verified, MATH_TIMEOUT_S, preload="math_verify")
+
+
+def math_answer(completion: str, row: Mapping[str, Any]) -> float:
+    return float(_MATH(completion, str(_answer(row))))
 
 
 @functools.cache

@@ -5,6 +5,7 @@ one resolver of `module:attr` strings (rewards, workflow entrypoints, the start-
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any
@@ -75,5 +76,10 @@ def score(name: str, completion: str, row: Mapping[str, Any], *, episode: str) -
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RewardError(
             f"episode {episode}: reward function {name!r} returned {type(value).__name__}, not a number"
+        )
+    if not math.isfinite(value):
+        # A NaN or an infinity would make every advantage of its group, then of the policy's step, NaN.
+        raise RewardError(
+            f"episode {episode}: reward function {name!r} returned {value}, not a finite number"
         )
     return float(value)

@@ -72,7 +72,11 @@ class UnsupportedArgumentError(ValueError):
 
 
 # Accepted and ignored: they do not change what is sampled.
-_IGNORED = frozenset({"model", "user", "metadata", "store", "parallel_tool_calls", "tool_choice"})
+_IGNORED = frozenset({"model", "user", "metadata", "store", "parallel_tool_calls"})
+# What `tool_choice` may be: what the model does with free sampling. Forcing a call ("required", a
+# named function) needs constrained decoding, and "none" with tools offered needs the reply kept
+# from being read as calls; neither is done, so both are refused rather than ignored.
+_TOOL_CHOICES = (None, "auto")
 
 
 def tool_error(message: ChatCompletionMessage) -> str | None:
@@ -126,6 +130,7 @@ class _Completions:
         stop: str | Sequence[str] | None = None,
         n: int | None = None,
         stream: bool | None = None,
+        tool_choice: Any = None,
         **other: Any,
     ) -> ChatCompletion:
         if n not in (None, 1):
@@ -135,11 +140,16 @@ class _Completions:
             )
         if stream:
             raise UnsupportedArgumentError(f"agent {self._agent.name!r}: stream=True is not supported")
+        if tool_choice not in _TOOL_CHOICES and not (tool_choice == "none" and not tools):
+            raise UnsupportedArgumentError(
+                f"agent {self._agent.name!r}: tool_choice={tool_choice!r} is not supported (the model "
+                "chooses whether to call a tool: 'auto', the default; 'none' only without tools)"
+            )
         unknown = sorted(set(other) - _IGNORED)
         if unknown:
             raise UnsupportedArgumentError(
                 f"agent {self._agent.name!r}: unsupported argument(s) {', '.join(unknown)} "
-                "(supported: messages, tools, temperature, max_tokens, max_completion_tokens, stop)"
+                "(supported: messages, tools, tool_choice, temperature, max_tokens, max_completion_tokens, stop)"
             )
         reply = await self._agent.chat(
             messages,

@@ -2,8 +2,8 @@
 
 A group is `groupSize` episodes of the same task (same seed), played concurrently. When all are done,
 each agent's reward becomes its learning signal: for a policy trained with GRPO, the reward minus the
-mean reward of the same agent over the group's finished episodes (group-relative); for PPO the raw
-reward. That signal is what the episode's samples carry (`Sample.reward`); the raw rewards stay in
+mean reward of the same agent over its policy's `groupSize` of the group's finished episodes
+(group-relative; a group is the largest groupSize); for PPO the raw reward. That signal is what the episode's samples carry (`Sample.reward`); the raw rewards stay in
 `episode.metadata["rewards"]`. Finished episodes go to the buffer in one call; an episode that raised
 (workflow bug, engine loss, timeout) releases its ticket and is reported with its id and reason.
 """
@@ -11,6 +11,7 @@ reward. That signal is what the episode's samples carry (`Sample.reward`); the r
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 import traceback
@@ -74,15 +75,28 @@ class WorkerStats:
     routes_epoch: int  # the routing table it holds
 
 
-def group_relative(rewards: Sequence[Mapping[str, float]], grpo_agents: set[str]) -> list[dict[str, float]]:
-    """Per agent: reward minus the group's mean reward of that agent (GRPO), for agents in `grpo_agents`."""
+def group_relative(
+    rewards: Sequence[Mapping[str, float]],
+    group_sizes: Mapping[str, int],
+    members: Sequence[int] | None = None,
+) -> list[dict[str, float]]:
+    """Per agent of a GRPO policy (`group_sizes`: agent -> its policy's groupSize): its reward minus
+    the mean of its rewards over its sub-group, the members whose position in the group (`members`,
+    default 0..n-1) divided by its group size is the same. A group is as many episodes as the largest
+    groupSize of its policies, so each policy's baseline is over its own groupSize episodes of the
+    task (the last sub-group is smaller where the sizes do not divide); other agents keep the raw
+    reward."""
     out = [dict(r) for r in rewards]
-    for agent in {a for r in rewards for a in r} & grpo_agents:
-        values = [r[agent] for r in rewards if agent in r]
-        mean = sum(values) / len(values)
-        for r in out:
+    position = list(range(len(rewards))) if members is None else list(members)
+    for agent, size in group_sizes.items():
+        subgroups: dict[int, list[int]] = {}
+        for i, r in enumerate(rewards):
             if agent in r:
-                r[agent] -= mean
+                subgroups.setdefault(position[i] // size, []).append(i)
+        for rows in subgroups.values():
+            mean = sum(rewards[i][agent] for i in rows) / len(rows)
+            for i in rows:
+                out[i][agent] -= mean
     return out
 
 
@@ -95,7 +109,6 @@ class WorkflowWorker:
         job_json: str,
         buffer: BufferClient,
         routes: Mapping[str, Mapping[str, EngineClient]],
-        episode_timeout_s: float = 300.0,
         *,
         routes_epoch: int = 0,
     ) -> None:
@@ -107,7 +120,7 @@ class WorkflowWorker:
         self.workflow, self.agent_policies = load_workflow(spec.workflow.entrypoint, spec.workflow.args)
         self.buffer = buffer
         self.pool = EnginePool(routes)
-        self.timeout = episode_timeout_s
+        self.timeout = spec.workflow.episode_timeout_seconds
         self.tokenizers: dict[str, Tokenizer] = {
             p.name: load_tokenizer(p.model.uri, trust_remote_code=p.model.trust_remote_code)
             for p in spec.policies
@@ -120,7 +133,9 @@ class WorkflowWorker:
             )
             for p in spec.policies
         }
-        self.grpo_policies = {p.name for p in spec.policies if p.algorithm.name == "grpo"}
+        self.group_sizes = {
+            p.name: p.algorithm.group_size for p in spec.policies if p.algorithm.name == "grpo"
+        }
         self.in_flight = 0
         self._busy_s = 0.0
         self._busy_since: float | None = None
@@ -156,13 +171,19 @@ class WorkflowWorker:
             result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
             outcome = result if isinstance(result, Outcome) else Outcome(dict(result))
             rewards = outcome.returns()  # per agent: reward plus its per-turn rewards
+            bad = {a: v for a, v in rewards.items() if not math.isfinite(v)}
+            if bad:  # never into a group's baseline: one NaN makes the policy's whole step NaN
+                raise RewardError(
+                    f"episode {ctx.episode_id}: workflow {self.job.spec.workflow.entrypoint} gave "
+                    f"agents a reward that is not a finite number: {bad}"
+                )
             if not ctx.turns:
                 raise ValueError("the episode made no agent turn")
             missing = {t.agent for t in ctx.turns} - set(rewards)
             if missing:
                 raise ValueError(f"no reward for agents {sorted(missing)}")
         except TimeoutError:
-            report.reason, report.error = "timeout", f"episode exceeded {self.timeout:.0f} s"
+            report.reason, report.error = "timeout", f"episode exceeded workflow.episodeTimeoutSeconds ({self.timeout:g} s)"
         except EngineUnavailableError as e:
             report.reason, report.error = "engine_error", str(e)
         except RewardError as e:
@@ -201,13 +222,20 @@ class WorkflowWorker:
             results = await asyncio.gather(*(self._one(c) for c in ctxs))
         finally:
             self._track(-len(tickets))
-        done = [(t, r, e) for t, (r, e) in zip(tickets, results, strict=True) if e is not None]
+        done = [
+            (i, t, e) for i, (t, (_, e)) in enumerate(zip(tickets, results, strict=True)) if e is not None
+        ]
         failed = [t for t, (_, e) in zip(tickets, results, strict=True) if e is None]
-        grpo_agents = {t.agent for _, _, e in done for t in e.turns if t.policy in self.grpo_policies}
-        signals = group_relative([e.rewards for _, _, e in done], grpo_agents)
+        sizes = {
+            t.agent: self.group_sizes[t.policy]
+            for _, _, e in done
+            for t in e.turns
+            if t.policy in self.group_sizes
+        }
+        signals = group_relative([e.rewards for _, _, e in done], sizes, [i for i, _, _ in done])
         items = [
             (t, Episode(e.episode_id, e.turns, s, e.metadata))
-            for (t, _, e), s in zip(done, signals, strict=True)
+            for (_, t, e), s in zip(done, signals, strict=True)
         ]
         if items:
             await self.buffer.put(EpisodeBatch(items))

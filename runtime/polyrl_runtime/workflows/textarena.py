@@ -16,6 +16,12 @@ the moves of both players together (a game still going then is a draw: 0 each, m
 `ended: turn_cap`); `max_new_tokens` caps each move. The group's seed seeds the game, so a group's
 members play the same deal or board.
 
+Two arguments shape the rules for models still learning a game's format: `error_allowance` (how
+many invalid moves in a row a player may make and move again; the game's own is 1) and
+`invalid_move_penalty`, subtracted from a player's reward per refused move (a format reward: a
+group whose games all end alike still ranks its members by how often they wrote a move the game
+could read).
+
 Refused when the workflow is created, naming `workflow.args.env`: an id TextArena does not have (with
 the closest ids), a game for another number of players, and a game that needs the network or data
 TextArena downloads at run time (nltk corpora, a model behind OpenRouter): no pod may reach them.
@@ -112,6 +118,9 @@ class TextArenaGame(Workflow):
         players: list[str] | None = None,
         max_turns: int = 20,
         max_new_tokens: int | None = None,
+        *,
+        error_allowance: int | None = None,
+        invalid_move_penalty: float = 0.0,
         **args: Any,
     ) -> None:
         super().__init__(**args)
@@ -122,7 +131,14 @@ class TextArenaGame(Workflow):
             )
         if max_turns < 1:
             raise ValueError(f"workflow.args.max_turns {max_turns}: must be at least 1")
+        if error_allowance is not None and (isinstance(error_allowance, bool) or error_allowance < 0):
+            raise ValueError(f"workflow.args.error_allowance {error_allowance!r}: must be an integer >= 0")
+        if not (isinstance(invalid_move_penalty, int | float) and 0 <= invalid_move_penalty < float("inf")):
+            raise ValueError(
+                f"workflow.args.invalid_move_penalty {invalid_move_penalty!r}: must be a number >= 0"
+            )
         self.env = check_env(env)
+        self.error_allowance, self.invalid_move_penalty = error_allowance, float(invalid_move_penalty)
         self.players, self.max_turns, self.max_new_tokens = list(players), max_turns, max_new_tokens
 
     async def run_episode(self, ctx: EpisodeContext) -> Outcome:
@@ -141,6 +157,8 @@ class TextArenaGame(Workflow):
             game.reset(num_players=2, seed=ctx.seed)
         finally:
             random.setstate(state)
+        if self.error_allowance is not None:
+            game.state.error_allowance = self.error_allowance
         done, turns, refused = False, 0, [0, 0]
         while not done and turns < self.max_turns:
             pid, observation = game.get_observation()
@@ -165,5 +183,9 @@ class TextArenaGame(Workflow):
             # invalid move, no turn cap), what two players learning a game's format raise first.
             "success": float(rewards is not None and not lost),
         }
-        scores = {f"player{i}": float(rewards[i]) if rewards is not None else 0.0 for i in range(2)}
+        scores = {
+            f"player{i}": (float(rewards[i]) if rewards is not None else 0.0)
+            - self.invalid_move_penalty * refused[i]
+            for i in range(2)
+        }
         return Outcome(scores, meta)

@@ -15,9 +15,18 @@ from polyrl_runtime.workflows.runner import group_relative
 
 def test_group_relative_centres_each_grpo_agent_on_its_group_mean() -> None:
     rewards = [{"a": 1.0, "b": 10.0}, {"a": 0.0, "b": 20.0}, {"a": 0.0, "b": 30.0}]
-    out = group_relative(rewards, {"a"})
+    out = group_relative(rewards, {"a": 3})
     assert [r["a"] for r in out] == pytest.approx([2 / 3, -1 / 3, -1 / 3])
     assert [r["b"] for r in out] == [10.0, 20.0, 30.0]  # b is not trained with GRPO: raw
+
+
+def test_a_policy_with_a_smaller_group_size_compares_rewards_within_its_own_sub_groups() -> None:
+    """A group is the largest groupSize (here a's 4); b's groupSize 2 makes its baselines over
+    members 0-1 and 2-3. Member 2 failed: its sub-group's baseline is over the survivor alone."""
+    rewards = [{"a": 1.0, "b": 1.0}, {"a": 0.0, "b": 0.0}, {"a": 0.0, "b": 4.0}]
+    out = group_relative(rewards, {"a": 4, "b": 2}, members=[0, 1, 3])
+    assert [r["a"] for r in out] == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+    assert [r["b"] for r in out] == pytest.approx([0.5, -0.5, 0.0])
 
 
 @settings(deadline=None)
@@ -41,7 +50,8 @@ def test_ppo_per_policy_normalisation_is_scale_free(values: list[float], scale: 
 )
 def test_grpo_per_policy_normalisation_is_scale_free(groups: list[list[float]], scale: float) -> None:
     signals = torch.tensor(
-        [r["a"] for g in groups for r in group_relative([{"a": v} for v in g], {"a"})], dtype=torch.float64
+        [r["a"] for g in groups for r in group_relative([{"a": v} for v in g], {"a": len(g)})],
+        dtype=torch.float64,
     )
     if float((signals * min(1.0, scale)).abs().max()) < 1e-2:  # no gradient anywhere
         return
@@ -67,7 +77,8 @@ def test_grpo_advantages_of_a_mixed_group_do_not_depend_on_saturated_groups(
 ) -> None:
     groups = [MIXED] * 4 + others
     signals = torch.tensor(
-        [r["a"] for g in groups for r in group_relative([{"a": v} for v in g], {"a"})], dtype=torch.float64
+        [r["a"] for g in groups for r in group_relative([{"a": v} for v in g], {"a": len(g)})],
+        dtype=torch.float64,
     )
     agents = ["a"] * len(signals)
     adv = advantages(

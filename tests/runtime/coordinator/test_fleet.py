@@ -125,7 +125,7 @@ def test_each_role_runs_on_its_cpu_set(ray_local: Any) -> None:
     fleet = Fleet(job, "objectstore", place_by_resource=False, cpu_sets=sets)
     plain = Fleet(job, "objectstore", place_by_resource=False)
     engine = fleet.new_engine(job.spec.policies[0]).actor.handle
-    worker = fleet.new_worker(job.model_dump_json(by_alias=True), None, 30.0).actor.handle
+    worker = fleet.new_worker(job.model_dump_json(by_alias=True), None).actor.handle
     (trainer,) = fleet.new_trainers(job.spec.policies[0], None)
     unpinned = plain.new_engine(job.spec.policies[0]).actor.handle
     try:

@@ -22,6 +22,14 @@ def not_a_number(completion: str, row: Any) -> str:
     return "yes"
 
 
+def nan(completion: str, row: Any) -> float:
+    return float("nan")
+
+
+def infinite(completion: str, row: Any) -> float:
+    return float("-inf")
+
+
 @pytest.mark.parametrize(
     ("name", "completion", "answer", "expected"),
     [
@@ -80,6 +88,8 @@ def test_bad_reward_names(name: str, message: str) -> None:
     [
         ("raises", r"episode g3-1: reward function '.*:raises' raised ZeroDivisionError: boom"),
         ("not_a_number", r"episode g3-1: reward function '.*:not_a_number' returned str, not a number"),
+        ("nan", r"episode g3-1: reward function '.*:nan' returned nan, not a finite number"),
+        ("infinite", r"episode g3-1: reward function '.*:infinite' returned -inf, not a finite number"),
     ],
 )
 def test_reward_errors_name_function_and_episode(attr: str, message: str) -> None:

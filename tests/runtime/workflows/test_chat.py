@@ -200,7 +200,9 @@ def test_openai_client_continues_the_conversation_with_sdk_messages(lively_dir: 
         assert first.choices[0].finish_reason == "length" and first.usage is not None
         assert first.usage.completion_tokens == 3
         history = [*QUESTION, first.choices[0].message, {"role": "user", "content": "sure?"}]
-        await client.chat.completions.create(messages=history, max_tokens=3, stop=["\n\n"])
+        await client.chat.completions.create(
+            messages=history, max_tokens=3, stop=["\n\n"], tool_choice="auto"
+        )
         [turn] = ctx.turns
         assert int(turn.loss_mask.sum()) == 6 and not turn.loss_mask.all()
 
@@ -209,7 +211,14 @@ def test_openai_client_continues_the_conversation_with_sdk_messages(lively_dir: 
 
 @pytest.mark.parametrize(
     ("kwargs", "named"),
-    [({"n": 2}, "n=2"), ({"stream": True}, "stream=True"), ({"logit_bias": {}}, "logit_bias")],
+    [
+        ({"n": 2}, "n=2"),
+        ({"stream": True}, "stream=True"),
+        ({"logit_bias": {}}, "logit_bias"),
+        ({"tool_choice": "required"}, "tool_choice='required'"),
+        ({"tool_choice": {"type": "function", "function": {"name": "calc"}}}, "tool_choice=.*calc"),
+        ({"tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f"}}]}, "'none' only"),
+    ],
 )
 def test_openai_client_refuses_what_it_cannot_honour(
     lively_dir: Path, kwargs: dict[str, Any], named: str

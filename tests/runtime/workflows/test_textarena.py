@@ -81,11 +81,14 @@ def test_a_game_still_going_at_the_turn_cap_is_a_draw(tiny_qwen2_dir: Path) -> N
     assert outcome.rewards == {"player0": 0.0, "player1": 0.0}
 
 
-def test_a_game_played_out_by_the_rules_is_a_success(tiny_qwen2_dir: Path) -> None:
-    """Both players always check: every round of Kuhn Poker ends at the showdown, no move is refused."""
+def _kuhn_poker(tiny_qwen2_dir: Path, moves: Callable[[int], str], game: TextArenaGame) -> Outcome:
+    """One game of Kuhn Poker in self-play whose n-th move (over both players) is `moves(n)`."""
     uri = f"file://{tiny_qwen2_dir}"
     tok = load_tokenizer(uri)
-    engine = FakeEngine(lambda prompt, params: [*tok.encode("[check]", bos=False), *tok.stop_ids[:1]])
+    calls = iter(range(1000))
+    engine = FakeEngine(
+        lambda prompt, params: [*tok.encode(moves(next(calls)), bos=False), *tok.stop_ids[:1]]
+    )
 
     async def go() -> Outcome:
         ctx = EpisodeContext(
@@ -97,13 +100,42 @@ def test_a_game_played_out_by_the_rules_is_a_success(tiny_qwen2_dir: Path) -> No
             {"me": tok},
             {"me": SamplingParams(temperature=1.0, max_new_tokens=6)},
         )
-        return await TextArenaGame(env="KuhnPoker-v0", players=["me", "me"], max_turns=12).run_episode(ctx)
+        return await game.run_episode(ctx)
 
-    outcome = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_game_played_out_by_the_rules_is_a_success(tiny_qwen2_dir: Path) -> None:
+    """Both players always check: every round of Kuhn Poker ends at the showdown, no move is refused."""
+    game = TextArenaGame(env="KuhnPoker-v0", players=["me", "me"], max_turns=12)
+    outcome = _kuhn_poker(tiny_qwen2_dir, lambda n: "[check]", game)
     assert outcome.metadata["ended"] == "game" and outcome.metadata["lost_on_invalid_move"] == []
     assert outcome.metadata["refused_moves"] == {"player0": 0, "player1": 0}
     assert outcome.metadata["turns"] == 6  # 3 rounds of check, check
     assert outcome.metadata["success"] == 1.0
+
+
+def test_an_error_allowance_lets_a_player_move_again_and_each_refused_move_costs_the_penalty(
+    tiny_qwen2_dir: Path,
+) -> None:
+    """The first player to move writes two moves the game cannot read before it checks: under
+    TextArena's own rule the second loses the game; with `error_allowance: 2` it moves again, the game is played out,
+    and its reward is the game's less `invalid_move_penalty` per refused move."""
+    moves = lambda n: "no idea" if n < 2 else "[check]"  # noqa: E731
+    strict = TextArenaGame(env="KuhnPoker-v0", players=["me", "me"], max_turns=12)
+    lost = _kuhn_poker(tiny_qwen2_dir, moves, strict)
+    [first] = lost.metadata["lost_on_invalid_move"]
+    other = "player1" if first == "player0" else "player0"
+    assert lost.rewards == {first: -1.0, other: 1.0}
+    plain = TextArenaGame(env="KuhnPoker-v0", players=["me", "me"], max_turns=12, error_allowance=2)
+    played = _kuhn_poker(tiny_qwen2_dir, moves, plain)
+    assert played.metadata["success"] == 1.0 and played.metadata["turns"] == 8  # 2 refused + 6
+    assert played.metadata["refused_moves"] == {first: 2, other: 0}
+    penalised = TextArenaGame(
+        env="KuhnPoker-v0", players=["me", "me"], max_turns=12, error_allowance=2, invalid_move_penalty=0.25
+    )
+    shaped = _kuhn_poker(tiny_qwen2_dir, moves, penalised)
+    assert shaped.rewards == {first: played.rewards[first] - 0.5, other: played.rewards[other]}
 
 
 def test_the_game_messages_a_player_sees_leave_out_its_own_moves() -> None:
@@ -133,6 +165,9 @@ def test_the_game_messages_a_player_sees_leave_out_its_own_moves() -> None:
         ),
         ({"players": ["me"]}, r"workflow.args.players \['me'\]: name two policies"),
         ({"max_turns": 0}, r"workflow.args.max_turns 0: must be at least 1"),
+        ({"error_allowance": -1}, r"workflow.args.error_allowance -1: must be an integer >= 0"),
+        ({"invalid_move_penalty": -0.5}, r"workflow.args.invalid_move_penalty -0.5: must be a number >= 0"),
+        ({"invalid_move_penalty": "x"}, r"workflow.args.invalid_move_penalty 'x': must be a number >= 0"),
     ],
 )
 def test_a_game_that_cannot_run_here_is_refused_naming_the_argument(

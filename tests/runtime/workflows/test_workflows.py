@@ -4,6 +4,7 @@ group handling (GRPO signals, failures counted with episode ids, engine loss ret
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import pytest
@@ -160,14 +161,22 @@ class FlakyGame(SignalGame):
         return await super().run_episode(ctx)
 
 
-def _job(entrypoint: str) -> str:
+class NaNGame(SignalGame):
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        outcome = await super().run_episode(ctx)
+        if ctx.index == 2:
+            outcome.rewards["listener"] = float("nan")
+        return outcome
+
+
+def _job(entrypoint: str, **workflow: Any) -> str:
     doc = {
         "apiVersion": "polyrl.dev/v1alpha1",
         "kind": "RLJob",
         "metadata": {"name": "t"},
         "spec": {
             "training": {"totalSteps": 1},
-            "workflow": {"entrypoint": entrypoint},
+            "workflow": {"entrypoint": entrypoint, **workflow},
             "policies": [
                 {
                     "name": n,
@@ -199,6 +208,36 @@ def test_worker_puts_group_relative_episodes_and_counts_failures() -> None:
     # same seed, same task: all members of the group share the target
     assert len({e.metadata["target"] for e in buffer.episodes}) == 1
     assert worker.stats().in_flight == 0
+
+
+def test_a_non_finite_reward_fails_its_episode_and_never_reaches_the_buffer() -> None:
+    """One NaN in a group's baseline would make every signal of the group, then every advantage of
+    the policy's step, NaN: the episode fails (reward_error, naming it, the agent and the value)."""
+    routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
+    buffer = FakeBuffer()
+    worker = WorkflowWorker("w", _job(f"{__name__}:NaNGame"), BufferClient(buffer), engine_routes(routes))
+    tickets = [Ticket(i, frozenset({"speaker", "listener"})) for i in range(4)]
+    report = asyncio.run(worker.run_group("g3", 11, tickets))
+    [failed] = [e for e in report.episodes if not e.ok]
+    assert failed.episode_id == "g3-2" and failed.reason == "reward_error"
+    assert "episode g3-2: workflow" in failed.error and "{'listener': nan}" in failed.error
+    assert buffer.released == [tickets[2]] and len(buffer.episodes) == 3
+    assert all(math.isfinite(v) for e in buffer.episodes for v in e.rewards.values())
+
+
+def test_an_episode_past_the_spec_timeout_fails_and_its_ticket_is_released() -> None:
+    routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
+    buffer = FakeBuffer()
+    job = _job(
+        "polyrl_runtime.workflows.signal:SignalGame", args={"latency_s": 30.0}, episodeTimeoutSeconds=0.2
+    )
+    worker = WorkflowWorker("w", job, BufferClient(buffer), engine_routes(routes))
+    tickets = [Ticket(i, frozenset({"speaker", "listener"})) for i in range(2)]
+    report = asyncio.run(worker.run_group("g5", 11, tickets))
+    assert [(e.reason, e.error) for e in report.episodes] == [
+        ("timeout", "episode exceeded workflow.episodeTimeoutSeconds (0.2 s)")
+    ] * 2
+    assert buffer.released == tickets and buffer.episodes == []
 
 
 def test_worker_runs_several_groups_in_one_call_and_reports_each() -> None:

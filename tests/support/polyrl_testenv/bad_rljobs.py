@@ -408,6 +408,12 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[1].trainer.backend",),
     ),
     BadCase(
+        "top-p-under-importance-correction",
+        _set("spec.policies.0.rollout.sampling", {"topP": 0.9}),
+        "spec.policies[0].rollout.sampling.topP",
+        ("spec.policies[0].rollout.sampling.topP", "ignore a nucleus"),
+    ),
+    BadCase(
         "unknown-algorithm",
         _set("spec.policies.0.algorithm.name", "dpo"),
         "spec.policies[0].algorithm.name",
