@@ -52,8 +52,16 @@ class Workflow(RoleOverrides):
         300.0,
         gt=0,
         le=86_400.0,
-        description="Seconds an episode may run: one still running then fails (reason timeout) and "
-        "its ticket goes back to be played again.",
+        description="Seconds an episode may run: one still running then fails (reason timeout); "
+        "its turns so far are trained on with failureReward.",
+    )
+    failure_reward: float | None = Field(
+        None,
+        ge=-1.0e6,
+        le=1.0e6,
+        description="The reward of each agent of an episode a policy made fail (a timeout, or the "
+        "workflow raising PolicyFailure), whose turns are then trained on; unset: the agent's lowest "
+        "reward among its group's finished episodes. Other failures are dropped and played again.",
     )
     replicas: Replicas = Field(
         default_factory=Replicas, description="Workflow worker pods that run episodes (elastic)."

@@ -222,8 +222,10 @@ class EpisodeProducer:
                         f"{ep.episode_id} ({ep.reason}): {ep.error}",
                         ep.reason not in ("workflow_error", "reward_error"),
                     )
-                continue
-            self._consecutive_failures = 0
+                if not ep.penalised:
+                    continue
+            else:
+                self._consecutive_failures = 0
             self.episodes_ok += 1
             self._check_used(ep.samples)
             success = ep.metadata.get("success")

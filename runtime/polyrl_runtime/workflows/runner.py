@@ -29,11 +29,12 @@ from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.client import BufferClient
-from polyrl_runtime.experience.types import Episode, Ticket
+from polyrl_runtime.experience.types import Episode, Ticket, Turn
 from polyrl_runtime.experience.wire import EpisodeBatch
 from polyrl_runtime.models import Tokenizer, load_tokenizer
 from polyrl_runtime.rewards.load import RewardError
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, load_workflow
+from polyrl_runtime.workflows.failure import PolicyFailure
 
 log = structlog.get_logger(__name__)
 
@@ -46,7 +47,10 @@ class EpisodeReport:
     policy_rewards: dict[str, float] = field(default_factory=dict)  # mean raw reward per policy
     samples: dict[str, int] = field(default_factory=dict)  # per policy
     tokens: int = 0
-    reason: str = ""  # failure: workflow_error | engine_error | reward_error | timeout | bad_result
+    reason: str = ""  # failure: workflow_error | engine_error | reward_error | timeout | policy_failure
+    # A policy-caused failure (timeout, policy_failure) trained on with the failure reward: counted
+    # by its reason and in the step's rewards alike.
+    penalised: bool = False
     error: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)  # the episode's version vector
@@ -100,6 +104,48 @@ def group_relative(
     return out
 
 
+# The failures a policy causes, trained on with the failure reward; every other reason is the
+# machinery's or the workflow's, and its episode is dropped and played again.
+POLICY_FAILURES = frozenset({"timeout", "policy_failure"})
+
+
+def _settled(
+    report: EpisodeReport,
+    group_id: str,
+    turns: tuple[Turn, ...],
+    rewards: dict[str, float],
+    meta: dict[str, Any],
+) -> Episode:
+    """The episode of these turns with these per-agent rewards; sets the report's per-policy figures."""
+    report.rewards, report.metadata, report.samples, report.tokens = rewards, meta, {}, 0
+    per_policy: dict[str, list[float]] = {}
+    for t in turns:
+        report.samples[t.policy] = report.samples.get(t.policy, 0) + 1
+        report.tokens += int(t.loss_mask.sum())  # sampled tokens (not a conversation's context)
+        per_policy.setdefault(t.policy, []).append(rewards[t.agent])
+    report.policy_rewards = {p: sum(v) / len(v) for p, v in per_policy.items()}
+    episode = Episode(report.episode_id, turns, rewards, {"rewards": rewards, "group": group_id, **meta})
+    report.versions = dict(episode.versions)
+    return episode
+
+
+def failure_rewards(
+    finished: Sequence[Mapping[str, float]], agents: Sequence[str], fixed: float | None
+) -> dict[str, float] | None:
+    """The rewards of a penalised episode's `agents`: `fixed` (workflow.failureReward), else each
+    agent's lowest reward among the group's `finished` episodes; None when an agent has none there
+    (no reward to give the failure: the episode is dropped like any other failure)."""
+    if fixed is not None:
+        return dict.fromkeys(agents, fixed)
+    out: dict[str, float] = {}
+    for agent in agents:
+        seen = [r[agent] for r in finished if agent in r]
+        if not seen:
+            return None
+        out[agent] = min(seen)
+    return out
+
+
 class WorkflowWorker:
     """Ray actor (async). One per workflow pod or, locally, per `workflow.replicas.min`."""
 
@@ -121,6 +167,7 @@ class WorkflowWorker:
         self.buffer = buffer
         self.pool = EnginePool(routes)
         self.timeout = spec.workflow.episode_timeout_seconds
+        self.failure_reward = spec.workflow.failure_reward
         self.tokenizers: dict[str, Tokenizer] = {
             p.name: load_tokenizer(p.model.uri, trust_remote_code=p.model.trust_remote_code)
             for p in spec.policies
@@ -166,6 +213,9 @@ class WorkflowWorker:
         self._busy_since = now if self.in_flight else None
 
     async def _one(self, ctx: EpisodeContext) -> tuple[EpisodeReport, Episode | None]:
+        """The episode's report and, when it is to be trained on, its Episode. A policy-caused
+        failure with turns comes back `penalised`, with an Episode whose rewards are NaN until
+        `run_group` sets them from its group (`failure_rewards`)."""
         report = EpisodeReport(ctx.episode_id, ok=False)
         try:
             result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
@@ -183,7 +233,10 @@ class WorkflowWorker:
             if missing:
                 raise ValueError(f"no reward for agents {sorted(missing)}")
         except TimeoutError:
-            report.reason, report.error = "timeout", f"episode exceeded workflow.episodeTimeoutSeconds ({self.timeout:g} s)"
+            report.reason = "timeout"
+            report.error = f"episode exceeded workflow.episodeTimeoutSeconds ({self.timeout:g} s)"
+        except PolicyFailure as e:
+            report.reason, report.error = "policy_failure", str(e) or type(e).__name__
         except EngineUnavailableError as e:
             report.reason, report.error = "engine_error", str(e)
         except RewardError as e:
@@ -195,18 +248,12 @@ class WorkflowWorker:
             log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
         else:
             report.ok = True
-            report.rewards = rewards
-            report.metadata = dict(outcome.metadata)
-            per_policy: dict[str, list[float]] = {}
-            for t in ctx.turns:
-                report.samples[t.policy] = report.samples.get(t.policy, 0) + 1
-                report.tokens += int(t.loss_mask.sum())  # sampled tokens (not a conversation's context)
-                per_policy.setdefault(t.policy, []).append(rewards[t.agent])
-            report.policy_rewards = {p: sum(v) / len(v) for p, v in per_policy.items()}
-            meta = {"rewards": rewards, "group": ctx.group_id, **outcome.metadata}
-            episode = Episode(ctx.episode_id, tuple(ctx.turns), rewards, meta)
-            report.versions = dict(episode.versions)
-            return report, episode
+            return report, _settled(report, ctx.group_id, tuple(ctx.turns), rewards, dict(outcome.metadata))
+        if report.reason in POLICY_FAILURES and ctx.turns:
+            report.penalised = True
+            unset = {t.agent: math.nan for t in ctx.turns}
+            meta = {"failed": report.reason, "error": report.error}
+            return report, _settled(report, ctx.group_id, tuple(ctx.turns), unset, meta)
         return report, None
 
     async def run_group(
@@ -222,6 +269,7 @@ class WorkflowWorker:
             results = await asyncio.gather(*(self._one(c) for c in ctxs))
         finally:
             self._track(-len(tickets))
+        results = self._penalise(results)
         done = [
             (i, t, e) for i, (t, (_, e)) in enumerate(zip(tickets, results, strict=True)) if e is not None
         ]
@@ -242,6 +290,26 @@ class WorkflowWorker:
         if failed:
             await self.buffer.release(failed)
         return GroupReport(group_id, [r for r, _ in results], self.pool.take_dead(), time.monotonic() - start)
+
+    def _penalise(
+        self, results: Sequence[tuple[EpisodeReport, Episode | None]]
+    ) -> list[tuple[EpisodeReport, Episode | None]]:
+        """The group's results with each penalised episode's rewards set (`failure_rewards`), or
+        its episode dropped where no reward can be given."""
+        finished = [e.rewards for r, e in results if e is not None and r.ok]
+        out: list[tuple[EpisodeReport, Episode | None]] = []
+        for r, e in results:
+            if e is None or not r.penalised:
+                out.append((r, e))
+                continue
+            rewards = failure_rewards(finished, sorted(e.rewards), self.failure_reward)
+            if rewards is None:
+                r.penalised = False
+                out.append((r, None))
+                continue
+            meta = {k: v for k, v in e.metadata.items() if k not in ("rewards", "group")}
+            out.append((r, _settled(r, str(e.metadata["group"]), e.turns, rewards, meta)))
+        return out
 
     async def evaluate(
         self, eval_id: str, seed: int, row: RowRef, k: int, greedy: bool

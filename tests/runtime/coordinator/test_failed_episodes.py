@@ -17,6 +17,23 @@ pytestmark = pytest.mark.slow
 EPISODES, GROUP = 16, 4  # selfplay-tiny.yaml: episodesPerStep, groupSize
 
 
+def test_episodes_a_policy_made_fail_are_counted_and_trained_on(ray_local: Any, tmp_path: Path) -> None:
+    job = make_job(
+        mode="sync",
+        maxStaleness=0,
+        workflow={"entrypoint": "faulty_workflows:PolicyFailsAFraction", "failureReward": -1.0},
+        training={"totalSteps": 2},
+    )
+    _, summary = run(job, tmp_path)
+    assert summary.state == "done", summary.message
+    assert summary.failed.get("policy_failure", 0) > 0 and "workflow_error" not in summary.failed
+    for rec in summary.records:
+        # Penalised episodes are not replaced: exactly episodesPerStep, each trained on.
+        assert rec.episodes == EPISODES and rec.samples == 2 * rec.episodes, rec
+    # Their -1 is in the policies' rewards (every finished episode of this game scores 0 or 1).
+    assert min(r.reward_mean for r in summary.records) < 1.0
+
+
 def test_a_sync_step_trains_on_full_episodes_per_step_whatever_fails(ray_local: Any, tmp_path: Path) -> None:
     job = make_job(
         mode="sync",

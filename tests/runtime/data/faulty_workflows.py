@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from polyrl_runtime.workflows.failure import PolicyFailure
 from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.signal import SignalGame
 
@@ -30,4 +31,15 @@ class FailsAFraction(SignalGame):
         outcome = await super().run_episode(ctx)
         if random.Random(ctx.seed * 7919 + ctx.index).random() < 0.25:
             raise RuntimeError(f"flaky environment (episode {ctx.episode_id})")
+        return outcome
+
+
+class PolicyFailsAFraction(SignalGame):
+    """Like FailsAFraction, but what fails is the policies' output (PolicyFailure): those episodes
+    are trained on with the failure reward instead of being replaced."""
+
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        outcome = await super().run_episode(ctx)
+        if random.Random(ctx.seed * 7919 + ctx.index).random() < 0.25:
+            raise PolicyFailure(f"unusable output (episode {ctx.episode_id})")
         return outcome

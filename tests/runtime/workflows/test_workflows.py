@@ -18,8 +18,9 @@ from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.types import Ticket
 from polyrl_runtime.models import CharTokenizer
 from polyrl_runtime.workflows.api import EpisodeContext, WorkflowImportError, load_workflow
+from polyrl_runtime.workflows.failure import PolicyFailure
 from polyrl_runtime.workflows.proposer_solver import ProposerSolver
-from polyrl_runtime.workflows.runner import WorkflowWorker
+from polyrl_runtime.workflows.runner import WorkflowWorker, failure_rewards
 from polyrl_runtime.workflows.signal import SignalGame
 from polyrl_testenv.inprocess import engine_routes
 
@@ -169,6 +170,18 @@ class NaNGame(SignalGame):
         return outcome
 
 
+class MalformedGame(SignalGame):
+    """Member 1 plays, then gives up on what its policies wrote; member 3 gives up before a turn."""
+
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        if ctx.index == 3:
+            raise PolicyFailure("nothing to read")
+        outcome = await super().run_episode(ctx)
+        if ctx.index == 1:
+            raise PolicyFailure("the listener's guess is not a symbol")
+        return outcome
+
+
 def _job(entrypoint: str, **workflow: Any) -> str:
     doc = {
         "apiVersion": "polyrl.dev/v1alpha1",
@@ -225,11 +238,21 @@ def test_a_non_finite_reward_fails_its_episode_and_never_reaches_the_buffer() ->
     assert all(math.isfinite(v) for e in buffer.episodes for v in e.rewards.values())
 
 
-def test_an_episode_past_the_spec_timeout_fails_and_its_ticket_is_released() -> None:
+@pytest.mark.parametrize("failure_reward", [None, -1.0])
+def test_an_episode_past_the_spec_timeout_fails_and_is_trained_on_or_dropped(
+    failure_reward: float | None,
+) -> None:
+    """Both members time out after their turns: with no finished member to take the lowest
+    reward from, they are dropped (tickets released); with `failureReward` their turns are trained
+    on at that reward."""
     routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
     buffer = FakeBuffer()
+    extra = {} if failure_reward is None else {"failureReward": failure_reward}
     job = _job(
-        "polyrl_runtime.workflows.signal:SignalGame", args={"latency_s": 30.0}, episodeTimeoutSeconds=0.2
+        "polyrl_runtime.workflows.signal:SignalGame",
+        args={"latency_s": 30.0},
+        episodeTimeoutSeconds=0.2,
+        **extra,
     )
     worker = WorkflowWorker("w", job, BufferClient(buffer), engine_routes(routes))
     tickets = [Ticket(i, frozenset({"speaker", "listener"})) for i in range(2)]
@@ -237,7 +260,53 @@ def test_an_episode_past_the_spec_timeout_fails_and_its_ticket_is_released() -> 
     assert [(e.reason, e.error) for e in report.episodes] == [
         ("timeout", "episode exceeded workflow.episodeTimeoutSeconds (0.2 s)")
     ] * 2
-    assert buffer.released == tickets and buffer.episodes == []
+    if failure_reward is None:
+        assert buffer.released == tickets and buffer.episodes == []
+    else:
+        assert buffer.released == [] and len(buffer.episodes) == 2
+        assert all(e.metadata["rewards"] == {"speaker": -1.0, "listener": -1.0} for e in buffer.episodes)
+
+
+def test_failure_rewards_are_fixed_or_each_agents_lowest_finished_reward() -> None:
+    finished = [{"a": 1.0, "b": 0.5}, {"a": -2.0}]
+    assert failure_rewards(finished, ["a", "b"], None) == {"a": -2.0, "b": 0.5}
+    assert failure_rewards(finished, ["a", "b"], -1.0) == {"a": -1.0, "b": -1.0}
+    assert failure_rewards(finished, ["a", "c"], None) is None  # no finished episode of c: dropped
+    assert failure_rewards([], ["a"], 0.0) == {"a": 0.0}
+
+
+@pytest.mark.parametrize("failure_reward", [None, -3.0])
+def test_an_episode_a_policy_made_fail_is_trained_on_with_the_failure_reward(
+    failure_reward: float | None,
+) -> None:
+    """A policy that emits output its workflow cannot use is penalised, not forgotten: the episode's
+    turns go to the buffer with the failure reward (default: the group's lowest), the failure is
+    counted by its reason; one that failed before any turn is dropped and its ticket released."""
+    routes = {"speaker": {"s": FakeEngine(speaker_code)}, "listener": {"l": FakeEngine(listener_decode)}}
+    buffer = FakeBuffer()
+    extra = {} if failure_reward is None else {"failureReward": failure_reward}
+    job = _job(f"{__name__}:MalformedGame", **extra)
+    worker = WorkflowWorker("w", job, BufferClient(buffer), engine_routes(routes))
+    tickets = [Ticket(i, frozenset({"speaker", "listener"})) for i in range(4)]
+    report = asyncio.run(worker.run_group("g2", 11, tickets))
+    by_id = {e.episode_id: e for e in report.episodes}
+    assert (by_id["g2-1"].ok, by_id["g2-1"].reason, by_id["g2-1"].penalised) == (
+        False,
+        "policy_failure",
+        True,
+    )
+    assert by_id["g2-1"].error == "the listener's guess is not a symbol"
+    assert (by_id["g2-3"].reason, by_id["g2-3"].penalised) == ("policy_failure", False)
+    assert buffer.released == [tickets[3]]
+    put = {e.episode_id: e for e in buffer.episodes}
+    assert sorted(put) == ["g2-0", "g2-1", "g2-2"]
+    # The finished members all succeed (reward 1): the default failure reward is that lowest 1.
+    want = 1.0 if failure_reward is None else failure_reward
+    assert put["g2-1"].metadata["rewards"] == {"speaker": want, "listener": want}
+    assert put["g2-1"].metadata["failed"] == "policy_failure"
+    assert by_id["g2-1"].policy_rewards == {"speaker": want, "listener": want}
+    mean = (2 * 1.0 + want) / 3  # group-relative over the three trained members
+    assert put["g2-1"].rewards["speaker"] == pytest.approx(want - mean)
 
 
 def test_worker_runs_several_groups_in_one_call_and_reports_each() -> None:
