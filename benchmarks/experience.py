@@ -80,7 +80,15 @@ class Producer:
 
     def _episode(self, i: int, versions: dict[str, int]) -> Episode:
         turns = tuple(
-            Turn(t.agent, p, t.prompt_ids, t.response_ids, t.logprobs, np.full_like(t.versions, versions[p]))
+            Turn(
+                t.agent,
+                p,
+                t.prompt_ids,
+                t.response_ids,
+                t.logprobs,
+                np.full_like(t.versions, versions[p]),
+                temperature=t.temperature,
+            )
             for p, t in self.turns.items()
         )
         return Episode(f"ep{i}", turns, {t.agent: 1.0 for t in turns})

@@ -16,6 +16,10 @@ Log-probabilities are computed from the model's final hidden states at the respo
 of positions at a time (logits -> / temperature -> allowed ids -> log-softmax -> picked id, entropy),
 each chunk checkpointed: no float32 [rows, tokens, vocab] tensor exists in forward or backward, which at
 a 151,936-token vocabulary would be gigabytes per micro-batch.
+
+Each row is scored at the temperature its tokens were sampled at (`TokenBatch.temperatures`, from
+`Turn.temperature`): a per-call temperature differs from the policy's, and scoring it at the policy's
+would take the trainer's logprobs from another distribution than the behaviour logprobs.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ class TokenBatch:
     response_mask: torch.Tensor  # [B, R] 1 for trained response tokens (sampled; not context, not padding)
     gather_index: torch.Tensor  # [B, R] position of the logits that predict each response token
     allowed: list[npt.NDArray[np.int32]]
+    # [B] float32 each row's sampling temperature; None: every row at the temperature the scoring
+    # call is given.
+    temperatures: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -70,10 +77,14 @@ class TokenBatch:
         responses: Sequence[npt.NDArray[np.int32]],
         allowed: Sequence[npt.NDArray[np.int32]],
         loss_masks: Sequence[npt.NDArray[np.bool_]] | None = None,
+        temperatures: Sequence[float] | None = None,
     ) -> TokenBatch:
         """`loss_masks` (per row, one flag per response token; default all True): context tokens of a
-        conversation are model input only: they are neither scored nor in the loss."""
+        conversation are model input only: they are neither scored nor in the loss. `temperatures`
+        (per row): what each row is scored at (default: the scoring call's temperature)."""
         b = len(prompts)
+        if temperatures is not None and len(temperatures) != b:
+            raise ValueError(f"{len(temperatures)} temperatures for {b} rows")
         width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         rmax = max(len(r) for r in responses)
         ids = torch.zeros(b, width, dtype=torch.long)
@@ -90,7 +101,8 @@ class TokenBatch:
                 1 if loss_masks is None else torch.from_numpy(loss_masks[i].astype(np.float32))
             )
             index[i, : len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
-        return cls(ids, mask, targets, rmask, index, list(allowed))
+        temps = None if temperatures is None else torch.tensor(list(temperatures), dtype=torch.float32)
+        return cls(ids, mask, targets, rmask, index, list(allowed), temps)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -132,8 +144,9 @@ def chunk_tokens_for(vocab: int) -> int:
 @dataclass(frozen=True)
 class _ChunkScorer:
     """Scores a chunk of C positions: [1 or 2, C], the log-probability of each target (and the
-    entropy of its distribution). Engine convention: logits / temperature, ids outside the row's
-    allowed ids at -inf."""
+    entropy of its distribution). Engine convention: logits / temperature (`temps[row]` when given,
+    the rows' temperatures clamped at 1e-5, else `temperature`), ids outside the row's allowed ids
+    at -inf."""
 
     head: torch.nn.Module
     softcap: float | None
@@ -141,12 +154,17 @@ class _ChunkScorer:
     with_entropy: bool
 
     def __call__(
-        self, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        rows: torch.Tensor,
+        keep: torch.Tensor | None,
+        temps: torch.Tensor | None,
     ) -> torch.Tensor:
         logits = self.head(hidden).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        scaled = logits / max(self.temperature, 1e-5)
+        scaled = logits / max(self.temperature, 1e-5) if temps is None else logits / temps[rows][:, None]
         if keep is not None:
             scaled = scaled.masked_fill(~keep[rows], float("-inf"))
         logp = torch.log_softmax(scaled, dim=-1)
@@ -176,6 +194,21 @@ def _allowed_mask(
     return keep
 
 
+def _row_temperatures(
+    batch: TokenBatch, temperature: float, device: torch.device
+) -> tuple[float, torch.Tensor | None]:
+    """The one temperature every row is scored at, or [B] the rows' own (clamped at 1e-5, as the
+    engine does) when they differ. Rows of one temperature divide by a scalar, as the engine's batch
+    of one temperature does (engines/sampling.py): on CUDA a scalar divisor is a multiplication by
+    its reciprocal, which may differ from a tensor division in the last bit."""
+    t = batch.temperatures
+    if t is None or not len(t):
+        return temperature, None
+    if bool((t == t[0]).all()):
+        return float(t[0]), None
+    return temperature, t.clamp(min=1e-5).to(device)
+
+
 def _response_scores(
     model: torch.nn.Module,
     batch: TokenBatch,
@@ -197,12 +230,13 @@ def _response_scores(
     targets = batch.targets.to(device)[r_dev, c_dev]
     vocab = int(getattr(head, "out_features", 0)) or int(head(h[:1]).shape[-1])
     keep = _allowed_mask(batch.allowed, vocab, device)
+    temperature, temps = _row_temperatures(batch, temperature, device)
     step = chunk_tokens or chunk_tokens_for(vocab)
     checkpoint = torch.is_grad_enabled() and h.requires_grad
     fn = _ChunkScorer(head, softcap, temperature, with_entropy)
     parts: list[torch.Tensor] = []
     for lo in range(0, h.shape[0], step):
-        args = (h[lo : lo + step], targets[lo : lo + step], r_dev[lo : lo + step], keep)
+        args = (h[lo : lo + step], targets[lo : lo + step], r_dev[lo : lo + step], keep, temps)
         if checkpoint:
             part = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
             assert isinstance(part, torch.Tensor)
@@ -219,7 +253,8 @@ def sequence_logprobs(
     model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0, *, chunk_tokens: int | None = None
 ) -> torch.Tensor:
     """[B, R] log-probabilities of the response tokens (engine convention: logits / temperature,
-    restricted to each row's allowed ids), 0 at padding."""
+    restricted to each row's allowed ids), 0 at padding. Each row at its own temperature when the
+    batch carries them (`TokenBatch.temperatures`), else all at `temperature`."""
     return _response_scores(model, batch, temperature, False, chunk_tokens)[0]
 
 

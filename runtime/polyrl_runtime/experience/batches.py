@@ -46,6 +46,9 @@ class SampleBatch:
     agents: tuple[str, ...]
     turn_index: npt.NDArray[np.int32]
     rewards: FloatArray
+    # Per row, the sampling temperature of its response tokens (`Turn.temperature`), which the
+    # trainer scores it at. Float64: the value round-trips exactly.
+    temperatures: npt.NDArray[np.float64]
     prompt_ids: IntArray
     prompt_offsets: npt.NDArray[np.int64]
     response_ids: IntArray
@@ -73,6 +76,7 @@ class SampleBatch:
             agents=tuple(s.agent for s in samples),
             turn_index=np.array([s.turn_index for s in samples], dtype=np.int32),
             rewards=np.array([s.reward for s in samples], dtype=np.float32),
+            temperatures=np.array([s.temperature for s in samples], dtype=np.float64),
             prompt_ids=_flat([s.prompt_ids for s in samples], np.int32),
             prompt_offsets=_offsets([len(s.prompt_ids) for s in samples]),
             response_ids=_flat(responses, np.int32),
@@ -101,7 +105,7 @@ class SampleBatch:
                 self.agents,
                 {e: dict(v) for e, v in self.episode_versions.items()},
             ),
-            (self.turn_index.tolist(), self.rewards.tolist()),
+            (self.turn_index.tolist(), self.rewards.tolist(), self.temperatures.tolist()),
             (
                 self.prompt_offsets.tolist(),
                 self.response_offsets.tolist(),
@@ -137,7 +141,7 @@ class SampleBatch:
 
     def samples(self) -> list[Sample]:
         out = []
-        vectors = self.episode_versions
+        vectors, temperatures = self.episode_versions, self.temperatures.tolist()
         for i, sid in enumerate(self.sample_ids):
             p = slice(self.prompt_offsets[i], self.prompt_offsets[i + 1])
             r = slice(self.response_offsets[i], self.response_offsets[i + 1])
@@ -155,6 +159,7 @@ class SampleBatch:
                     reward=float(self.rewards[i]),
                     allowed_ids=self.allowed(i),
                     episode_versions=vectors.get(self.episode_ids[i], {}),
+                    temperature=temperatures[i],
                 )
             )
         return out
@@ -187,11 +192,11 @@ def _rebuild_sample_batch(
     policy: str,
     # sample ids, episode ids, agents, and the episodes' version vectors
     ids: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], dict[str, dict[str, int]]],
-    per_row: tuple[list[int], list[float]],
+    per_row: tuple[list[int], list[float], list[float]],  # turn indices, rewards, temperatures
     offsets: tuple[list[int], list[int], list[int] | None],
     flat: IntArray,
 ) -> SampleBatch:
-    (sample_ids, episode_ids, agents, episode_versions), (turn_index, rewards) = ids, per_row
+    (sample_ids, episode_ids, agents, episode_versions), (turn_index, rewards, temperatures) = ids, per_row
     prompt_offsets, response_offsets, allowed_offsets = offsets
     n_allowed = allowed_offsets[-1] if allowed_offsets is not None else 0
     (prompts, responses, versions, allowed, logprobs), _ = _cut(
@@ -204,6 +209,7 @@ def _rebuild_sample_batch(
         agents=agents,
         turn_index=np.array(turn_index, dtype=np.int32),
         rewards=np.array(rewards, dtype=np.float32),
+        temperatures=np.array(temperatures, dtype=np.float64),
         prompt_ids=prompts,
         prompt_offsets=np.array(prompt_offsets, dtype=np.int64),
         response_ids=responses,

@@ -2,7 +2,8 @@
 
 A put (episodes packed as `pack_episodes` lays them out: builtin heads plus one flat int32 array)
 becomes one `Chunk` per policy: that policy's token columns (views of the put's one array) and small
-per-row arrays (reward, oldest version, which episode and which (episode, policy) pair a row is of).
+per-row arrays (reward, sampling temperature, oldest version, which episode and which (episode, policy)
+pair a row is of).
 The buffer queues and leases row ranges of chunks and settles its accounts per range with numpy.
 Building a Turn, an Episode and a Sample object per row, and settling each sample in Python, was most
 of the buffer actor's CPU (docs/performance.md, experience streaming).
@@ -26,6 +27,7 @@ from polyrl_runtime.experience.types import (
     IntArray,
     Sample,
     Ticket,
+    TurnHead,
     _columns,
     _Rows,
     oldest_versions,
@@ -92,6 +94,7 @@ class Chunk:
     agents: list[str]
     turn_index: npt.NDArray[np.int32]
     rewards: npt.NDArray[np.float32]
+    temperatures: npt.NDArray[np.float64]  # each row's sampling temperature (`Turn.temperature`)
     min_version: IntArray  # each row's oldest token version: what staleness is measured from
     oldest: int  # min(min_version): a version step skips the row compare when even this is fresh
     row_pair: Index  # row -> its (episode, policy) pair in this chunk
@@ -118,7 +121,7 @@ def split(packed: PackedEpisodes) -> tuple[dict[str, Chunk], list[frozenset[str]
     heads = packed.heads
     # (episode, turn index, turn head) per row, per policy in order of first appearance: the order
     # `pack_episodes` wrote the columns in.
-    by_policy: dict[str, list[tuple[int, int, tuple[str, str, int, int, int]]]] = {}
+    by_policy: dict[str, list[tuple[int, int, TurnHead]]] = {}
     for e, head in enumerate(heads):
         for k, turn in enumerate(head[1]):
             rows = by_policy.get(turn[1])
@@ -130,7 +133,7 @@ def split(packed: PackedEpisodes) -> tuple[dict[str, Chunk], list[frozenset[str]
     chunks: dict[str, Chunk] = {}
     end = 0
     for policy, rows in by_policy.items():
-        columns, end = _columns(packed.flat, end, [turn[2:] for _, _, turn in rows])
+        columns, end = _columns(packed.flat, end, [turn[2:5] for _, _, turn in rows])
         eids = [heads[e][0] for e, _, _ in rows]
         chunks[policy] = _chunk(
             policy,
@@ -140,6 +143,7 @@ def split(packed: PackedEpisodes) -> tuple[dict[str, Chunk], list[frozenset[str]
             agents=[turn[0] for _, _, turn in rows],
             turn_index=[k for _, k, _ in rows],
             rewards=[heads[e][2][turn[0]] for e, _, turn in rows],
+            temperatures=[turn[5] for _, _, turn in rows],
             row_episode=[e for e, _, _ in rows],
             episodes=episodes,
             vectors=vectors,
@@ -162,6 +166,7 @@ def _chunk(
     agents: list[str],
     turn_index: list[int],
     rewards: list[float],
+    temperatures: list[float],
     row_episode: list[int],
     episodes: Counts,
     vectors: list[Mapping[str, int]],
@@ -183,6 +188,7 @@ def _chunk(
         agents=agents,
         turn_index=np.array(turn_index, dtype=np.int32),
         rewards=np.array(rewards, dtype=np.float32),
+        temperatures=np.array(temperatures, dtype=np.float64),
         min_version=mins,
         oldest=int(mins.min()),
         row_pair=row_pair,
@@ -232,6 +238,7 @@ def segment_batch(c: Chunk, i: int, j: int) -> SampleBatch:
         agents=tuple(c.agents[i:j]),
         turn_index=c.turn_index[i:j],
         rewards=c.rewards[i:j],
+        temperatures=c.temperatures[i:j],
         prompt_ids=r.prompt_ids[po[i] : po[j]],
         prompt_offsets=po[i : j + 1] - po[i],
         response_ids=r.response_ids[ro[i] : ro[j]],
@@ -268,6 +275,7 @@ def lease_batch(policy: str, segments: Sequence[Segment]) -> SampleBatch:
         agents=tuple(s for b in parts for s in b.agents),
         turn_index=cat("turn_index"),
         rewards=cat("rewards"),
+        temperatures=cat("temperatures"),
         prompt_ids=cat("prompt_ids"),
         prompt_offsets=offsets("prompt_offsets"),
         response_ids=cat("response_ids"),
@@ -333,6 +341,7 @@ def restored(
             agents=list(batch.agents),
             turn_index=batch.turn_index.tolist(),
             rewards=batch.rewards.tolist(),
+            temperatures=batch.temperatures.tolist(),
             row_episode=[episode_index[s.episode_id] for s in ss],
             episodes=episodes,
             vectors=vectors,

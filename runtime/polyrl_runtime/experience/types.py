@@ -15,6 +15,7 @@ token sampled) is all ones as before.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -100,9 +101,19 @@ class Turn:
     # Constrained decoding: the token ids every response token was sampled from (empty: the whole
     # vocabulary). Trainers compute logprobs under the same constraint as the behaviour policy.
     allowed_ids: IntArray = field(default_factory=_no_ids)
+    # The sampling temperature the response tokens were drawn at (the call's, else its policy's
+    # `rollout.sampling.temperature`): the trainer scores the turn at it, so that its logprobs and the
+    # behaviour logprobs come from the same distribution. 0 is greedy (scored at 1e-5, as engines do).
+    # Every engine-backed producer passes it; the default serves hand-built turns.
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         d = self.__dict__  # frozen: fields are set through the instance dict
+        t = d["temperature"]
+        if type(t) is not float:
+            t = d["temperature"] = float(t)
+        if not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"turn of agent {self.agent!r}: temperature must be finite and >= 0, got {t}")
         for name, dtype in _TURN_ARRAYS:
             v = d[name]
             if type(v) is not np.ndarray or v.dtype != dtype or v.ndim != 1 or not v.flags.c_contiguous:
@@ -184,6 +195,7 @@ class Episode:
                 "versions": d["versions"],
                 "reward": rewards[d["agent"]],
                 "allowed_ids": d["allowed_ids"],
+                "temperature": d["temperature"],
                 "episode_versions": versions,
                 "min_version": t.min_version,
             }
@@ -194,24 +206,28 @@ class Episode:
         return _rebuild_episode, pack_episodes([self])
 
 
-# One head per episode: (episode id, per-turn (agent, policy, prompt, response, allowed lengths), rewards,
-# metadata). Builtins only: Ray's pickler runs a Python hook for every other object it meets.
-EpisodeHead = tuple[str, tuple[tuple[str, str, int, int, int], ...], dict[str, float], dict[str, Any]]
+# A turn's head: (agent, policy, prompt, response and allowed lengths, temperature).
+TurnHead = tuple[str, str, int, int, int, float]
+# One head per episode: (episode id, its turns' heads, rewards, metadata). Builtins only: Ray's pickler
+# runs a Python hook for every other object it meets.
+EpisodeHead = tuple[str, tuple[TurnHead, ...], dict[str, float], dict[str, Any]]
 
 
 def pack_episodes(episodes: Sequence[Episode]) -> tuple[list[EpisodeHead], IntArray]:
     """Episodes as builtin heads plus one flat int32 array, column by column for each policy: all its
-    turns' prompts, then responses, versions, allowed ids and logprobs (as raw float32 bits).
+    turns' prompts, then responses, versions, allowed ids and logprobs (as raw float32 bits). A turn's
+    scalars (lengths, temperature) are in its head.
 
     One array: Ray handles each numpy buffer separately, and per-object overhead, not bytes, dominates
     episode transfer. Columns: a trainer's batch of consecutive samples is then a slice of them."""
     heads: list[EpisodeHead] = []
     by_policy: dict[str, list[Turn]] = {}
     for e in episodes:
-        row = []
+        row: list[TurnHead] = []
         for t in e.turns:
             by_policy.setdefault(t.policy, []).append(t)
-            row.append((t.agent, t.policy, len(t.prompt_ids), len(t.response_ids), len(t.allowed_ids)))
+            lengths = len(t.prompt_ids), len(t.response_ids), len(t.allowed_ids)
+            row.append((t.agent, t.policy, *lengths, t.temperature))
         heads.append((e.episode_id, tuple(row), dict(e.rewards), dict(e.metadata)))
     parts: list[npt.NDArray[Any]] = []
     for turns_of_policy in by_policy.values():
@@ -274,7 +290,7 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
     """The inverse of `pack_episodes`; every array is a view into `flat`."""
     lengths: dict[str, list[tuple[int, int, int]]] = {}
     for _, turns_of_episode, _, _ in heads:
-        for _, policy, n_prompt, n_resp, n_allowed in turns_of_episode:
+        for _, policy, n_prompt, n_resp, n_allowed, _ in turns_of_episode:
             lengths.setdefault(policy, []).append((n_prompt, n_resp, n_allowed))
     columns: dict[str, tuple[_Rows, list[int], list[int], list[int], list[int]]] = {}
     end = 0
@@ -295,7 +311,7 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
     out = []
     for episode_id, turns_of_episode, rewards, metadata in heads:
         turns = []
-        for agent, policy, _, _, n_allowed in turns_of_episode:
+        for agent, policy, _, _, n_allowed, temperature in turns_of_episode:
             rows, po, ro, ao, mins = columns[policy]
             i = taken[policy]
             taken[policy] = i + 1
@@ -312,6 +328,7 @@ def unpack_episodes(heads: Sequence[EpisodeHead], flat: IntArray) -> list[Episod
                         "versions": rows.versions[r0:r1],
                         # Most turns are unconstrained: they share the one empty array instead of a view.
                         "allowed_ids": rows.allowed_ids[ao[i] : ao[i + 1]] if n_allowed else _EMPTY_IDS,
+                        "temperature": temperature,
                         "min_version": mins[i],
                     },
                 )
@@ -378,6 +395,7 @@ class Sample:
     # The version vector of the sample's episode (`Episode.versions`): every policy that took part,
     # this one included, with the oldest version among its sampled tokens.
     episode_versions: Mapping[str, int] = field(default_factory=lambda: _NO_VECTOR)
+    temperature: float = 1.0  # its response tokens' sampling temperature (`Turn.temperature`)
 
     @cached_property
     def min_version(self) -> int:

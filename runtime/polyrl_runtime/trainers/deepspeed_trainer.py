@@ -224,11 +224,16 @@ class DeepSpeedTrainer(TrainerWeights):
             self._gas = gas
 
     def _token_batch(self, samples: list[Sample], rows: list[int]) -> tuple[TokenBatch, torch.Tensor]:
+        """The rows' model inputs and [rows, R] behaviour logprobs. Each row carries the temperature
+        its tokens were sampled at: the policy's, or the call's own (`Turn.temperature`). The
+        trainer's, proximal and reference logprobs of the row are all taken at it, so that they and
+        the behaviour logprobs are of one distribution (`self.temperature` only scores `_PAD_ROW`)."""
         tb = TokenBatch.build(
             [samples[i].prompt_ids for i in rows],
             [samples[i].response_ids for i in rows],
             [samples[i].allowed_ids for i in rows],
             [samples[i].loss_mask for i in rows],
+            [samples[i].temperature for i in rows],
         )
         width = tb.targets.shape[1]
         behav = torch.zeros(len(rows), width)

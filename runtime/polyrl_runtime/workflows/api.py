@@ -22,6 +22,7 @@ draw the task: every member of the group then plays the same task.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -149,17 +150,20 @@ class Agent:
         restricts the tokens (text pieces or ids) the reply may use; generation stops at the
         model's end ids (EOS), at a `stop` string of any length (cut from the reply text unless
         `include_stop`; its tokens stay in the trained turn, since they were sampled), or after
-        `max_new_tokens` (the policy's `sampling.maxNewTokens` by default)."""
+        `max_new_tokens` (the policy's `sampling.maxNewTokens` by default); `temperature` (the
+        policy's `sampling.temperature` by default) is recorded with the turn, which the trainer
+        scores at it."""
         tok = self.tokenizer
         ids = tok.encode(prompt, bos=True) if isinstance(prompt, str) else [int(i) for i in prompt]
         allowed_ids = self._allowed(allowed)
+        temp = self._temperature(temperature)
         gen = await self._sample(
             ids,
             allowed_ids,
             max_new_tokens=max_new_tokens,
             stop=stop,
             include_stop=include_stop,
-            temperature=temperature,
+            temperature=temp,
         )
         self.ctx.turns.append(
             Turn(
@@ -170,6 +174,7 @@ class Agent:
                 logprobs=gen.logprobs,
                 versions=gen.versions,
                 allowed_ids=np.asarray(allowed_ids, dtype=np.int32),
+                temperature=temp,
             )
         )
         return Reply(self._text(gen, include_stop), gen.token_ids.tolist(), ids, gen.finish_reason)
@@ -190,17 +195,26 @@ class Agent:
         then tool calls in the reply are parsed, see workflows/tools.py). Successive calls whose
         messages extend the previous call's messages and reply continue one conversation, trained as
         one sequence: only the sampled ids have loss mask 1 (workflows/chat.py). Sampling arguments
-        as in `generate`; `allowed` must be the same for every call of a conversation."""
+        as in `generate`; `allowed` and the temperature must be the same for every call of a
+        conversation."""
         msgs = normalise(messages)
         tool_list = [dict(t) for t in tools] if tools else None
         allowed_ids = self._allowed(allowed)
+        temp = self._temperature(temperature)
         conv = None if new_conversation else self.ctx.conversations.get(self.name)
         if conv is not None and not conv.continued_by(msgs, tool_list):
             conv = None
         if conv is None:
             prompt = self.tokenizer.apply_chat_template(msgs, tools=tool_list, add_generation_prompt=True)
             conv = Conversation(
-                self.name, self.policy, msgs, tool_list, allowed_ids, len(self.ctx.turns), prompt
+                agent=self.name,
+                policy=self.policy,
+                messages=msgs,
+                tools=tool_list,
+                allowed_ids=allowed_ids,
+                temperature=temp,
+                turn_index=len(self.ctx.turns),
+                prompt_ids=prompt,
             )
             context: list[int] = []
         else:
@@ -210,6 +224,12 @@ class Agent:
                     f"tokens (the trainer scores the whole sequence under one constraint); start a new "
                     f"conversation to change them"
                 )
+            if temp != conv.temperature:
+                raise ValueError(
+                    f"agent {self.name!r}: every chat call of one conversation must sample at the same "
+                    f"temperature (the trainer scores the whole sequence at one): this call's is {temp}, "
+                    f"the conversation's {conv.temperature}; start a new conversation to change it"
+                )
             context = context_ids(self.tokenizer, conv, msgs, tool_list)
         gen = await self._sample(
             conv.sequence() + context,
@@ -217,7 +237,7 @@ class Agent:
             max_new_tokens=max_new_tokens,
             stop=stop,
             include_stop=False,
-            temperature=temperature,
+            temperature=temp,
         )
         extended(conv, context, gen, self.tokenizer.stop_ids)
         turn = conv.turn()
@@ -237,6 +257,14 @@ class Agent:
         tok = self.tokenizer
         return tuple(tok.token_id(a) if isinstance(a, str) else int(a) for a in allowed or ())
 
+    def _temperature(self, temperature: float | None) -> float:
+        """A call's effective sampling temperature: its own, else its policy's (checked before
+        anything is sampled: the turn records it, and the trainer divides by it)."""
+        t = self.ctx.sampling[self.policy].temperature if temperature is None else float(temperature)
+        if not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"agent {self.name!r}: temperature must be finite and >= 0, got {t}")
+        return t
+
     async def _sample(
         self,
         ids: list[int],
@@ -245,11 +273,11 @@ class Agent:
         max_new_tokens: int | None,
         stop: Sequence[str] | None,
         include_stop: bool,
-        temperature: float | None,
+        temperature: float,
     ) -> Generation:
         base = self.ctx.sampling[self.policy]
         params = SamplingParams(
-            temperature=base.temperature if temperature is None else temperature,
+            temperature=temperature,
             top_p=base.top_p,
             max_new_tokens=max_new_tokens or base.max_new_tokens,
             stop_ids=tuple(self.tokenizer.stop_ids),

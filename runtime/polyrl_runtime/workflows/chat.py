@@ -62,6 +62,7 @@ class Conversation:
     messages: list[dict[str, Any]]  # up to and including the last assistant reply
     tools: list[dict[str, Any]] | None
     allowed_ids: tuple[int, ...]
+    temperature: float  # every call's sampling temperature (one sequence is scored at one)
     turn_index: int  # where its Turn is in the episode's turns
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
@@ -87,6 +88,7 @@ class Conversation:
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             versions=np.asarray(self.versions, dtype=np.int32),
             allowed_ids=np.asarray(self.allowed_ids, dtype=np.int32),
+            temperature=self.temperature,
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -154,3 +155,42 @@ def test_entropy_is_over_the_allowed_ids_and_the_bonus_pushes_towards_uniform() 
     # off (coefficient 0): the entropy is reported but adds nothing to the loss
     off, _ = policy_loss(logp, logp, logp, torch.zeros(2), tb.response_mask, cfg=CFG, entropy=entropy)
     assert float(off.detach()) == 0.0
+
+
+def test_each_row_is_scored_at_its_own_temperature() -> None:
+    """Rows sampled at different temperatures (per-call ones) in one batch: each row's logprobs are the
+    log-softmax of its logits / its own temperature, whatever temperature the call is given; the
+    positions of both rows share chunks, so the per-position row index picks the temperature."""
+    from polyrl_runtime.models.tiny import build_tiny
+
+    model = build_tiny("tiny", 64, seed=4)
+    prompts = [np.array([1, 10, 11], dtype=np.int32), np.array([1, 12], dtype=np.int32)]
+    responses = [np.array([20, 21, 22, 23], dtype=np.int32), np.array([30, 31, 32], dtype=np.int32)]
+    unconstrained = [np.zeros(0, np.int32)] * 2
+    temps = (0.5, 2.0)
+    tb = TokenBatch.build(prompts, responses, unconstrained, temperatures=temps)
+
+    def by_hand(i: int, t: float) -> torch.Tensor:
+        p, r = prompts[i], torch.from_numpy(responses[i].astype(np.int64))
+        ids = torch.cat([torch.from_numpy(p.astype(np.int64)), r])[None]
+        logits = model(ids, attention_mask=torch.ones_like(ids))[0].float()
+        logp = torch.log_softmax(logits[len(p) - 1 : -1] / t, dim=-1)
+        return logp.gather(1, r[:, None])[:, 0]
+
+    with torch.no_grad():
+        for chunk in (None, 3):  # one chunk; chunks of 3 positions spanning both rows
+            logp = sequence_logprobs(model, tb, 1.0, chunk_tokens=chunk)
+            for i, t in enumerate(temps):
+                n = len(responses[i])
+                torch.testing.assert_close(logp[i, :n], by_hand(i, t), rtol=1e-5, atol=1e-6)
+                assert not torch.allclose(logp[i, :n], by_hand(i, 1.0))  # not the call's temperature
+        uniform = sequence_logprobs(model, replace(tb, temperatures=None), 2.0)
+    # With gradient (checkpointed chunks) and entropy: the same logprobs.
+    lp, _ = sequence_logprobs_and_entropy(model, tb, 1.0, chunk_tokens=3)
+    torch.testing.assert_close(lp.detach(), logp)
+    # Every row at one temperature: what that temperature for the whole batch gives.
+    same = TokenBatch.build(prompts, responses, unconstrained, temperatures=(2.0, 2.0))
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_logprobs(model, same, 1.0), uniform)
+    with pytest.raises(ValueError, match="1 temperatures for 2 rows"):
+        TokenBatch.build(prompts, responses, unconstrained, temperatures=(1.0,))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from polyrl_runtime.workflows.failure import PolicyFailure
 from polyrl_runtime.workflows.api import EpisodeContext
+from polyrl_runtime.workflows.failure import PolicyFailure
 from polyrl_runtime.workflows.signal import SignalGame
 
 

@@ -39,6 +39,13 @@ def test_turn_and_episode_validation() -> None:
         Episode("e", (turn("p"),), {"someone-else": 1.0})
     t = turn("p")
     assert t.prompt_ids.dtype == np.int32 and t.logprobs.dtype == np.float32
+    assert t.temperature == 1.0  # a hand-built turn without one
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="agent 'a': temperature must be finite and >= 0"):
+            Turn("a", "p", [1], [2], [0.0], [0], temperature=bad)
+    greedy = Turn("a", "p", [1], [2], [0.0], [0], temperature=0)
+    assert greedy.temperature == 0.0 and type(greedy.temperature) is float
+    assert type(Turn("a", "p", [1], [2], [0.0], [0], temperature=np.float32(0.5)).temperature) is float
 
 
 def test_turn_keeps_matching_arrays_and_converts_the_rest() -> None:
@@ -231,7 +238,16 @@ def test_episode_wire_format_is_bit_exact_and_one_buffer() -> None:
     ep = Episode(
         "e7",
         (
-            Turn("x", "a", [1, 2], [3, 4, 5, 6], odd, [1, 1, 2, 2], allowed_ids=[3, 4, 5, 6, 9]),
+            Turn(
+                "x",
+                "a",
+                [1, 2],
+                [3, 4, 5, 6],
+                odd,
+                [1, 1, 2, 2],
+                allowed_ids=[3, 4, 5, 6, 9],
+                temperature=0.6,
+            ),
             Turn("y", "b", [], [8], [-1.0], [0]),
         ),
         {"x": 1.0, "y": 0.0},
@@ -246,6 +262,7 @@ def test_episode_wire_format_is_bit_exact_and_one_buffer() -> None:
             assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
     assert [s.min_version for s in back.samples()] == [1, 0]
     assert back.policies == frozenset({"a", "b"})
+    assert [t.temperature for t in back.turns] == [0.6, 1.0] == [s.temperature for s in back.samples()]
 
 
 def test_put_many_is_all_or_none() -> None:

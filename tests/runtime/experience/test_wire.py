@@ -28,13 +28,23 @@ def _episodes() -> list[Episode]:
         Episode(
             "e1",
             (
-                Turn("x", "a", [1, 2], [3, 4, 5, 6], odd, [1, 1, 2, 2], allowed_ids=[3, 4, 5, 6, 9]),
-                Turn("y", "b", [], [8], [-1.0], [0]),
+                Turn(
+                    "x",
+                    "a",
+                    [1, 2],
+                    [3, 4, 5, 6],
+                    odd,
+                    [1, 1, 2, 2],
+                    allowed_ids=[3, 4, 5, 6, 9],
+                    temperature=0.7,
+                ),
+                Turn("y", "b", [], [8], [-1.0], [0], temperature=0.0),  # greedy
             ),
             {"x": 1.0, "y": 0.0},
             {"group": "g1", "nested": {"k": [1, 2]}},
         ),
-        Episode("e2", (Turn("x", "a", [7] * 5, [2**31 - 1], [3.5], [4]),), {"x": -2.0}),
+        # Another temperature for the same policy: each turn keeps its own.
+        Episode("e2", (Turn("x", "a", [7] * 5, [2**31 - 1], [3.5], [4], temperature=1.3),), {"x": -2.0}),
         Episode("e3", (), {}),  # an episode with no turns (nothing to train on) still travels
     ]
 
@@ -61,7 +71,7 @@ def test_an_episode_batch_is_bit_exact_and_one_buffer() -> None:
         )
         assert len(e1.turns) == len(e0.turns)
         for a, b in zip(e0.turns, e1.turns, strict=True):
-            assert (a.agent, a.policy) == (b.agent, b.policy)
+            assert (a.agent, a.policy, a.temperature) == (b.agent, b.policy, b.temperature)
             for name in _FIELDS:
                 x, y = getattr(a, name), getattr(b, name)
                 assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), (e0.episode_id, name)
@@ -92,11 +102,21 @@ def test_a_buffer_takes_a_rebuilt_batch_like_the_original() -> None:
     assert a.batch.sample_ids == ("e1/0", "e2/0") and b.batch.sample_ids == ("e1/1",)
     assert a.batch.versions.tolist() == [1, 1, 2, 2, 4] and a.batch.allowed(0).tolist() == [3, 4, 5, 6, 9]
     assert b.batch.rewards.tolist() == [0.0]
+    assert a.batch.temperatures.tolist() == [0.7, 1.3] and b.batch.temperatures.tolist() == [0.0]
+    assert [s.temperature for s in a.batch.samples()] == [0.7, 1.3]
     assert buf.stats("a").admitted == 2 and buf.stats("b").admitted == 1  # e3's credit came back
 
 
 def _fields(batch: SampleBatch) -> dict[str, object]:
-    cols = ("turn_index", "rewards", "prompt_ids", "prompt_offsets", "response_ids", "response_offsets")
+    cols = (
+        "turn_index",
+        "rewards",
+        "temperatures",
+        "prompt_ids",
+        "prompt_offsets",
+        "response_ids",
+        "response_offsets",
+    )
     cols += ("logprobs", "versions", "allowed_ids", "allowed_offsets")
     out: dict[str, object] = {c: np.asarray(getattr(batch, c)).tobytes() for c in cols}
     out.update(ids=batch.sample_ids, episodes=batch.episode_ids, agents=batch.agents)
@@ -118,8 +138,9 @@ def _samples_put(n: int, constrained: bool, first: int = 0) -> tuple[PackedEpiso
                 rng.random(1 + i % 5),
                 np.full(1 + i % 5, i),
                 allowed_ids=allowed,
+                temperature=0.25 * (i % 4),  # rows of one policy at different temperatures
             ),
-            Turn("y", "b", [1], [2, 3], [0.5, 0.25], [i, i]),
+            Turn("y", "b", [1], [2, 3], [0.5, 0.25], [i, i], temperature=1.5),
         )
         eps.append(Episode(f"e{i}", turns, {"x": float(i), "y": -1.0}))
     tickets = [Ticket(i + 1, frozenset({"a", "b"})) for i in range(first, first + n)]
@@ -177,6 +198,7 @@ def test_a_snapshot_keeps_only_the_rows_still_held() -> None:
     lease = back.pull("a", "t", 5)
     assert lease is not None and lease.batch.sample_ids == ("e199/0",)
     assert lease.batch.versions.tolist() == [199] * 5
+    assert lease.batch.temperatures.tolist() == [0.75]  # the row's own, through the snapshot
 
 
 def test_a_lease_of_a_whole_put_pickles_as_a_view_of_the_put() -> None:
@@ -207,3 +229,4 @@ def test_any_sample_batch_pickles_bit_exact_as_one_buffer(constrained: bool) -> 
         assert [s.allowed_ids.tolist() for s in back.samples()] == [
             s.allowed_ids.tolist() for s in batch.samples()
         ]
+        assert [s.temperature for s in back.samples()] == [s.temperature for s in batch.samples()]

@@ -17,6 +17,7 @@ import torch
 import transformers
 from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall
 
+from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.experience.types import CONTEXT
 from polyrl_runtime.workflows.chat import TemplatePrefixError
 from polyrl_runtime.workflows.openai_client import UnsupportedArgumentError
@@ -93,9 +94,10 @@ def test_a_conversation_with_a_tool_result_is_one_sequence(lively_dir: Path, sto
         agent = ctx.agent("solver")
         first = await agent.chat(QUESTION, allowed=allowed)  # sampled
         history = [*QUESTION, first.message, {"role": "tool", "content": "7"}]
-        second = await agent.chat(history, allowed=allowed, temperature=0.0)  # greedy
+        second = await agent.chat(history, allowed=allowed)  # one conversation: one temperature
         assert first.finish_reason == ("stop" if stop_first else "length")
         [turn] = ctx.turns  # one sample for the whole conversation
+        assert turn.temperature == 1.0
         # What the template puts between the first reply and the second: the closing of the reply
         # (its end id only when the model did not sample it), the tool message, the generation prompt.
         closing = "\n" if stop_first else "<|im_end|>\n"
@@ -112,11 +114,17 @@ def test_a_conversation_with_a_tool_result_is_one_sequence(lively_dir: Path, sto
         assert (turn.logprobs[~turn.loss_mask] == 0).all()
         if not stop_first:  # sampled from the whole vocabulary at temperature 1
             assert (turn.logprobs[: len(first.token_ids)] < 0).all()
-        # The second reply was sampled from exactly that sequence: generating from it again (greedy)
-        # gives the same ids.
-        full = turn.prompt_ids.tolist() + first.token_ids + context
-        again = await ctx.agent("solver").generate(full, allowed=allowed, temperature=0.0)
-        assert again.token_ids == second.token_ids
+        # Both replies were sampled from exactly that sequence: scoring it as the trainer does gives
+        # the behaviour logprob of every sampled id.
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(lively_dir), dtype=torch.float32)
+        tb = TokenBatch.build(
+            [turn.prompt_ids], [turn.response_ids], [turn.allowed_ids], [turn.loss_mask], [turn.temperature]
+        )
+        with torch.no_grad():
+            scored = sequence_logprobs(model, tb)[0].numpy()
+        np.testing.assert_allclose(
+            scored[turn.loss_mask], turn.logprobs[turn.loss_mask], rtol=1e-4, atol=1e-4
+        )
 
     asyncio.run(go())
 
