@@ -105,6 +105,7 @@ def _reference_with_polyrl_trainer(task: Task, seed: int, model_uri: str, dtype:
 
     from polyrl_operator.api import Policy
     from polyrl_runtime.algorithms.advantages import advantages, scale_stats
+    from polyrl_runtime.algorithms.estimators import normalisation
     from polyrl_runtime.algorithms.losses import LossConfig, TokenBatch, policy_loss, sequence_logprobs
     from polyrl_runtime.trainers.build import build_trainer
 
@@ -142,7 +143,7 @@ def _reference_with_polyrl_trainer(task: Task, seed: int, model_uri: str, dtype:
         )
         groups = reward.view(-1, task.group)
         signals = (groups - groups.mean(1, keepdim=True)).flatten()
-        adv = advantages(signals, algo.advantage_norm, scale_stats(signals))
+        adv = advantages(signals, normalisation(algo.name, algo.advantage_norm), scale_stats(signals))
         batch = TokenBatch.build(
             [prompts[d] for d in seen],
             [np.array([allowed[i]], np.int32) for i in picks],

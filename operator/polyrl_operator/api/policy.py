@@ -80,34 +80,47 @@ class Lora(ApiModel):
     )
 
 
+AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
+"""The advantage estimators (the runtime's algorithms/estimators.py holds one entry for each)."""
+GROUPED_ALGORITHMS = ("grpo", "dr_grpo", "rloo")
+"""Estimators whose baseline is the other episodes of the same task: they need groupSize >= 2."""
+GROUPED_ALGORITHMS_CEL = "[" + ", ".join(f"'{n}'" for n in GROUPED_ALGORITHMS) + "]"
+
+
 class Algorithm(ApiModel):
     """The policy-gradient algorithm and its hyper-parameters."""
 
     __rules__ = (
         Rule(
-            cel="self.name != 'grpo' || self.groupSize >= 2",
-            message="must be at least 2 for grpo (advantages are relative to the group)",
-            check=lambda a: a.name != "grpo" or a.group_size >= 2,
+            cel=f"!(self.name in {GROUPED_ALGORITHMS_CEL}) || self.groupSize >= 2",
+            message="must be at least 2 for grpo, dr_grpo and rloo (advantages are relative to the group)",
+            check=lambda a: a.name not in GROUPED_ALGORITHMS or a.group_size >= 2,
             field=".groupSize",
         ),
     )
 
-    name: Literal["grpo", "ppo"] = Field(
-        "grpo", description="grpo (group-relative advantages) or ppo (clipped)."
+    name: AlgorithmName = Field(
+        "grpo",
+        description="The advantage estimator: grpo (reward minus the group's mean, scaled per policy), "
+        "dr_grpo (Dr. GRPO: the same baseline, no division by a standard deviation), rloo (reward "
+        "minus the mean of the group's other members), reinforce_pp (REINFORCE++: no groups, the "
+        "reward normalised over the policy's batch) or ppo (the raw reward minus the batch mean, one "
+        "clipped optimizer step per micro-batch against the proximal log-probabilities).",
     )
     group_size: int = Field(
         8,
         ge=1,
         le=1024,
-        description="Episodes of one task whose rewards are compared (grpo). A group is as many episodes "
-        "as the largest groupSize of the job's grpo policies; a policy with a smaller one compares its "
-        "rewards within consecutive sub-groups of its own size.",
+        description="Episodes of one task whose rewards are compared (grpo, dr_grpo, rloo). A group is as "
+        "many episodes as the largest groupSize of the job's policies trained with those; a policy with "
+        "a smaller one compares its rewards within consecutive sub-groups of its own size.",
     )
-    advantage_norm: Literal["per-policy", "per-agent", "global", "none"] = Field(
-        "per-policy",
+    advantage_norm: Literal["per-policy", "per-agent", "global", "none"] | None = Field(
+        None,
         description="Normalise advantages per policy (recommended for multi-agent training), per agent "
         "(each agent's samples with that agent's own statistics, for agents that share a policy through "
-        "workflow.args.policies), over all policies, or not at all.",
+        "workflow.args.policies), over all policies, or not at all. Unset: none for dr_grpo, else "
+        "per-policy.",
     )
     lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
     clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO clipping range.")

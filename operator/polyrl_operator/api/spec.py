@@ -13,7 +13,14 @@ from polyrl_operator.api.lora_serving import lora_serving_problems
 from polyrl_operator.api.metrics import Metrics
 from polyrl_operator.api.operation import FailurePolicy, Scheduling, Storage
 from polyrl_operator.api.patterns import CHECKPOINT_URI_PATTERN, ENTRYPOINT_PATTERN
-from polyrl_operator.api.policy import DEFAULT_GPUS, Policy, Rollout, Trainer
+from polyrl_operator.api.policy import (
+    DEFAULT_GPUS,
+    GROUPED_ALGORITHMS,
+    GROUPED_ALGORITHMS_CEL,
+    Policy,
+    Rollout,
+    Trainer,
+)
 from polyrl_operator.api.pools import MAX_POOLS, Placement, Pool, SharedBase
 from polyrl_operator.api.weight_sync import WeightSync
 
@@ -149,12 +156,13 @@ class RLJobSpec(ApiModel):
             field=".evaluation",
         ),
         Rule(
-            cel="self.policies.all(p, p.algorithm.name != 'grpo' || "
+            cel=f"self.policies.all(p, !(p.algorithm.name in {GROUPED_ALGORITHMS_CEL}) || "
             "self.training.episodesPerStep % p.algorithm.groupSize == 0)",
-            message="must be a multiple of every grpo policy's groupSize (episodes start, and steps "
-            "train, in whole groups)",
+            message="must be a multiple of the groupSize of every policy trained with grpo, dr_grpo "
+            "or rloo (episodes start, and steps train, in whole groups)",
             check=lambda s: all(
-                p.algorithm.name != "grpo" or s.training.episodes_per_step % p.algorithm.group_size == 0
+                p.algorithm.name not in GROUPED_ALGORITHMS
+                or s.training.episodes_per_step % p.algorithm.group_size == 0
                 for p in s.policies
             ),
             field=".training.episodesPerStep",

@@ -1,9 +1,10 @@
 """Advantages from per-sample learning signals, normalised per policy (Dr. MAS, MARS) or globally.
 
-Input signals are what the samples carry: for GRPO already group-relative (reward minus the group's
-mean for that agent), for PPO the raw reward.
+Input signals are what the samples carry (algorithms/estimators.py): for the grouped estimators
+(grpo, dr_grpo, rloo) already group-relative (reward minus the group's baseline for that agent), for
+reinforce_pp and ppo the raw reward.
 
-GRPO signals are centred within their group, so they are not centred again; their scale is the root
+Group-relative signals are centred within their group, so they are not centred again; their scale is the root
 mean square over the samples that carry a gradient (a non-zero signal). A group whose members all got
 the same reward has none, and counting its zeros would shrink the scale as groups saturate: the few
 groups still mixed would get advantages several times those of a batch where every group is mixed,
@@ -32,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from polyrl_runtime.algorithms.estimators import estimator
 
 EPS = 1e-6
 
@@ -70,9 +73,9 @@ class AdvantageStats:
 
 
 def scale_stats(signals: torch.Tensor, algorithm: str = "grpo") -> AdvantageStats:
-    """The statistics an advantage's scale comes from: for GRPO the signals that carry a gradient
-    (non-zero), for PPO every signal."""
-    return AdvantageStats.of(signals[signals != 0] if algorithm == "grpo" else signals)
+    """The statistics an advantage's scale comes from: for group-relative signals those that carry a
+    gradient (non-zero), for raw rewards every signal."""
+    return AdvantageStats.of(signals[signals != 0] if estimator(algorithm).centred else signals)
 
 
 def agent_stats(
@@ -108,7 +111,7 @@ def advantages(
     """One advantage per sample. `stats` (`scale_stats`) cover the policy's whole step batch (all
     ranks); `per-agent` also needs each sample's agent and `by_agent`, every agent's statistics over
     all ranks."""
-    grpo = algorithm == "grpo"
+    grpo = estimator(algorithm).centred  # group-relative signals, centred by the worker
     if mode == "per-agent":
         if by_agent is None or len(agents) != len(signals):
             raise ValueError(

@@ -34,6 +34,7 @@ import structlog
 from polyrl_operator.api import RLJob
 from polyrl_operator.api.progress import Progress
 from polyrl_runtime.actors import Actor
+from polyrl_runtime.algorithms.estimators import estimator
 from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.checkpoints.store import CheckpointRef, CheckpointStore
 from polyrl_runtime.coordinator.datafeed import DataFeed, buffered_groups, open_train_feed
@@ -87,8 +88,8 @@ class Driver:
         self.job, self.opts, self.spec = job, opts, job.spec
         self.episodes_per_step = self.spec.training.episodes_per_step
         self.total = self.spec.training.total_steps
-        grpo = [p.algorithm.group_size for p in self.spec.policies if p.algorithm.name == "grpo"]
-        self.group_size = max(grpo or [1])
+        grouped = [p.algorithm.group_size for p in self.spec.policies if estimator(p.algorithm.name).grouped]
+        self.group_size = max(grouped or [1])
         self.store = CheckpointStore(opts.checkpoint_root, self.spec.checkpoint.keep)
         self.control = JobControl(opts.on_event, opts.startup)
         self.state: State = "starting"

@@ -19,6 +19,7 @@ import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime.actors import Actor, actor_gone
+from polyrl_runtime.algorithms.estimators import normalisation
 from polyrl_runtime.coordinator import policy_restart
 from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointRef
@@ -368,7 +369,8 @@ class PolicyTrainer:
 
     def _global_std(self) -> float | None:
         signals = self.producer.signals
-        if self.policy.algorithm.advantage_norm != "global" or len(signals) < 2:
+        algo = self.policy.algorithm
+        if normalisation(algo.name, algo.advantage_norm) != "global" or len(signals) < 2:
             return None
         m = sum(signals) / len(signals)
         return math.sqrt(sum((x - m) ** 2 for x in signals) / (len(signals) - 1))

@@ -39,6 +39,7 @@ from polyrl_runtime.algorithms.advantages import (
     merge_agent_stats,
     scale_stats,
 )
+from polyrl_runtime.algorithms.estimators import estimator, normalisation
 from polyrl_runtime.algorithms.losses import (
     LossConfig,
     TokenBatch,
@@ -145,6 +146,7 @@ class DeepSpeedTrainer(TrainerWeights):
         self.adapter_only = adapter_only
         self.adapter_name: str | None = None  # the adapter to publish (None: the model's active one)
         self.algo = self.spec.algorithm
+        self.norm = normalisation(self.algo.name, self.algo.advantage_norm)
         self.loss_cfg = LossConfig(
             self.algo.clip_eps, self.algo.is_cap, self.algo.kl_coef, self.algo.entropy_coef
         )
@@ -290,12 +292,12 @@ class DeepSpeedTrainer(TrainerWeights):
         agents = batch.agents if batch is not None else ()
         adv = advantages(
             signals,
-            self.algo.advantage_norm,
+            self.norm,
             stats,
             algorithm=self.algo.name,
             global_std=global_std,
             agents=agents,
-            by_agent=self._agent_stats(signals, agents) if self.algo.advantage_norm == "per-agent" else None,
+            by_agent=self._agent_stats(signals, agents) if self.norm == "per-agent" else None,
         )
         budget = self.spec.trainer.max_tokens_per_micro_batch
         if budget is not None:  # the count depends on the lengths: every rank runs the largest
@@ -303,7 +305,7 @@ class DeepSpeedTrainer(TrainerWeights):
             n_micro = int(self._allreduce([float(max(n_micro, local_n))], op="max")[0])
         micro_rows = micro_batches(batch, self.spec.trainer.micro_batch_size, n_micro, budget)
         samples = batch.samples() if batch is not None else []
-        ppo = self.algo.name == "ppo"
+        ppo = estimator(self.algo.name).proximal_steps
         self._set_gas(1 if ppo else n_micro)
         prox: list[torch.Tensor | None] = [None] * n_micro
         if ppo and batch is not None:

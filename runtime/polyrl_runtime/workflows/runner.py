@@ -1,9 +1,10 @@
 """The workflow worker: runs groups of episodes and streams them into the experience buffer.
 
 A group is `groupSize` episodes of the same task (same seed), played concurrently. When all are done,
-each agent's reward becomes its learning signal: for a policy trained with GRPO, the reward minus the
-mean reward of the same agent over its policy's `groupSize` of the group's finished episodes
-(group-relative; a group is the largest groupSize); for PPO the raw reward. That signal is what the episode's samples carry (`Sample.reward`); the raw rewards stay in
+each agent's reward becomes its learning signal: for a policy of a grouped estimator (grpo, dr_grpo,
+rloo: algorithms/estimators.py), the reward minus the baseline of the same agent over its policy's
+`groupSize` of the group's finished episodes (group-relative; a group is the largest groupSize);
+otherwise the raw reward. That signal is what the episode's samples carry (`Sample.reward`); the raw rewards stay in
 `episode.metadata["rewards"]`. Finished episodes go to the buffer in one call; an episode that raised
 (workflow bug, engine loss, timeout) releases its ticket and is reported with its id and reason.
 """
@@ -23,6 +24,7 @@ import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_operator.pod_contract import ENV_POD_NAME
+from polyrl_runtime.algorithms.estimators import estimator
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.data.row import Row, RowRef
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
@@ -83,13 +85,15 @@ def group_relative(
     rewards: Sequence[Mapping[str, float]],
     group_sizes: Mapping[str, int],
     members: Sequence[int] | None = None,
+    leave_one_out: frozenset[str] = frozenset(),
 ) -> list[dict[str, float]]:
-    """Per agent of a GRPO policy (`group_sizes`: agent -> its policy's groupSize): its reward minus
-    the mean of its rewards over its sub-group, the members whose position in the group (`members`,
-    default 0..n-1) divided by its group size is the same. A group is as many episodes as the largest
-    groupSize of its policies, so each policy's baseline is over its own groupSize episodes of the
-    task (the last sub-group is smaller where the sizes do not divide); other agents keep the raw
-    reward."""
+    """Per agent of a grouped estimator (`group_sizes`: agent -> its policy's groupSize): its reward
+    minus its baseline over its sub-group, the members whose position in the group (`members`,
+    default 0..n-1) divided by its group size is the same. The baseline is the sub-group's mean
+    reward, or for agents in `leave_one_out` (rloo) the mean of the sub-group's other members (0
+    signal for a member alone). A group is as many episodes as the largest groupSize of its
+    policies, so each policy's baseline is over its own groupSize episodes of the task (the last
+    sub-group is smaller where the sizes do not divide); other agents keep the raw reward."""
     out = [dict(r) for r in rewards]
     position = list(range(len(rewards))) if members is None else list(members)
     for agent, size in group_sizes.items():
@@ -98,9 +102,13 @@ def group_relative(
             if agent in r:
                 subgroups.setdefault(position[i] // size, []).append(i)
         for rows in subgroups.values():
-            mean = sum(rewards[i][agent] for i in rows) / len(rows)
+            total, n = sum(rewards[i][agent] for i in rows), len(rows)
             for i in rows:
-                out[i][agent] -= mean
+                own = rewards[i][agent]
+                if agent in leave_one_out:
+                    out[i][agent] = own - (total - own) / (n - 1) if n > 1 else 0.0
+                else:
+                    out[i][agent] = own - total / n
     return out
 
 
@@ -180,9 +188,9 @@ class WorkflowWorker:
             )
             for p in spec.policies
         }
-        self.group_sizes = {
-            p.name: p.algorithm.group_size for p in spec.policies if p.algorithm.name == "grpo"
-        }
+        grouped = [(p, estimator(p.algorithm.name)) for p in spec.policies]
+        self.group_sizes = {p.name: p.algorithm.group_size for p, e in grouped if e.grouped}
+        self.leave_one_out = {p.name for p, e in grouped if e.baseline == "leave_one_out"}
         self.in_flight = 0
         self._busy_s = 0.0
         self._busy_since: float | None = None
@@ -280,7 +288,8 @@ class WorkflowWorker:
             for t in e.turns
             if t.policy in self.group_sizes
         }
-        signals = group_relative([e.rewards for _, _, e in done], sizes, [i for i, _, _ in done])
+        loo = frozenset(t.agent for _, _, e in done for t in e.turns if t.policy in self.leave_one_out)
+        signals = group_relative([e.rewards for _, _, e in done], sizes, [i for i, _, _ in done], loo)
         items = [
             (t, Episode(e.episode_id, e.turns, s, e.metadata))
             for (_, t, e), s in zip(done, signals, strict=True)

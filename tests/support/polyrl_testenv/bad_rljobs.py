@@ -476,6 +476,12 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].algorithm.groupSize", "grpo"),
     ),
     BadCase(
+        "rloo-group-size-one",
+        _set("spec.policies.0.algorithm", {"name": "rloo", "groupSize": 1}),
+        "spec.policies[0].algorithm.groupSize",
+        ("spec.policies[0].algorithm.groupSize", "rloo"),
+    ),
+    BadCase(
         "episodes-per-step-not-whole-groups",
         _set("spec.training.episodesPerStep", 66),
         "spec.training.episodesPerStep",

@@ -1,0 +1,75 @@
+"""The advantage estimators against their published formulas on fixed rewards: the worker's
+group-relative signal (GRPO and Dr. GRPO: r - mean; RLOO: r - the mean of the others), then the
+trainer's advantage (GRPO, RLOO: scaled by the RMS of the signals that carry a gradient; Dr. GRPO:
+not scaled; REINFORCE++ and PPO: (r - batch mean) / batch std); and the table every other module
+asks instead of the name."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+import torch
+
+from polyrl_operator.api.policy import GROUPED_ALGORITHMS, AlgorithmName
+from polyrl_runtime.algorithms.advantages import EPS, advantages, scale_stats
+from polyrl_runtime.algorithms.estimators import ESTIMATORS, estimator, normalisation
+from polyrl_runtime.workflows.runner import group_relative
+
+GROUPS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.0, 2.0, 2.0]]
+
+
+def _signals(name: str) -> torch.Tensor:
+    """Each group's rewards through the worker's signal of estimator `name`."""
+    e = estimator(name)
+    sizes = {"a": 4} if e.grouped else {}
+    loo = frozenset({"a"}) if e.baseline == "leave_one_out" else frozenset()
+    out = [r["a"] for g in GROUPS for r in group_relative([{"a": v} for v in g], sizes, None, loo)]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _by_hand(name: str) -> torch.Tensor:
+    rewards = torch.tensor(GROUPS, dtype=torch.float64)
+    n = rewards.shape[1]
+    mean = rewards.mean(dim=1, keepdim=True)
+    if name in ("grpo", "dr_grpo"):
+        signal = (rewards - mean).flatten()
+    elif name == "rloo":  # r_i - sum_{j != i} r_j / (n - 1)
+        signal = (rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)).flatten()
+    else:
+        flat = rewards.flatten()
+        return (flat - flat.mean()) / (flat.std() + EPS)  # REINFORCE++ / PPO: batch-normalised
+    if name == "dr_grpo":
+        return signal  # Dr. GRPO: no standard deviation
+    informative = signal[signal != 0]
+    return signal / (informative.square().mean().sqrt() + EPS)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_each_estimator_gives_its_published_advantages(name: str) -> None:
+    signals = _signals(name)
+    norm = normalisation(name, None)
+    adv = advantages(signals, norm, scale_stats(signals, name), algorithm=name)
+    torch.testing.assert_close(adv, _by_hand(name))
+
+
+def test_rloo_is_grpo_scaled_by_n_over_n_minus_one() -> None:
+    torch.testing.assert_close(_signals("rloo"), _signals("grpo") * 4 / 3)
+
+
+def test_a_member_alone_in_its_rloo_sub_group_has_no_signal() -> None:
+    out = group_relative([{"a": 1.0}, {"a": 0.0}, {"a": 5.0}], {"a": 2}, None, frozenset({"a"}))
+    assert [r["a"] for r in out] == [1.0, -1.0, 0.0]
+
+
+def test_the_table_has_one_estimator_per_api_name_and_agrees_on_which_are_grouped() -> None:
+    assert set(ESTIMATORS) == set(get_args(AlgorithmName))
+    assert {n for n, e in ESTIMATORS.items() if e.grouped} == set(GROUPED_ALGORITHMS)
+    assert [n for n, e in ESTIMATORS.items() if e.proximal_steps] == ["ppo"]
+
+
+def test_an_unset_advantage_norm_is_the_estimators_and_a_set_one_wins() -> None:
+    assert normalisation("dr_grpo", None) == "none" and normalisation("grpo", None) == "per-policy"
+    assert normalisation("dr_grpo", "per-policy") == "per-policy"
+    with pytest.raises(ValueError, match=r"unknown algorithm 'dpo' \(known: grpo, dr_grpo"):
+        estimator("dpo")
