@@ -127,7 +127,7 @@ def _reference_with_polyrl_trainer(task: Task, seed: int, model_uri: str, dtype:
     ).engine
     engine.train()
     algo = policy.algorithm
-    cfg = LossConfig(algo.clip_eps, algo.is_cap, algo.kl_coef, algo.entropy_coef)
+    cfg = LossConfig.of(algo)
     allowed = [tok.token_id(d) for d in task.digits]
     allowed_np = np.array(allowed, np.int32)
     prompts = {d: np.array(tok.encode(f"see:{d}", bos=True), np.int32) for d in task.digits}

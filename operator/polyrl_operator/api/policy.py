@@ -123,7 +123,32 @@ class Algorithm(ApiModel):
         "per-policy.",
     )
     lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
-    clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO clipping range.")
+    clip_eps: float = Field(
+        0.2,
+        gt=0,
+        le=10.0,
+        description="Clipping range of the probability ratio: [1 - clipEps, 1 + clipEpsHigh].",
+    )
+    clip_eps_high: float | None = Field(
+        None,
+        gt=0,
+        le=10.0,
+        description="Upper clipping range (DAPO's clip-higher: a larger one lets unlikely tokens rise "
+        "further, against entropy collapse); unset: clipEps.",
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1.0,
+        le=100.0,
+        description="Dual-clip PPO's bound c > 1: a token with a negative advantage loses at most c times "
+        "its advantage, however large its ratio (unset: no bound).",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="Estimator of the KL penalty to the reference model (klCoef), from d = log ref - "
+        "log pi of each sampled token: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, never "
+        "negative).",
+    )
     is_cap: float = Field(
         2.0, ge=1.0, le=100.0, description="Cap on the importance weight that corrects stale samples."
     )

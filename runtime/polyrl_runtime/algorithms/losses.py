@@ -32,6 +32,7 @@ import numpy.typing as npt
 import torch
 import torch.utils.checkpoint
 
+from polyrl_operator.api.policy import Algorithm
 from polyrl_runtime.models.tiny import TinyCausalLM
 
 # Float32 logits per chunk (64 MiB; a chunk holds several tensors of this size in backward).
@@ -44,6 +45,33 @@ class LossConfig:
     is_cap: float = 2.0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    clip_eps_high: float | None = None  # DAPO clip-higher; None: clip_eps
+    dual_clip: float | None = None  # dual-clip PPO's c > 1; None: no lower bound on negative advantages
+    kl_estimator: str = "k3"
+
+    @classmethod
+    def of(cls, algo: Algorithm) -> LossConfig:
+        return cls(
+            clip_eps=algo.clip_eps,
+            is_cap=algo.is_cap,
+            kl_coef=algo.kl_coef,
+            entropy_coef=algo.entropy_coef,
+            clip_eps_high=algo.clip_eps_high,
+            dual_clip=algo.dual_clip,
+            kl_estimator=algo.kl_estimator,
+        )
+
+
+def kl_penalty(d: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per token, the KL(pi || ref) estimate from d = log ref - log pi at the sampled token (Schulman's
+    k1, k2, k3)."""
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"unknown KL estimator {estimator!r} (k1, k2, k3)")
 
 
 @dataclass(frozen=True)
@@ -282,14 +310,17 @@ def policy_loss(
     token, with gradient) is rewarded with weight `cfg.entropy_coef`."""
     a = adv[:, None].to(logp.dtype)
     ratio = torch.exp(logp - prox_logp.detach())
-    clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
+    high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+    clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high)
     raw_w = torch.exp((prox_logp - behav_logp).detach())
     w = torch.clamp(raw_w, max=cfg.is_cap)
-    per_token = -torch.min(ratio * a, clipped * a) * w
+    objective = torch.min(ratio * a, clipped * a)
+    if cfg.dual_clip is not None:  # a negative advantage's objective is bounded below by c * a
+        objective = torch.where(a < 0, torch.max(objective, cfg.dual_clip * a), objective)
+    per_token = -objective * w
     kl = torch.zeros_like(logp)
     if ref_logp is not None and cfg.kl_coef > 0:
-        d = ref_logp.detach() - logp
-        kl = torch.exp(d) - d - 1
+        kl = kl_penalty(ref_logp.detach() - logp, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * entropy

@@ -147,9 +147,7 @@ class DeepSpeedTrainer(TrainerWeights):
         self.adapter_name: str | None = None  # the adapter to publish (None: the model's active one)
         self.algo = self.spec.algorithm
         self.norm = normalisation(self.algo.name, self.algo.advantage_norm)
-        self.loss_cfg = LossConfig(
-            self.algo.clip_eps, self.algo.is_cap, self.algo.kl_coef, self.algo.entropy_coef
-        )
+        self.loss_cfg = LossConfig.of(self.algo)
         self.version = 0
         self.cuda = gpus > 0 and torch.cuda.is_available()  # gpus: its pod's (or pool's)
         self.seed = policy_seed(job_seed, self.spec.name)
