@@ -1,13 +1,3 @@
-"""Policy-gradient pieces shared by every trainer backend: advantages and the clipped, IS-corrected loss."""
-
-from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages
-from polyrl_runtime.algorithms.losses import LossConfig, LossStats, policy_loss, sequence_logprobs
-
-__all__ = [
-    "AdvantageStats",
-    "LossConfig",
-    "LossStats",
-    "advantages",
-    "policy_loss",
-    "sequence_logprobs",
-]
+"""Policy-gradient pieces shared by every trainer backend: the estimator table (estimators.py,
+torch-free: the driver and the workflow workers read it), advantages and the clipped, IS-corrected
+loss (advantages.py, losses.py). Nothing is imported here, so reading the table does not load torch."""
