@@ -180,6 +180,16 @@ class Algorithm(ApiModel):
     max_grad_norm: float = Field(
         1.0, ge=0, le=1.0e6, description="Clip the global gradient norm to this value (0: no clipping)."
     )
+    max_non_finite_steps: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="An optimizer step whose gradient (or loss) is NaN or infinite is skipped: the "
+        "weights and optimizer state stay as they were, and the training step's nonfinite_grad_steps "
+        "metric counts it. After this many training steps in a row that skipped one, the policy's "
+        "trainer fails (restarted from its latest checkpoint, frozen or failing the job, as "
+        "failurePolicy says).",
+    )
     lora: Lora | None = Field(
         None,
         description="Train low-rank adapters instead of all weights (Hugging Face models only); unset "

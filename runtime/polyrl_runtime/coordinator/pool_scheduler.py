@@ -105,8 +105,9 @@ class PoolUsage:
 
     `switches` counts changes of holder (engines to a trainer, one trainer to another, a trainer
     back to the engines); `switch_s` is the time spent sleeping, waking, offloading and restoring;
-    `trainer_s[P]` the time P's trainer was resident; `busy_s` the time a turn held the pool or the
-    engines had episodes to generate (sampled by `PoolScheduler.watch`)."""
+    `trainer_s[P]` the time P's trainer was resident; `busy_s` the time a turn held the pool (exact,
+    added as each turn ends) plus the time the engines had episodes to generate outside turns
+    (sampled by `PoolScheduler.watch`)."""
 
     started: float
     switches: int = 0
@@ -162,6 +163,7 @@ class PoolScheduler:
         self._queued = 0  # turns asked for and not yet granted
         self._state = asyncio.Condition()
         self._in_turn: str | None = None
+        self._turns_begun = 0  # a sampling interval that saw a turn begin is not generation time
         self._deliveries = 0
         # The engines this pool put to sleep. One engine may serve several policies (a shared base's
         # adapters), so it is one entry here, whichever policies it serves.
@@ -198,6 +200,7 @@ class PoolScheduler:
             async with self._state:
                 await self._state.wait_for(lambda: self._deliveries == 0)
                 self._in_turn = policy
+                self._turns_begun += 1
             started = self._clock()
             self._current = Turn(self, policy)
             failed = True
@@ -232,15 +235,16 @@ class PoolScheduler:
 
     async def watch(self, generating: Callable[[], bool], stop: asyncio.Event, every_s: float = 0.25) -> None:
         """Sample the busy time until `stop`: a turn holds the pool, or the engines are awake and
-        `generating()` (episodes of the pool's policies in flight)."""
-        last = self._clock()
+        `generating()` (episodes of the pool's policies in flight). Turns count themselves, exactly
+        (`_leave_turn`); an interval a turn overlapped adds nothing here, so no time counts twice."""
+        last, begun = self._clock(), self._turns_begun
         while not stop.is_set():
             with suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
             now = self._clock()
-            if self._in_turn is not None or generating():
+            if self._in_turn is None and self._turns_begun == begun and generating():
                 self.usage.busy_s += now - last
-            last = now
+            last, begun = now, self._turns_begun
 
     # -- the switches ----------------------------------------------------------------------------
 
@@ -258,6 +262,7 @@ class PoolScheduler:
         finally:
             held = self._current.resident_s = self._clock() - started
             self.usage.trainer_s[policy] = self.usage.trainer_s.get(policy, 0.0) + held
+            self.usage.busy_s += held
             async with self._state:
                 self._in_turn = None
                 # After a failed wake too: an update then meets the engine's own refusal (reported as

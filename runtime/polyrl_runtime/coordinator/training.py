@@ -28,6 +28,7 @@ from polyrl_runtime.coordinator.failures import root_cause
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
 from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
+from polyrl_runtime.coordinator.nonfinite import NonFiniteStreak, gradient_metrics
 from polyrl_runtime.coordinator.pool_scheduler import DevicePools
 from polyrl_runtime.coordinator.producer import EpisodeProducer
 from polyrl_runtime.coordinator.slots import Slot
@@ -108,6 +109,7 @@ class PolicyTrainer:
         self.total = job.spec.training.total_steps
         self._totals = Totals()  # at the previous step record (or the loop's start)
         self.transport = ""  # the policy's weight transport, once `connect` has run
+        self.nonfinite = NonFiniteStreak(run.name, self.policy.algorithm.max_non_finite_steps)
 
     async def setup(self, ref: CheckpointRef | None) -> None:
         """Rendezvous the ranks and build their models; load the checkpoint if it has this policy."""
@@ -383,6 +385,7 @@ class PolicyTrainer:
         async with self.pools.training(run.name) as turn:
             # Each rank pulls its share from the buffer under a lease and takes the optimizer step.
             results = await self._train_ranks(version, n)
+            self.nonfinite.check(run.step + 1, results)  # raises: the trainer failed (`_failed`)
             await self.buffer.ack([r.lease_id for r in results if r.lease_id is not None])
             t1 = time.perf_counter()
             async with self.pools.delivery(run.name, turn):
@@ -465,7 +468,7 @@ class PolicyTrainer:
             clip_frac=sum(r.clip_frac for r in results) / world,
             kl=sum(r.kl for r in results) / world,
             entropy=sum(r.entropy for r in results) / world,
-            grad_norm=results[0].grad_norm,
+            **gradient_metrics(results),
             train_s=train_s,
             sync_s=sync_s,
             elapsed_s=self.control.elapsed(),

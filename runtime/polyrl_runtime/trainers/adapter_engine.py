@@ -12,7 +12,9 @@ module. The adapters are small, so each policy's engine here is plain torch:
 - `backward` accumulates the gradients of the loss divided by the accumulation steps (as DeepSpeed's
   does); `step` counts micro-batches and, at the end of each accumulation, averages the adapter's
   gradients over the ranks (one all-reduce of one flat tensor), clips them to
-  `algorithm.maxGradNorm` and steps the optimizer;
+  `algorithm.maxGradNorm` and steps the optimizer, unless their norm is not finite: then it skips
+  the step (the adapter and its optimizer state unchanged), as every rank does, since every rank
+  holds the same all-reduced gradient, and counts it in `skipped_steps` (as DeepSpeed's engine);
 - checkpoints hold that adapter, its optimizer state and the trainer's client state, one file per
   rank, under `<dir>/<tag>/`.
 
@@ -89,9 +91,9 @@ class SharedBase:
 
 class AdapterEngine(torch.nn.Module):
     """One policy's adapter of a `SharedBase`, with the calls a trainer rank makes on a DeepSpeed
-    engine: forward, `backward`, `step`, `get_global_grad_norm`, `set_train_batch_size`,
-    `optimizer`, `module`, `save_checkpoint`, `load_checkpoint`. Call it inside
-    `shared.active(policy)`."""
+    engine: forward, `backward`, `step`, `is_gradient_accumulation_boundary`, `skipped_steps`,
+    `get_global_grad_norm`, `set_train_batch_size`, `optimizer`, `module`, `save_checkpoint`,
+    `load_checkpoint`. Call it inside `shared.active(policy)`."""
 
     def __init__(self, shared: SharedBase, policy: Policy, *, rank: int = 0, world: int = 1) -> None:
         super().__init__()
@@ -108,6 +110,7 @@ class AdapterEngine(torch.nn.Module):
         self.gas = 1
         self._micro = 0
         self._grad_norm: float | None = None
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -120,9 +123,14 @@ class AdapterEngine(torch.nn.Module):
         `backward` does (the trainer's loss scale counts on it)."""
         torch.autograd.backward(loss / self.gas)
 
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step` ends the gradient accumulation (and steps the optimizer)."""
+        return self._micro + 1 >= self.gas
+
     def step(self) -> None:
         """One micro-batch done: at the end of the gradient accumulation, average the adapter's
-        gradients over the ranks, clip them and step its optimizer."""
+        gradients over the ranks, clip them and step its optimizer; or, their norm not finite, drop
+        them and skip the step."""
         self._micro += 1
         if self._micro < self.gas:
             return
@@ -136,8 +144,14 @@ class AdapterEngine(torch.nn.Module):
             flat /= self.world
         norm = float(flat.norm())
         self._grad_norm = norm
+        if not math.isfinite(norm):
+            # Every rank holds the same all-reduced gradient, so every rank skips this step alike;
+            # stepping would put NaN into the adapter and its moments for good.
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         scale = 1.0
-        if self.max_grad_norm > 0 and math.isfinite(norm) and norm > self.max_grad_norm:
+        if self.max_grad_norm > 0 and norm > self.max_grad_norm:
             scale = self.max_grad_norm / (norm + 1e-6)
         offset = 0
         for p in self.params:
@@ -148,7 +162,8 @@ class AdapterEngine(torch.nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
 
     def get_global_grad_norm(self) -> float | None:
-        """The norm of the last optimizer step's averaged gradients (before clipping)."""
+        """The norm of the last optimizer step's averaged gradients (before clipping; not finite
+        when that step was skipped)."""
         return self._grad_norm
 
     def adapter_state(self) -> dict[str, torch.Tensor]:

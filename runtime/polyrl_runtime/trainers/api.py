@@ -28,7 +28,11 @@ class StepResult:
     staleness_mean: float = 0.0
     staleness_max: int = 0
     signal_mean: float = 0.0
+    # The norm of the last optimizer step's gradient: NaN or inf when that step was skipped.
     grad_norm: float = 0.0
+    # Optimizer steps of this training step skipped for a non-finite loss or gradient (every rank
+    # counts the same: they decide together, trainers/nonfinite.py).
+    skipped_nonfinite: int = 0
     lr: float = 0.0  # the learning rate of every optimizer step of this training step
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)

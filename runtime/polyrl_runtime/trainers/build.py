@@ -140,6 +140,10 @@ class Built:
     ref: Any
     config: dict[str, Any]
     hf_config: Any  # transformers' HfDeepSpeedConfig under ZeRO-3: it must outlive the models
+    # The client optimizer, the one whose step writes the weights (DeepSpeed's ZeRO and
+    # mixed-precision wrappers call it): a step is skipped by making its step a no-op
+    # (trainers/nonfinite.py).
+    optimizer: Any = None
 
 
 def load_policy_model(policy: Policy, seed: int, cuda: bool) -> torch.nn.Module:
@@ -231,4 +235,4 @@ def build_trainer(policy: Policy, *, seed: int, cuda: bool, device: torch.device
     engine, *_ = import_deepspeed().initialize(model=model, optimizer=optimizer, config=config)
     set_learning_rate(engine.optimizer, learning_rate(0, policy.algorithm, total_steps))
     ref = build_reference(policy, seed, cuda, device, config)
-    return Built(engine=engine, ref=ref, config=config, hf_config=hf_config)
+    return Built(engine=engine, ref=ref, config=config, hf_config=hf_config, optimizer=optimizer)

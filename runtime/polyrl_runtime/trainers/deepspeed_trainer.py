@@ -7,7 +7,8 @@ built of (model, reference, optimizer, schedule, DeepSpeed config) is in `traine
 step's samples from the experience buffer under a lease, the ranks all-reduce the advantage
 statistics and token count, run the same number of micro-batches (padding with empty ones), and
 DeepSpeed does one optimizer step (GRPO) or one per micro-batch (PPO, with the proximal logprobs
-taken before the first update). The driver acks the leases after the step, so a rank that dies
+taken before the first update), which every rank skips when any saw a non-finite loss or gradient
+(trainers/nonfinite.py). The driver acks the leases after the step, so a rank that dies
 mid-step has its samples redelivered.
 
 On a device pool a rank moves its state to host memory between its phases (`offload`, `restore`:
@@ -17,8 +18,8 @@ trainers/offload.py); while it is offloaded every call that needs its tensors fa
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import os
 import time
 import zlib
@@ -66,6 +67,7 @@ from polyrl_runtime.trainers.build import (
 from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.trainers.export import export_policy, zero_gather
 from polyrl_runtime.trainers.lora import reference_model
+from polyrl_runtime.trainers.nonfinite import StepGuard
 from polyrl_runtime.trainers.offload import TrainerOffloadedError, offload_rank, restore_rank
 from polyrl_runtime.trainers.publish import published_tensors
 from polyrl_runtime.weights.endpoints import TrainerWeights
@@ -114,7 +116,24 @@ def join_process_group(
     return device
 
 
+def allreduce(values: list[float], *, world: int, cuda: bool, op: str = "sum") -> list[float]:
+    """`values` summed (or their maximum) over the trainer's process group, in float64."""
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if cuda:
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return [float(x) for x in t.cpu()]
+
+
 class DeepSpeedTrainer(TrainerWeights):
+    # Whether the rank watches its gradients for non-finite values (trainers/nonfinite.py): DeepSpeed
+    # applies the client optimizer unchecked in some configurations.
+    watches_gradients = True
+
     def __init__(
         self,
         name: str,
@@ -156,6 +175,7 @@ class DeepSpeedTrainer(TrainerWeights):
         self.engine: Any = None
         self._built: Built | None = None
         self._gas = 0
+        self._guard: StepGuard | None = None  # its optimizer steps, once `setup` built the engine
         self.device = torch.device("cpu")
         self._offloaded: ParkedMemory | None = None  # the rank's state while in host memory
         self._host_buffers = HostBuffers()  # pinned once, reused by every offload
@@ -179,6 +199,18 @@ class DeepSpeedTrainer(TrainerWeights):
         self.engine, self.ref = self._built.engine, self._built.ref
         self.model = self.engine.module
         self._gas = 1
+        # A partial, not the bound `_allreduce`: a guard referring back to its rank would make a
+        # cycle, and a dropped rank would outlive its last reference (ZeRO-3: with its
+        # HfDeepSpeedConfig, which makes every Hugging Face model loaded meanwhile a partitioned one).
+        reduce = functools.partial(allreduce, world=self.world, cuda=self.cuda)
+        built = self._built
+        self._guard = StepGuard.of(
+            self.engine,
+            built.optimizer,
+            built.config,
+            watch_gradients=self.watches_gradients,
+            allreduce=reduce,
+        )
         log.info(
             "trainer.ready",
             policy=self.spec.name,
@@ -197,15 +229,7 @@ class DeepSpeedTrainer(TrainerWeights):
     # -- one step ------------------------------------------------------------------------------
 
     def _allreduce(self, values: list[float], op: str = "sum") -> list[float]:
-        if self.world == 1:
-            return values
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.cuda:
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        return [float(x) for x in t.cpu()]
+        return allreduce(values, world=self.world, cuda=self.cuda, op=op)
 
     def _agent_stats(self, signals: torch.Tensor, agents: tuple[str, ...]) -> dict[str, AdvantageStats]:
         """Every agent's signal statistics over all ranks (ranks may hold different agents)."""
@@ -321,6 +345,9 @@ class DeepSpeedTrainer(TrainerWeights):
         set_learning_rate(self.engine.optimizer, lr)
         loss_total, acc = 0.0, dict.fromkeys(TOKEN_WEIGHTED, 0.0)
         tokens_scored = 0
+        guard = self._guard
+        assert guard is not None
+        guard.begin()
         self.begin_weight_update()
         for k, rows in enumerate(micro_rows):
             if rows:
@@ -338,13 +365,14 @@ class DeepSpeedTrainer(TrainerWeights):
                 loss_sum = logp.sum() * 0.0
             loss = loss_sum * scale
             self.engine.backward(loss)
-            self.engine.step()
-            loss_total += float(loss_sum.detach())
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is not None and not math.isfinite(float(grad_norm)):
-            log.warning(
-                "trainer.grad_norm_not_finite", policy=self.spec.name, step=step, grad_norm=float(grad_norm)
-            )
+            micro_loss = float(loss_sum.detach())
+            loss_total += micro_loss
+            guard.loss(micro_loss)
+            guard.step()  # at a boundary: skipped by every rank when any saw a non-finite value
+        grad_norm = guard.grad_norm()
+        guard.log_skips(policy=self.spec.name, step=step, rank=self.rank)
+        # The version advances even when every optimizer step was skipped: the step happened and
+        # published the weights it left (unchanged), as a step of no samples does.
         self.version = version
         lag = (
             np.zeros(0)
@@ -366,7 +394,8 @@ class DeepSpeedTrainer(TrainerWeights):
             staleness_mean=float(lag.mean()) if len(lag) else 0.0,
             staleness_max=int(lag.max()) if len(lag) else 0,
             signal_mean=float(signals.mean()) if n else 0.0,
-            grad_norm=float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else 0.0,
+            grad_norm=grad_norm,
+            skipped_nonfinite=guard.skipped,
             lr=lr,
             wall_s=time.perf_counter() - start,
         )

@@ -42,6 +42,9 @@ class AdapterTrainer(DeepSpeedTrainer):
     """A policy's trainer rank whose model is its adapter on a `SharedBase` (`base()` returns the
     process's one, built by the first policy that sets up)."""
 
+    # Its engine skips a step whose all-reduced gradient is not finite itself (AdapterEngine.step).
+    watches_gradients = False
+
     def __init__(self, *args: Any, base: Callable[[torch.device], SharedBase], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._base = base
@@ -52,7 +55,7 @@ class AdapterTrainer(DeepSpeedTrainer):
         shared = self._base(device)
         engine = AdapterEngine(shared, self.spec, rank=self.rank, world=self.world)
         set_learning_rate(engine.optimizer, learning_rate(0, self.algo, self.total_steps))
-        return Built(engine=engine, ref=None, config={}, hf_config=None)
+        return Built(engine=engine, ref=None, config={}, hf_config=None, optimizer=engine.optimizer)
 
     def offload(self) -> OffloadReport:
         raise NotImplementedError("a shared base's rank offloads for all its policies (SharedBaseRank)")

@@ -332,6 +332,25 @@ async def test_busy_time_counts_turns_and_generation() -> None:
     assert 0.25 <= s.usage.busy_fraction(now[0]) <= 0.75
 
 
+async def test_a_turn_counts_its_held_time_exactly_and_no_interval_counts_twice() -> None:
+    """A step's busy fraction is read right after its turn: the turn's time is in it however short
+    the turn was against the sampling period, and generation that overlapped the turn adds nothing."""
+    now = [0.0]
+    clock: Callable[[], float] = lambda: now[0]  # noqa: E731
+    devices = Devices()
+    s = PoolScheduler(PoolRoles("main", ("a",), ()), lambda p: [], lambda p: [FakeRank(devices, p)], clock)
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(s.watch(lambda: True, stop, every_s=3600.0))  # never samples in time
+    await asyncio.sleep(0)
+    async with s.turn("a"):
+        now[0] += 2.0
+    assert s.usage.busy_s == 2.0 and s.usage.busy_fraction(now[0]) == 1.0
+    now[0] += 2.0
+    stop.set()
+    await watcher  # its one interval [0, 4] saw the turn begin: the turn's 2 s only
+    assert s.usage.busy_s == 2.0 and s.usage.busy_fraction(now[0]) == 0.5
+
+
 async def test_an_update_waits_through_queued_turns_until_the_engines_wake() -> None:
     s, devices, engines = _pool(("a", "b"), ("a", "b", "d"))
     await s.park_trainers()

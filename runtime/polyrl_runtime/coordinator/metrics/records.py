@@ -47,11 +47,13 @@ class StepRecord:
     clip_frac: float
     kl: float
     entropy: float
-    grad_norm: float
+    grad_norm: float | None  # None: not finite (the step's last optimizer step was skipped)
     train_s: float
     sync_s: float
     elapsed_s: float
     samples_per_s: float
+    # Optimizer steps of this step skipped for a non-finite loss or gradient (trainers/nonfinite.py).
+    nonfinite_grad_steps: int = 0
     # Samples of this policy the buffer dropped, by reason (experience.DropReason).
     dropped: dict[str, int] = field(default_factory=dict)
     dropped_total: dict[str, int] = field(default_factory=dict)
