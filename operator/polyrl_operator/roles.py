@@ -245,8 +245,8 @@ class RoleSlot:
 
 def role_slots(job: RLJob) -> tuple[RoleSlot, ...]:
     """Every role slot of the job: the coordinator, the workflow, each policy's rollout and trainer
-    that run on pods of their own, then each pool (the order of podSets, Services, status and
-    events).
+    that run on pods of their own (a frozen policy has no trainer), then each pool (the order of
+    podSets, Services, status and events).
 
     A pool's replicas range is its spec's, except that a pool with no rollout placed on it stays at
     ``replicas.min``: only rollout engines run past the minimum, so further pods would hold devices
@@ -261,8 +261,7 @@ def role_slots(job: RLJob) -> tuple[RoleSlot, ...]:
     for i, p in enumerate(spec.policies):
         roles: tuple[tuple[PolicyRole, RoleOverrides, Placement], ...] = (
             ("rollout", p.rollout, spec.rollout_placement(p)),
-            ("trainer", p.trainer, spec.trainer_placement(p)),
-        )
+        ) + ((("trainer", p.trainer, spec.trainer_placement(p)),) if not p.frozen else ())
         for role, overrides, placement in roles:
             if placement.pool is not None:
                 placed.setdefault(placement.pool, []).append(PlacedRole(p.name, role))

@@ -153,7 +153,7 @@ def node_resources(
         for p in spec.policies:
             if p.rollout.pool == pool:
                 res[resource_name(p.name, "rollout")] = 1.0
-            if p.trainer.pool == pool and first_pods:
+            if p.trainer_pool == pool and first_pods:
                 res[resource_name(p.name, "trainer")] = float(spec.trainer_placement(p).ranks_per_pod)
         return res
     found = next((p for p in spec.policies if p.name == policy), None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from polyrl_operator.api.base import ApiModel, Rule
+from polyrl_operator.api.base import ApiModel, Rule, RuleViolation
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverrides
 from polyrl_operator.api.patterns import GPU_TYPE_PATTERN, MODEL_URI_PATTERN
 
@@ -149,8 +149,22 @@ class Algorithm(ApiModel):
         "log pi of each sampled token: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, never "
         "negative).",
     )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean",
+        description="How a step's per-token losses become one loss: token-mean (sum over the step's "
+        "trained tokens / their count), seq-mean-token-sum (each sequence's token sum, averaged over "
+        "the step's sequences) or seq-mean-token-mean (each sequence's token mean, averaged over "
+        "the step's sequences). Counts are taken over every rank and micro-batch of the step.",
+    )
     is_cap: float = Field(
         2.0, ge=1.0, le=100.0, description="Cap on the importance weight that corrects stale samples."
+    )
+    is_correction: Literal["token-truncate", "sequence-truncate", "none"] = Field(
+        "token-truncate",
+        description="The importance weight w of proximal vs behaviour (engine) log-probs: "
+        "token-truncate: per token, min(pi_prox / mu, isCap); sequence-truncate: per sequence, "
+        "min(prod over its trained tokens of pi_prox / mu, isCap) (in log space), on each of its "
+        "tokens; none: w = 1.",
     )
     kl_coef: float = Field(
         0.0, ge=0, le=100.0, description="Weight of a KL penalty to the initial policy (0: off)."
@@ -218,18 +232,8 @@ RESERVED_ENGINE_ARGS = (
 
 
 class Sampling(ApiModel):
-    """Sampling parameters of the rollout engine."""
-
-    __rules__ = (
-        Rule(
-            cel="!has(self.topP) || self.topP == 1.0",
-            message="must be 1: the trainer scores each token under the full distribution at the "
-            "temperature, and its importance weights divide by the engine's log-probabilities, which "
-            "ignore a nucleus; sampling from one would bias every weight (lower the temperature instead)",
-            check=lambda s: s.top_p == 1.0,
-            field=".topP",
-        ),
-    )
+    """Sampling parameters of the rollout engine (topP < 1 only with algorithm.isCorrection none:
+    a rule on the policy)."""
 
     temperature: float = Field(1.0, ge=0, le=10.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling threshold.")
@@ -387,7 +391,36 @@ class PolicyFailurePolicy(ApiModel):
 
 
 class Policy(ApiModel):
-    """One independently weighted agent policy with its own model, rollout fleet and trainer."""
+    """One independently weighted agent policy with its own model, rollout fleet and trainer; with
+    `frozen: true`, served by its engines and never trained (a judge, a reward model, a fixed
+    opponent, a teacher)."""
+
+    __rules__ = (
+        Rule(
+            cel="!has(self.frozen) || !self.frozen || !has(self.algorithm.lora)",
+            message="a frozen policy serves its model as it is: it has no LoRA adapter to train "
+            "(remove algorithm.lora)",
+            check=lambda p: not p.frozen or p.algorithm.lora is None,
+            field=".algorithm.lora",
+        ),
+        Rule(
+            cel="!has(self.frozen) || !self.frozen || !has(self.failurePolicy)",
+            message="a frozen policy has no trainer to restart (remove failurePolicy)",
+            check=lambda p: not p.frozen or p.failure_policy is None,
+            field=".failurePolicy",
+        ),
+        Rule(
+            cel="!has(self.rollout) || !has(self.rollout.sampling) || !has(self.rollout.sampling.topP) "
+            "|| self.rollout.sampling.topP == 1.0 || (has(self.algorithm) && "
+            "has(self.algorithm.isCorrection) && self.algorithm.isCorrection == 'none')",
+            message="must be 1 unless algorithm.isCorrection is none: the trainer scores each token "
+            "under the full distribution at the temperature, and its importance weights divide by the "
+            "engine's log-probabilities, which ignore a nucleus; sampling from one would bias every "
+            "weight (lower the temperature instead, or set isCorrection: none to train without them)",
+            check=lambda p: p.rollout.sampling.top_p == 1.0 or p.algorithm.is_correction == "none",
+            field=".rollout.sampling.topP",
+        ),
+    )
 
     name: str = Field(
         ...,
@@ -397,9 +430,30 @@ class Policy(ApiModel):
         description="Policy name, used in pod names and by the workflow to call the agent (a DNS label).",
     )
     model: Model = Field(..., description="Initial weights.")
+    frozen: bool = Field(
+        False,
+        description="Served by its rollout engines and never trained: no trainer pods, no weight "
+        "sync, no checkpoint state of its own, and its turns are never trained on (a judge, a "
+        "reward model, a fixed opponent, a teacher). Leave trainer unset.",
+    )
     algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm.")
     rollout: Rollout = Field(default_factory=Rollout, description="Inference fleet.")
-    trainer: Trainer = Field(default_factory=Trainer, description="Training fleet.")
+    trainer: Trainer = Field(
+        default_factory=Trainer, description="Training fleet (none for a frozen policy: leave it unset)."
+    )
     failure_policy: PolicyFailurePolicy | None = Field(
         None, description="Overrides of the job's failurePolicy for this policy's trainer."
     )
+
+    @model_validator(mode="after")
+    def _frozen_has_no_trainer(self) -> Policy:
+        # Not a CEL rule: the API server fills in the trainer's defaults before its rules run, so
+        # only a trainer that differs from the defaults can be told from an unset one.
+        if self.frozen and self.trainer != Trainer():
+            raise RuleViolation(".trainer", "a frozen policy has no trainer: leave trainer unset")
+        return self
+
+    @property
+    def trainer_pool(self) -> str | None:
+        """The pool its trainer runs on; None on pods of its own, or when frozen."""
+        return None if self.frozen else self.trainer.pool

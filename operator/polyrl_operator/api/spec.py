@@ -150,18 +150,25 @@ class RLJobSpec(ApiModel):
             field=".failurePolicy.onPolicyFailure",
         ),
         Rule(
+            cel="self.policies.exists(p, !has(p.frozen) || !p.frozen)",
+            message="at least one policy must be trained: every policy is frozen",
+            check=lambda s: any(not p.frozen for p in s.policies),
+            field=".policies",
+        ),
+        Rule(
             cel="!has(self.evaluation) || (has(self.data) && has(self.data.eval))",
             message="needs eval rows: set data.eval",
             check=lambda s: s.evaluation is None or (s.data is not None and s.data.eval is not None),
             field=".evaluation",
         ),
         Rule(
-            cel=f"self.policies.all(p, !(p.algorithm.name in {GROUPED_ALGORITHMS_CEL}) || "
+            cel=f"self.policies.all(p, (has(p.frozen) && p.frozen) || !(p.algorithm.name in {GROUPED_ALGORITHMS_CEL}) || "
             "self.training.episodesPerStep % p.algorithm.groupSize == 0)",
             message="must be a multiple of the groupSize of every policy trained with grpo, dr_grpo "
             "or rloo (episodes start, and steps train, in whole groups)",
             check=lambda s: all(
-                p.algorithm.name not in GROUPED_ALGORITHMS
+                p.frozen
+                or p.algorithm.name not in GROUPED_ALGORITHMS
                 or s.training.episodes_per_step % p.algorithm.group_size == 0
                 for p in s.policies
             ),
@@ -203,7 +210,8 @@ class RLJobSpec(ApiModel):
             message="a trainer on a pool with GPUs runs one rank per GPU: its ranksPerPod must equal the "
             "pool's gpus",
             check=lambda s: all(
-                p.trainer.pool is None
+                p.frozen
+                or p.trainer.pool is None
                 or p.trainer.ranks_per_pod is None
                 or s.pool_gpus(p.trainer.pool) in (0, p.trainer.ranks_per_pod)
                 for p in s.policies
@@ -218,8 +226,8 @@ class RLJobSpec(ApiModel):
             "trainer runs there: each pool's training turns would wait for the other's",
             check=lambda s: all(
                 p.rollout.pool is None
-                or p.trainer.pool in (None, p.rollout.pool)
-                or all(o.trainer.pool != p.rollout.pool for o in s.policies)
+                or p.trainer_pool in (None, p.rollout.pool)
+                or all(o.trainer_pool != p.rollout.pool for o in s.policies)
                 for p in s.policies
             ),
             field=".policies",
@@ -250,12 +258,14 @@ class RLJobSpec(ApiModel):
         ),
         Rule(
             cel="!has(self.weightSync) || self.weightSync.transport != 'cudaipc' || self.policies.all(p, "
-            "has(p.rollout.pool) && has(p.trainer.pool) && "
+            "(has(p.frozen) && p.frozen) || has(p.rollout.pool) && has(p.trainer.pool) && "
             "p.rollout.pool == p.trainer.pool && has(self.pools) && "
             "self.pools.exists(q, q.name == p.rollout.pool && q.replicas.max == 1))",
-            message="cudaipc needs every policy's rollout and its trainer on one pool of one pod "
+            message="cudaipc needs every trained policy's rollout and its trainer on one pool of one pod "
             "(replicas.max 1): engines copy the trainer's GPU memory, so they must share its host",
-            check=lambda s: s.weight_sync.transport != "cudaipc" or all(s.on_one_pod(p) for p in s.policies),
+            check=lambda s: (
+                s.weight_sync.transport != "cudaipc" or all(p.frozen or s.on_one_pod(p) for p in s.policies)
+            ),
             field=".weightSync.transport",
         ),
         Rule(
@@ -266,7 +276,8 @@ class RLJobSpec(ApiModel):
             check=lambda s: (
                 s.weight_sync.transport != "cudaipc"
                 or all(
-                    p.trainer.pool not in s.pool_names or s.pool_gpus(p.trainer.pool) >= 1 for p in s.policies
+                    p.trainer_pool not in s.pool_names or s.pool_gpus(p.trainer_pool or "") >= 1
+                    for p in s.policies
                 )
             ),
             field=".weightSync.transport",
@@ -428,7 +439,7 @@ class RLJobSpec(ApiModel):
 
     def policy_roles(self) -> list[Rollout | Trainer]:
         """Every policy's rollout and trainer (what the pool rules range over)."""
-        return [r for p in self.policies for r in (p.rollout, p.trainer)]
+        return [r for p in self.policies for r in ((p.rollout,) if p.frozen else (p.rollout, p.trainer))]
 
     def policy(self, name: str) -> Policy:
         """The policy called `name` (KeyError when there is none)."""
@@ -461,8 +472,8 @@ class RLJobSpec(ApiModel):
     def on_one_pod(self, policy: Policy) -> bool:
         """Whether the policy's engines and trainer ranks all run in one pod: both on one pool
         that has a single pod (they share its host memory, so weights need no network)."""
-        r, t = policy.rollout, policy.trainer
-        return r.pool is not None and r.pool == t.pool and self.pool(r.pool).replicas.max == 1
+        r, t = policy.rollout, policy.trainer_pool
+        return r.pool is not None and r.pool == t and self.pool(r.pool).replicas.max == 1
 
     def shared_bases(self) -> list[SharedBase]:
         """Policies that share one base model as LoRA adapters: those whose rollouts run on the same
@@ -484,8 +495,11 @@ class RLJobSpec(ApiModel):
 
     def trainer_placement(self, policy: Policy) -> Placement:
         """The policy's trainer ranks' pods: `replicas` of its own, or its pool's first
-        `replicas.min` pods; one rank per GPU (or ranksPerPod, 1 by default, on CPU)."""
+        `replicas.min` pods; one rank per GPU (or ranksPerPod, 1 by default, on CPU). A frozen
+        policy's: no pods, no ranks."""
         t = policy.trainer
+        if policy.frozen:
+            return Placement(None, 0, None, 0, 0, 0)
         if t.pool is not None:
             q = self.pool(t.pool)
             pods, gpus, gpu_type = q.replicas.min, q.gpus, q.gpu_type

@@ -62,11 +62,22 @@ def policy_statuses(
             entry.model_copy(
                 update={
                     "rollout": _counts(pods, (p.name, "rollout"), rollout.pool),
-                    "trainer": _counts(pods, (p.name, "trainer"), trainer.pool),
+                    # A frozen policy (`trainer: null`) is frozen from the start, before any report.
+                    "trainer": RoleCounts(desired=0, ready=0)
+                    if p.frozen
+                    else _counts(pods, (p.name, "trainer"), trainer.pool),
+                    **({"trainer_state": "frozen"} if p.frozen else {}),
                 }
             )
         )
     return out
+
+
+def trained_steps(job: RLJob, policies: list[PolicyStatus]) -> list[int]:
+    """The steps of the policies that train (a frozen one, `trainer: null`, stays at step 0): what
+    the job's `step` is the smallest of."""
+    served = {p.name for p in job.spec.policies if p.frozen}
+    return [p.step for p in policies if p.name not in served]
 
 
 def _counts(pods: PodPlan, key: RoleKey, pool: str | None) -> RoleCounts:
@@ -129,10 +140,12 @@ def policy_summary(policies: list[PolicyStatus]) -> str:
     return clip(" ".join(f"{p.name}:v{p.version}" for p in policies), SUMMARY_LIMIT)
 
 
-def frozen_condition(policies: list[PolicyStatus]) -> Setting:
+def frozen_condition(job: RLJob, policies: list[PolicyStatus]) -> Setting:
     """The PolicyFrozen condition: True while a policy's trainer is frozen (out of restarts under
-    onPolicyFailure freeze), naming them; the other policies train on."""
-    frozen = [p.name for p in policies if p.trainer_state == "frozen"]
+    onPolicyFailure freeze), naming them; the other policies train on. A policy the spec freezes
+    (`trainer: null`) is not a failure: it is not named."""
+    served = {p.name for p in job.spec.policies if p.frozen}
+    frozen = [p.name for p in policies if p.trainer_state == "frozen" and p.name not in served]
     if not frozen:
         return False, "NotFrozen", ""
     which = f"policy {frozen[0]} is" if len(frozen) == 1 else f"policies {', '.join(frozen)} are"
@@ -149,7 +162,7 @@ def policy_events(job: RLJob, old: RLJobStatus, new: RLJobStatus) -> tuple[Event
     (its count rose) and its freezing. Each change is recorded once: the next plan compares
     with the status that already holds it."""
     before = {p.name: p for p in old.policies or []}
-    names = {p.name for p in job.spec.policies}
+    names = {p.name for p in job.spec.policies if not p.frozen}  # a frozen one's trainer never runs
     events: list[Event] = []
     for entry in new.policies or []:
         if entry.name not in names:
@@ -256,10 +269,10 @@ def finished_status(
         "Suspended": (False, "Finished", ""),
         "QuotaExceeded": (False, "Finished", ""),
         # Kept as the job ended: a policy frozen then stays so in the record.
-        "PolicyFrozen": frozen_condition(policies),
+        "PolicyFrozen": frozen_condition(job, policies),
     }
     conditions = set_conditions(status.conditions, values, generation=generation, now=now)
-    steps = [p.step for p in policies]
+    steps = trained_steps(job, policies)
     step = (max(steps) if succeeded else min(steps)) if steps else 0
     status = status.model_copy(update={"conditions": conditions, "workflow": RoleCounts()})
     return _with_policies(status, policies, step, pool_statuses(job, status, progress, no_pods))
@@ -280,7 +293,7 @@ def active_status(inputs: StatusInputs) -> RLJobStatus:
         if refusal.required:
             stop, pods = "QuotaExceeded", empty_pod_plan(job)
     policies = policy_statuses(job, old, inputs.progress, pods)
-    steps = [p.step for p in policies]
+    steps = trained_steps(job, policies)
     step = min(steps) if steps else 0
     quota_now = (
         stop == "QuotaExceeded" or refusal is not None or (quota is not None and not pods.all_required_exist)
@@ -339,7 +352,7 @@ def active_status(inputs: StatusInputs) -> RLJobStatus:
                 "QuotaExceeded" if quota_now else "WithinQuota",
                 (quota or "") if quota_now else "",
             ),
-            "PolicyFrozen": frozen_condition(policies),
+            "PolicyFrozen": frozen_condition(job, policies),
         },
         generation=inputs.generation,
         now=now,

@@ -24,6 +24,7 @@ would take the trainer's logprobs from another distribution than the behaviour l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ class LossConfig:
     clip_eps_high: float | None = None  # DAPO clip-higher; None: clip_eps
     dual_clip: float | None = None  # dual-clip PPO's c > 1; None: no lower bound on negative advantages
     kl_estimator: str = "k3"
+    loss_aggregation: str = "token-mean"
+    is_correction: str = "token-truncate"
 
     @classmethod
     def of(cls, algo: Algorithm) -> LossConfig:
@@ -59,6 +62,8 @@ class LossConfig:
             clip_eps_high=algo.clip_eps_high,
             dual_clip=algo.dual_clip,
             kl_estimator=algo.kl_estimator,
+            loss_aggregation=algo.loss_aggregation,
+            is_correction=algo.is_correction,
         )
 
 
@@ -72,6 +77,56 @@ def kl_penalty(d: torch.Tensor, estimator: str) -> torch.Tensor:
     if estimator == "k3":
         return torch.exp(d) - d - 1
     raise ValueError(f"unknown KL estimator {estimator!r} (k1, k2, k3)")
+
+
+IS_CORRECTIONS = ("token-truncate", "sequence-truncate", "none")
+
+
+def importance_weights(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R] the (detached) importance weight of each token under `mode` and [B, R] whether it was
+    truncated at `cap`. sequence-truncate takes the product over a row's trained tokens in log space,
+    so a long sequence's product neither overflows nor underflows before the cap."""
+    d = (prox_logp - behav_logp).detach()
+    if mode == "token-truncate":
+        return torch.clamp(torch.exp(d), max=cap), d > math.log(cap)
+    if mode == "sequence-truncate":
+        log_w = (torch.where(mask > 0, d, torch.zeros_like(d))).sum(-1, keepdim=True)
+        over = (log_w > math.log(cap)).expand_as(d)
+        return torch.exp(torch.clamp(log_w, max=math.log(cap))).expand_as(d), over
+    if mode == "none":
+        return torch.ones_like(d), torch.zeros_like(d, dtype=torch.bool)
+    raise ValueError(f"unknown isCorrection {mode!r} ({', '.join(IS_CORRECTIONS)})")
+
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def aggregate_numerator(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """The share of one micro-batch in the step's loss numerator ([B, R] inputs): the step's loss is
+    the sum of its micro-batches' numerators over `aggregation_denominator` (all-reduced counts).
+
+    token-mean: sum over trained tokens; seq-mean-token-sum: the same sum (a sequence's token sums,
+    to be divided by the sequence count); seq-mean-token-mean: sum over rows of each row's token mean
+    (a row without trained tokens adds 0)."""
+    m = mask.to(per_token.dtype)
+    masked = torch.where(m > 0, per_token, torch.zeros_like(per_token))
+    if mode in ("token-mean", "seq-mean-token-sum"):
+        return masked.sum()
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).sum()
+    raise ValueError(f"unknown lossAggregation {mode!r} ({', '.join(LOSS_AGGREGATIONS)})")
+
+
+def aggregation_denominator(mode: str, tokens: float, sequences: float) -> float:
+    """What the step's summed numerators are divided by: its trained-token count (token-mean) or its
+    sequence count (the seq-mean modes), both over every rank and micro-batch; at least 1."""
+    if mode == "token-mean":
+        return max(tokens, 1.0)
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        return max(sequences, 1.0)
+    raise ValueError(f"unknown lossAggregation {mode!r} ({', '.join(LOSS_AGGREGATIONS)})")
 
 
 @dataclass(frozen=True)
@@ -306,14 +361,16 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Sum over real tokens of the per-token loss ([B, R] inputs, `adv` per row [B]); `entropy` (per
-    token, with gradient) is rewarded with weight `cfg.entropy_coef`."""
+    """The micro-batch's loss numerator (`aggregate_numerator` under `cfg.loss_aggregation`: the sum
+    over real tokens of the per-token loss for token-mean) ([B, R] inputs, `adv` per row [B]);
+    `entropy` (per token, with gradient) is rewarded with weight `cfg.entropy_coef`. Stats are per
+    token whatever the aggregation."""
     a = adv[:, None].to(logp.dtype)
     ratio = torch.exp(logp - prox_logp.detach())
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high)
-    raw_w = torch.exp((prox_logp - behav_logp).detach())
-    w = torch.clamp(raw_w, max=cfg.is_cap)
+    m = mask.to(logp.dtype)
+    w, truncated = importance_weights(prox_logp, behav_logp, m, cfg.is_correction, cfg.is_cap)
     objective = torch.min(ratio * a, clipped * a)
     if cfg.dual_clip is not None:  # a negative advantage's objective is bounded below by c * a
         objective = torch.where(a < 0, torch.max(objective, cfg.dual_clip * a), objective)
@@ -324,15 +381,14 @@ def policy_loss(
         per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * entropy
-    m = mask.to(logp.dtype)
     n = int(m.sum().item())
     denom = max(n, 1)
     stats = LossStats(
         tokens=n,
         clip_frac=float((((ratio - clipped).abs() > 1e-6).float() * m).sum()) / denom,
         is_weight_mean=float((w * m).sum()) / denom,
-        is_truncated_frac=float(((raw_w > cfg.is_cap).float() * m).sum()) / denom,
+        is_truncated_frac=float((truncated.float() * m).sum()) / denom,
         kl=float((kl.detach() * m).sum()) / denom,
         entropy=float((entropy.detach() * m).sum()) / denom if entropy is not None else 0.0,
     )
-    return torch.where(m > 0, per_token, torch.zeros_like(per_token)).sum(), stats
+    return aggregate_numerator(per_token, m, cfg.loss_aggregation), stats

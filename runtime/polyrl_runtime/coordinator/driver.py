@@ -88,7 +88,11 @@ class Driver:
         self.job, self.opts, self.spec = job, opts, job.spec
         self.episodes_per_step = self.spec.training.episodes_per_step
         self.total = self.spec.training.total_steps
-        grouped = [p.algorithm.group_size for p in self.spec.policies if estimator(p.algorithm.name).grouped]
+        grouped = [
+            p.algorithm.group_size
+            for p in self.spec.policies
+            if not p.frozen and estimator(p.algorithm.name).grouped
+        ]
         self.group_size = max(grouped or [1])
         self.store = CheckpointStore(opts.checkpoint_root, self.spec.checkpoint.keep)
         self.control = JobControl(opts.on_event, opts.startup)
@@ -175,7 +179,7 @@ class Driver:
                 r.step >= self.total or r.trainer_state == "frozen" for r in self.runs.values()
             )
             self.state = "done" if done else "running"
-            frozen = [n for n, r in self.runs.items() if r.trainer_state == "frozen"]
+            frozen = [n for n, r in self.runs.items() if r.trainer_state == "frozen" and not r.served_only]
             finished = "all policies finished" + (f" but {', '.join(frozen)} (frozen)" if frozen else "")
             self.message = (data_end or finished) if done else "interrupted; checkpointed"
         except JobFailedError as e:
@@ -266,6 +270,7 @@ class Driver:
                 s,
                 final_version=self.total + offsets.get(p.name, 0),
                 max_version_skew=spec.max_version_skew if spec.version_skew_action == "drop" else None,
+                frozen=p.frozen,
             )
             for p in spec.policies
         ]
@@ -276,7 +281,10 @@ class Driver:
             buffer = fleet.new_buffer(configs, capacity, snapshot)
             for p in spec.policies:
                 ranks = fleet.start_policy(p, buffer)
-                self.runs[p.name] = PolicyRun(p.name, ranks, window=RewardWindow(self.episodes_per_step))
+                run = PolicyRun(p.name, ranks, window=RewardWindow(self.episodes_per_step))
+                if p.frozen:  # served by its engines, never trained: no trainer, sync or checkpoint
+                    run.trainer_state, run.served_only = "frozen", True
+                self.runs[p.name] = run
             job_json = self.job.model_dump_json(by_alias=True)
             for _ in range(spec.workflow.replicas.min):
                 fleet.new_worker(job_json, buffer)
@@ -284,7 +292,11 @@ class Driver:
                 buffer.ready(), *(self._reported(n, self._ready(run.ranks)) for n, run in self.runs.items())
             )
         if ref is not None:  # a policy that had finished trains again when the job asks for more steps
-            done = {p.name: int(ref.state["policies"].get(p.name, {}).get("step", 0)) for p in spec.policies}
+            done = {
+                p.name: int(ref.state["policies"].get(p.name, {}).get("step", 0))
+                for p in spec.policies
+                if not p.frozen
+            }
             await asyncio.gather(*(buffer.reopen(n) for n, step in done.items() if step < self.total))
         producer = self._new_producer(feed, buffer)
         # What a checkpoint records beside the trainers and the buffer (`_restore_counters` reads it).
@@ -304,7 +316,11 @@ class Driver:
             skew=SkewGate.of(spec, self.runs),
         )
         limits = StepLimits(self.group_size, self.opts.stall_timeout_s)
-        trainers = {n: PolicyTrainer(self.job, run, shared, limits) for n, run in self.runs.items()}
+        trainers = {
+            n: PolicyTrainer(self.job, run, shared, limits)
+            for n, run in self.runs.items()
+            if not run.served_only
+        }
         supervisor = FleetSupervisor(
             self.job,
             fleet=fleet,
@@ -329,7 +345,8 @@ class Driver:
         await self.pools.park_trainers()  # pooled trainers wait for their turns in host memory
         if ref is not None:
             self._restore_counters(ref, producer, buffered_groups(snapshot))
-        await self.metrics.open({n: r.step for n, r in self.runs.items()} if ref is not None else {})
+        trained = {n: r.step for n, r in self.runs.items() if not r.served_only}
+        await self.metrics.open(trained if ref is not None else {})
         self.control.emit("started", policies=list(self.runs))
         return JobParts(buffer, producer, supervisor, trainers)
 

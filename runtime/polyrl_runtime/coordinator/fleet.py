@@ -135,12 +135,15 @@ class Fleet:
     def start_policy(self, policy: Policy, buffer: BufferClient) -> list[TrainerRankClient]:
         """The policy's trainer ranks, and its engines up to the rollout's minimum (a policy sharing a
         base has them once an earlier policy of that base started them). A colocated policy
-        (`colocated_policies`) has its first engine in its trainer rank's process."""
+        (`colocated_policies`) has its first engine in its trainer rank's process. A frozen policy
+        (`trainer: null`) has its engines only."""
         ranks = [self._new_colocated(policy, buffer)] if policy.name in self.colocated else None
         for _ in range(
             self.spec.rollout_placement(policy).min_replicas - len(self.live_engines(policy.name))
         ):
             self.new_engine(policy)
+        if policy.frozen:
+            return []
         return ranks if ranks is not None else self.new_trainers(policy, buffer)
 
     def new_engine(self, policy: Policy) -> EngineSlot:

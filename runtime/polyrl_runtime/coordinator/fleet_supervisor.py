@@ -52,6 +52,8 @@ class FleetSupervisor:
         self.control.report_lost(self.fleet, newly_dead)
         changed = bool(newly_dead)
         for run in self.runs.values():
+            if run.served_only:  # a frozen policy's engines serve the model they loaded: no sync
+                continue
             assert run.sync is not None
             for name in list(run.sync.engines):
                 slot = self.fleet.engines[run.name].get(name)
@@ -65,6 +67,8 @@ class FleetSupervisor:
                 slot = self.fleet.new_engine(p)
                 for policy in slot.shared_by or (p.name,):  # an engine of a shared base joins each sync
                     run = self.runs[policy]
+                    if run.served_only:
+                        continue
                     assert run.sync is not None
                     await asyncio.to_thread(run.sync.add_engine, slot.name, slot.actor)
                 changed = True

@@ -89,6 +89,9 @@ class PolicyRun:
     # version names one set of weights for the whole run.
     version_offset: int = 0
     trainer_state: TrainerState = "training"
+    # `trainer: null` in the spec: frozen from the start (served by its engines, never trained),
+    # where a trainer out of restarts is frozen at the step it reached
+    served_only: bool = False
     restarts: int = 0  # restarts of this policy's trainer alone, in this coordinator's run
 
     @property

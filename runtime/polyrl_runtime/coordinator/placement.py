@@ -68,7 +68,7 @@ def shared_trainers(spec: RLJobSpec) -> dict[str, tuple[str, ...]]:
         members = [spec.policy(name) for name in base.policies]
         layouts = {(t.trainer_world, t.ranks_per_pod) for t in map(spec.trainer_placement, members)}
         if (
-            all(p.trainer.pool == base.pool and p.trainer.zero_stage < 3 for p in members)
+            all(not p.frozen and p.trainer.pool == base.pool and p.trainer.zero_stage < 3 for p in members)
             and len(layouts) == 1
         ):
             out.update(dict.fromkeys(base.policies, base.policies))

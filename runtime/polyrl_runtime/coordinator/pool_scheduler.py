@@ -92,7 +92,7 @@ def pool_roles(spec: RLJobSpec) -> list[PoolRoles]:
     return [
         PoolRoles(
             q.name,
-            tuple(p.name for p in spec.policies if p.trainer.pool == q.name),
+            tuple(p.name for p in spec.policies if p.trainer_pool == q.name),
             tuple(p.name for p in spec.policies if p.rollout.pool == q.name),
         )
         for q in spec.pools or ()
@@ -329,7 +329,7 @@ class DevicePools:
 
     def __init__(self, schedulers: Mapping[str, PoolScheduler], spec: RLJobSpec) -> None:
         self.schedulers = dict(schedulers)
-        self._trainer = {p.name: self.schedulers.get(p.trainer.pool or "") for p in spec.policies}
+        self._trainer = {p.name: self.schedulers.get(p.trainer_pool or "") for p in spec.policies}
         self._rollout = {p.name: self.schedulers.get(p.rollout.pool or "") for p in spec.policies}
 
     @asynccontextmanager

@@ -197,7 +197,13 @@ class ExperienceBuffer(BufferCore):
             p = self._p[c.policy]
             p.produced += len(c)
             if p.finished or p.restarting:
-                reason = DropReason.POLICY_FINISHED if p.finished else DropReason.POLICY_RESTARTING
+                reason = (
+                    DropReason.POLICY_FROZEN
+                    if p.cfg.frozen
+                    else DropReason.POLICY_FINISHED
+                    if p.finished
+                    else DropReason.POLICY_RESTARTING
+                )
                 p.dropped[reason] += len(c)
                 p.admitted -= len(c.pair_episode)  # nothing of these episodes will be consumed
             else:
@@ -337,6 +343,8 @@ class ExperienceBuffer(BufferCore):
         their credit), so the credit it gets is what its version allows minus what its consumed and
         still buffered episodes hold."""
         p = self._policy(policy)
+        if p.cfg.frozen:
+            raise ValueError(f"policy {policy} is frozen (trainer: null): it is never trained")
         with self._cond:
             p.finished = False
             self._cond.notify_all()
@@ -418,6 +426,8 @@ class ExperienceBuffer(BufferCore):
             p = buf._p[name]
             for key, value in state.items():
                 setattr(p, key, dict(value) if isinstance(value, dict) else value)
+            p.dropped = {r.value: 0 for r in DropReason} | p.dropped  # reasons newer than the snapshot
+            p.finished = p.finished or p.cfg.frozen  # frozen in the resumed job's spec
         chunks, episodes = columns.restored(snap.samples, {k: v[1] for k, v in snap.pairs.items()})
         for name, chunk in chunks.items():
             buf._p[name].queue.append((chunk, 0, len(chunk)))

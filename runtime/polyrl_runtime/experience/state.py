@@ -21,6 +21,8 @@ class DropReason(StrEnum):
     # arrived while the policy's trainer restarted alone (coordinator/policy_restart.py): its
     # credit does not hold the other policies' episodes back meanwhile
     POLICY_RESTARTING = "policy_restarting"
+    # a frozen policy's turns (`trainer: null`): served, never trained on
+    POLICY_FROZEN = "policy_frozen"
 
 
 class UnknownTicketError(KeyError):
@@ -44,6 +46,9 @@ class PolicyConfig:
     # Drop, on arrival, the samples of an episode whose policies still training are more than this
     # many versions apart (each policy's version: the oldest of its sampled tokens). None: no bound.
     max_version_skew: int | None = None
+    # Never trained (`trainer: null`): finished from the start, it takes no credit, and its samples
+    # are dropped on arrival (counted as policy_frozen).
+    frozen: bool = False
 
     def __post_init__(self) -> None:
         if self.episodes_per_version < 1 or self.max_staleness < 0:
@@ -103,6 +108,9 @@ class PolicyState:
     # version: `admitted` then, less the pairs that count against the new version (samples still
     # buffered, tickets still out: BufferCore._pairs_ahead). Unused in async mode.
     base: int = 0
+
+    def __post_init__(self) -> None:
+        self.finished = self.finished or self.cfg.frozen
 
     def limit(self) -> int:
         if self.cfg.max_staleness == 0:

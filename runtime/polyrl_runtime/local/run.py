@@ -54,6 +54,7 @@ def role_pools(job: RLJob) -> list[tuple[str, str, str | None]]:
         (p.name, role, r.pool)
         for p in job.spec.policies
         for role, r in (("rollout", p.rollout), ("trainer", p.trainer))
+        if role == "rollout" or not p.frozen
     ]
 
 

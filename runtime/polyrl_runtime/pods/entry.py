@@ -267,7 +267,9 @@ def _placement_problem(
     if found is None:
         names = [p.name for p in spec.policies]
         return f"--policy must name one of the job's policies {names} for role {role}"
-    on_pool = found.rollout.pool if role == "rollout" else found.trainer.pool
+    if role == "trainer" and found.frozen:
+        return f"--role trainer --policy {policy}: policy {policy!r} is frozen (trainer: null): it has no trainer"
+    on_pool = found.rollout.pool if role == "rollout" else found.trainer_pool
     if on_pool is not None:
         return (
             f"--role {role} --policy {policy}: policy {policy!r} runs its {role} on pool {on_pool!r}, "

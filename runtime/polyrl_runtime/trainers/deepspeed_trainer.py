@@ -44,6 +44,7 @@ from polyrl_runtime.algorithms.estimators import estimator, normalisation
 from polyrl_runtime.algorithms.losses import (
     LossConfig,
     TokenBatch,
+    aggregation_denominator,
     policy_loss,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
@@ -307,8 +308,8 @@ class DeepSpeedTrainer(TrainerWeights):
         signals = torch.from_numpy(batch.rewards.astype(np.float32)) if batch is not None else torch.zeros(0)
         local = scale_stats(signals, self.algo.name)
         tokens_local = 0 if batch is None else batch.trained_tokens  # context tokens are not trained
-        count, total, total_sq, tokens = self._allreduce(
-            [local.count, local.total, local.total_sq, tokens_local]
+        count, total, total_sq, tokens, sequences = self._allreduce(
+            [local.count, local.total, local.total_sq, tokens_local, float(n)]
         )
         stats = AdvantageStats(count, total, total_sq)
         agents = batch.agents if batch is not None else ()
@@ -337,8 +338,10 @@ class DeepSpeedTrainer(TrainerWeights):
                         prox[k] = sequence_logprobs(
                             self.engine, self._token_batch(samples, rows)[0], self.temperature
                         )
-        # Each rank's micro loss is scaled so the optimizer sees the mean over all tokens of the step.
-        scale = self.world * n_micro / max(tokens, 1.0)
+        # Each rank's micro loss is scaled so the optimizer sees the step's loss: its micro-batches'
+        # numerators over the all-reduced token or sequence count (algorithm.lossAggregation).
+        denom = aggregation_denominator(self.loss_cfg.loss_aggregation, tokens, sequences)
+        scale = self.world * n_micro / denom
         # Training step `step` produces version `step`: the schedule's step index is step - 1, the same
         # for every optimizer step of it (ppo takes one per micro-batch) and after a resume.
         lr = learning_rate(step - 1, self.algo, self.total_steps)
@@ -385,7 +388,7 @@ class DeepSpeedTrainer(TrainerWeights):
             lease_id=lease.lease_id if lease is not None else None,
             samples=n,
             tokens=tokens_local,
-            loss=loss_total / max(tokens, 1.0),
+            loss=loss_total / denom,
             clip_frac=per_token["clip_frac"],
             is_weight_mean=per_token["is_weight_mean"],
             is_truncated_frac=per_token["is_truncated_frac"],

@@ -100,3 +100,20 @@ def test_freeze_needs_two_policies(where: str | None, policies: int, ok: bool) -
         return
     with pytest.raises(ValidationError, match=r"failurePolicy\.onPolicyFailure: freeze needs two policies"):
         RLJob.model_validate(doc)
+
+
+@pytest.mark.parametrize(
+    ("correction", "ok"), [("none", True), ("token-truncate", False), ("sequence-truncate", False)]
+)
+def test_top_p_under_one_needs_is_correction_none(tmp_path: Path, correction: str, ok: bool) -> None:
+    """Without importance weights nothing divides by the engine's nucleus-blind log-probabilities."""
+    doc = base_job()
+    policy = doc["spec"]["policies"][0]
+    policy.setdefault("rollout", {}).setdefault("sampling", {})["topP"] = 0.9
+    policy.setdefault("algorithm", {})["isCorrection"] = correction
+    file = tmp_path / "job.yaml"
+    file.write_text(yaml.safe_dump(doc))
+    problems = {p.path: p.message for p in validate_file(file).problems}
+    field = "spec.policies[0].rollout.sampling.topP"
+    assert (field not in problems) is ok, problems
+    assert ok or "isCorrection is none" in problems[field]

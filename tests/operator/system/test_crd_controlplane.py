@@ -120,6 +120,19 @@ def test_defaults_come_back_and_match_the_models(crd: Any, namespace: str) -> No
     assert spec == model_view
 
 
+def test_a_frozen_policy_round_trips_and_every_policy_frozen_is_refused(crd: Any, namespace: str) -> None:
+    doc = yaml.safe_load((EXAMPLES / "signal-game-frozen-listener-cpu.yaml").read_text())
+    doc["metadata"] = {"name": "frozen", "namespace": namespace}
+    assert _apply(crd, doc, namespace).returncode == 0
+    stored = json.loads(crd.kubectl("get", "rljob", "frozen", "-n", namespace, "-o", "json").stdout)
+    # The server fills in the trainer's defaults; they read back as a frozen policy's (no trainer).
+    assert RLJob.model_validate(stored).spec.policies[1].frozen
+    doc["metadata"]["name"] = "all-frozen"
+    doc["spec"]["policies"][0] = {**doc["spec"]["policies"][1], "name": "speaker"}
+    result = _apply(crd, doc, namespace)
+    assert result.returncode != 0 and "at least one policy must be trained" in result.stderr
+
+
 def test_printer_columns(crd: Any, namespace: str) -> None:
     doc = base_job("columns")
     assert _apply(crd, doc, namespace).returncode == 0

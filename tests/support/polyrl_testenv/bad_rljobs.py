@@ -264,7 +264,7 @@ POOL_CASES: tuple[BadCase, ...] = (
         "cudaipc-rollout-and-trainer-apart",
         _cudaipc_apart,
         "spec.weightSync.transport",
-        ("spec.weightSync.transport", "cudaipc needs every policy's rollout and its trainer"),
+        ("spec.weightSync.transport", "cudaipc needs every trained policy's rollout and its trainer"),
     ),
     BadCase(
         "cudaipc-across-pool-pods",

@@ -150,6 +150,10 @@ class Checkpointer:
         entry = dict(ref.state["policies"][name])
         return {**entry, "trainer_at": entry.get("trainer_at") or ref.name}
 
+    def _steps(self) -> dict[str, int]:
+        """Each trained policy's step (a frozen one, `trainer: null`, has none to checkpoint)."""
+        return {n: r.step for n, r in self.runs.items() if not r.served_only}
+
     async def maybe_checkpoint(self) -> None:
         training = [r for r in self.runs.values() if r.trainer_state != "frozen"]
         if not training or any(r.trainer_state == "restarting" for r in training):
@@ -171,7 +175,7 @@ class Checkpointer:
         async with self._lock:
             if request_id is not None and request_id in self.handled_requests:
                 return self.last_ckpt
-            steps = {n: r.step for n, r in self.runs.items()}
+            steps = self._steps()
             if self.last_ckpt is not None and steps == {
                 n: int(v["step"]) for n, v in self.last_ckpt.state["policies"].items()
             }:
@@ -190,7 +194,7 @@ class Checkpointer:
                 self.in_progress = False
 
     async def _cut(self, reason: str, request_id: str | None, buffer: BufferClient) -> CheckpointRef:
-        steps = {n: r.step for n, r in self.runs.items()}
+        steps = self._steps()
         tmp = self.store.begin(min(steps.values()))
         try:
             return await self._write_cut(tmp, steps, reason, request_id, buffer)

@@ -1,0 +1,57 @@
+"""A frozen policy (`frozen: true`): its engines serve it and it is never trained. No trainer
+ranks, no weight sync, no checkpoint state of its own; its turns reach the buffer and are dropped
+there, counted as policy_frozen; the trained policy's steps are the job's."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polyrl_runtime.coordinator.job_state import PolicyRun
+
+from .driver_harness import make_job, new_driver, policy, until
+
+SIGNAL = {
+    "entrypoint": "polyrl_runtime.workflows.signal:SignalGame",
+    "args": {"vocab": 4, "symbols": 3, "policies": {"speaker": "speaker", "listener": "listener"}},
+}
+
+
+def _job() -> Any:
+    listener = policy("listener", frozen=True)
+    del listener["trainer"]  # a frozen policy has none
+    return make_job(training={"totalSteps": 3}, workflow=SIGNAL, policies=[policy("speaker"), listener])
+
+
+@pytest.mark.slow
+def test_a_frozen_policy_is_served_and_never_trained(ray_local: Any, tmp_path: Path) -> None:
+    job = _job()
+    driver = new_driver(job, tmp_path)
+
+    async def go() -> Any:
+        task = asyncio.ensure_future(driver.run())
+        await until(task, lambda: driver.state == "running", "the job to start")
+        listener = driver.snapshot().policies[1]
+        assert listener.name == "listener" and listener.trainer_state == "frozen"  # from the start
+        return await task
+
+    summary = asyncio.run(go())
+    assert summary.state == "done", summary.message
+    assert summary.message == "all policies finished"  # a frozen policy is no failure
+    runs: dict[str, PolicyRun] = driver.runs
+    assert runs["listener"].ranks == [] and runs["listener"].sync is None
+    assert runs["speaker"].step == 3 and runs["listener"].step == 0
+    assert {r.policy for r in summary.records} == {"speaker"}  # only the trained policy steps
+    # The listener played every episode; none of its samples was trained on.
+    assert summary.dropped["listener"]["policy_frozen"] > 0
+    assert summary.buffers["listener"]["consumed"] == 0
+    assert summary.dropped["speaker"]["policy_frozen"] == 0
+    # Its engine served the weights it loaded, version 0, throughout.
+    assert all(e.version == 0 for e in driver.snapshot().policies[1].engines)
+    # The checkpoints hold the speaker's trainer state only, named by the speaker's step.
+    final = Path(summary.checkpoint or "")
+    assert final.name == "step-000003"
+    assert sorted(p.name for p in (final / "trainers").iterdir()) == ["speaker"]
