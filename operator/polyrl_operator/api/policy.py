@@ -149,6 +149,13 @@ class Algorithm(ApiModel):
         "log pi of each sampled token: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, never "
         "negative).",
     )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="The probability ratio that is clipped: token (PPO: each token's pi / "
+        "pi_proximal) or sequence (GSPO: each sequence's geometric mean of its tokens' ratios, the "
+        "same for all its tokens; GSPO's paper clips it at clipEps 3e-4, clipEpsHigh 4e-4 and "
+        "aggregates with seq-mean-token-mean).",
+    )
     loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
         "token-mean",
         description="How a step's per-token losses become one loss: token-mean (sum over the step's "

@@ -51,6 +51,7 @@ class LossConfig:
     kl_estimator: str = "k3"
     loss_aggregation: str = "token-mean"
     is_correction: str = "token-truncate"
+    ratio_level: str = "token"
 
     @classmethod
     def of(cls, algo: Algorithm) -> LossConfig:
@@ -64,6 +65,7 @@ class LossConfig:
             kl_estimator=algo.kl_estimator,
             loss_aggregation=algo.loss_aggregation,
             is_correction=algo.is_correction,
+            ratio_level=algo.ratio_level,
         )
 
 
@@ -98,6 +100,28 @@ def importance_weights(
     if mode == "none":
         return torch.ones_like(d), torch.zeros_like(d, dtype=torch.bool)
     raise ValueError(f"unknown isCorrection {mode!r} ({', '.join(IS_CORRECTIONS)})")
+
+
+RATIO_LEVELS = ("token", "sequence")
+
+
+def probability_ratio(
+    logp: torch.Tensor, prox_logp: torch.Tensor, mask: torch.Tensor, level: str
+) -> torch.Tensor:
+    """[B, R] the ratio pi / pi_proximal that the loss clips, with gradient through `logp`.
+
+    token: each token's own. sequence (GSPO, Zheng et al. 2025): s = exp(mean over the row's trained
+    tokens of log pi - log pi_proximal), in the GSPO-token form sg(s) * pi / sg(pi): its value is s
+    at every token of the row, and its gradient s * grad log pi at each token, so that under
+    seq-mean-token-mean the gradient is GSPO's s * mean_t grad log pi."""
+    d = logp - prox_logp.detach()
+    if level == "token":
+        return torch.exp(d)
+    if level == "sequence":
+        m = mask.to(logp.dtype)
+        mean = (torch.where(m > 0, d, torch.zeros_like(d)).sum(-1) / m.sum(-1).clamp(min=1.0)).detach()
+        return torch.exp(mean)[:, None] * torch.exp(logp - logp.detach())
+    raise ValueError(f"unknown ratioLevel {level!r} ({', '.join(RATIO_LEVELS)})")
 
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -366,10 +390,10 @@ def policy_loss(
     `entropy` (per token, with gradient) is rewarded with weight `cfg.entropy_coef`. Stats are per
     token whatever the aggregation."""
     a = adv[:, None].to(logp.dtype)
-    ratio = torch.exp(logp - prox_logp.detach())
+    m = mask.to(logp.dtype)
+    ratio = probability_ratio(logp, prox_logp, m, cfg.ratio_level)
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high)
-    m = mask.to(logp.dtype)
     w, truncated = importance_weights(prox_logp, behav_logp, m, cfg.is_correction, cfg.is_cap)
     objective = torch.min(ratio * a, clipped * a)
     if cfg.dual_clip is not None:  # a negative advantage's objective is bounded below by c * a
