@@ -12,7 +12,7 @@ import pytest
 
 from polyrl_runtime.coordinator.job_state import PolicyRun
 
-from .driver_harness import make_job, new_driver, policy, until
+from .driver_harness import cpu_pools_take_turns, make_job, new_driver, policy, run, until
 
 SIGNAL = {
     "entrypoint": "polyrl_runtime.workflows.signal:SignalGame",
@@ -20,10 +20,19 @@ SIGNAL = {
 }
 
 
-def _job() -> Any:
-    listener = policy("listener", frozen=True)
+POOL_SETS = {"replicas", "gpus", "gpuType", "image", "resources", "env", "podTemplate"}
+
+
+def _job(*, pooled: bool = False) -> Any:
+    speaker, listener = policy("speaker"), policy("listener", frozen=True)
     del listener["trainer"]  # a frozen policy has none
-    return make_job(training={"totalSteps": 3}, workflow=SIGNAL, policies=[policy("speaker"), listener])
+    extra: dict[str, Any] = {}
+    if pooled:  # the speaker's engine and trainer and the listener's engine take turns on one pool
+        extra["pools"] = [{"name": "shared", "gpus": 0, "replicas": {"min": 1, "max": 1}}]
+        for p, roles in ((speaker, ("rollout", "trainer")), (listener, ("rollout",))):
+            for role in roles:
+                p[role] = {k: v for k, v in p[role].items() if k not in POOL_SETS} | {"pool": "shared"}
+    return make_job(training={"totalSteps": 3}, workflow=SIGNAL, policies=[speaker, listener], **extra)
 
 
 @pytest.mark.slow
@@ -55,3 +64,18 @@ def test_a_frozen_policy_is_served_and_never_trained(ray_local: Any, tmp_path: P
     final = Path(summary.checkpoint or "")
     assert final.name == "step-000003"
     assert sorted(p.name for p in (final / "trainers").iterdir()) == ["speaker"]
+
+
+@pytest.mark.slow
+def test_a_frozen_policy_shares_a_pool_with_a_trained_one(
+    ray_local: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a pool its engine sleeps through the trained policy's turns and serves between them, as
+    the trained policy's own engine does; it receives no weights."""
+    cpu_pools_take_turns(monkeypatch)
+    driver, summary = run(_job(pooled=True), tmp_path)
+    assert summary.state == "done", summary.message
+    assert [r.step for r in summary.records] == [1, 2, 3]
+    assert all(r.pool == "shared" for r in summary.records)
+    assert summary.dropped["listener"]["policy_frozen"] > 0
+    assert all(e.version == 0 for e in driver.snapshot().policies[1].engines)
