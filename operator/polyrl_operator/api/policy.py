@@ -97,6 +97,12 @@ class Algorithm(ApiModel):
             check=lambda a: a.name not in GROUPED_ALGORITHMS or a.group_size >= 2,
             field=".groupSize",
         ),
+        Rule(
+            cel=f"!has(self.advantageNorm) || self.advantageNorm != 'per-group' || self.name in {GROUPED_ALGORITHMS_CEL}",
+            message="per-group needs groups: it is for grpo, dr_grpo and rloo",
+            check=lambda a: a.advantage_norm != "per-group" or a.name in GROUPED_ALGORITHMS,
+            field=".advantageNorm",
+        ),
     )
 
     name: AlgorithmName = Field(
@@ -115,12 +121,13 @@ class Algorithm(ApiModel):
         "many episodes as the largest groupSize of the job's policies trained with those; a policy with "
         "a smaller one compares its rewards within consecutive sub-groups of its own size.",
     )
-    advantage_norm: Literal["per-policy", "per-agent", "global", "none"] | None = Field(
+    advantage_norm: Literal["per-policy", "per-agent", "per-group", "global", "none"] | None = Field(
         None,
         description="Normalise advantages per policy (recommended for multi-agent training), per agent "
         "(each agent's samples with that agent's own statistics, for agents that share a policy through "
-        "workflow.args.policies), over all policies, or not at all. Unset: none for dr_grpo, else "
-        "per-policy.",
+        "workflow.args.policies), per group (GRPO's original: each group-centred signal divided by "
+        "the standard deviation of its group's rewards; grpo, dr_grpo and rloo only), over all "
+        "policies, or not at all. Unset: none for dr_grpo, else per-policy.",
     )
     lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
     clip_eps: float = Field(

@@ -127,6 +127,8 @@ def advantages(
         return (signals - means) / (stds + EPS)
     if mode == "none":
         return signals if grpo else signals - stats.mean
+    if mode == "per-group":  # scaled by the worker, within each group (workflows/runner.py)
+        return signals
     if grpo and mode == "per-policy":
         return signals / (stats.rms + EPS)
     centred = signals if grpo else signals - stats.mean

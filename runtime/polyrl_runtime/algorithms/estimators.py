@@ -28,7 +28,7 @@ from typing import Literal, get_args
 from polyrl_operator.api.policy import AlgorithmName
 
 Baseline = Literal["group_mean", "leave_one_out", "none"]
-Norm = Literal["per-policy", "per-agent", "global", "none"]
+Norm = Literal["per-policy", "per-agent", "per-group", "global", "none"]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import structlog
 
 from polyrl_operator.api import RLJob
 from polyrl_operator.pod_contract import ENV_POD_NAME
-from polyrl_runtime.algorithms.estimators import estimator
+from polyrl_runtime.algorithms.estimators import estimator, normalisation
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.data.row import Row, RowRef
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
@@ -86,6 +86,7 @@ def group_relative(
     group_sizes: Mapping[str, int],
     members: Sequence[int] | None = None,
     leave_one_out: frozenset[str] = frozenset(),
+    std_scaled: frozenset[str] = frozenset(),
 ) -> list[dict[str, float]]:
     """Per agent of a grouped estimator (`group_sizes`: agent -> its policy's groupSize): its reward
     minus its baseline over its sub-group, the members whose position in the group (`members`,
@@ -93,7 +94,9 @@ def group_relative(
     reward, or for agents in `leave_one_out` (rloo) the mean of the sub-group's other members (0
     signal for a member alone). A group is as many episodes as the largest groupSize of its
     policies, so each policy's baseline is over its own groupSize episodes of the task (the last
-    sub-group is smaller where the sizes do not divide); other agents keep the raw reward."""
+    sub-group is smaller where the sizes do not divide); other agents keep the raw reward. Agents
+    in `std_scaled` (advantageNorm per-group) have their signal divided by the standard deviation
+    of their sub-group's rewards plus `GROUP_STD_EPS`: a sub-group of equal rewards keeps 0."""
     out = [dict(r) for r in rewards]
     position = list(range(len(rewards))) if members is None else list(members)
     for agent, size in group_sizes.items():
@@ -103,13 +106,22 @@ def group_relative(
                 subgroups.setdefault(position[i] // size, []).append(i)
         for rows in subgroups.values():
             total, n = sum(rewards[i][agent] for i in rows), len(rows)
+            mean = total / n
+            scale = 1.0
+            if agent in std_scaled:
+                scale = math.sqrt(sum((rewards[i][agent] - mean) ** 2 for i in rows) / n) + GROUP_STD_EPS
             for i in rows:
                 own = rewards[i][agent]
                 if agent in leave_one_out:
-                    out[i][agent] = own - (total - own) / (n - 1) if n > 1 else 0.0
+                    out[i][agent] = (own - (total - own) / (n - 1) if n > 1 else 0.0) / scale
                 else:
-                    out[i][agent] = own - total / n
+                    out[i][agent] = (own - mean) / scale
     return out
+
+
+# GRPO's std normalisation adds this to the group's std (TRL's value): a group whose rewards
+# differ by a little less than it is not blown up into +-1 signals.
+GROUP_STD_EPS = 1e-4
 
 
 # The failures a policy causes, trained on with the failure reward; every other reason is the
@@ -191,6 +203,11 @@ class WorkflowWorker:
         grouped = [(p, estimator(p.algorithm.name)) for p in spec.policies]
         self.group_sizes = {p.name: p.algorithm.group_size for p, e in grouped if e.grouped}
         self.leave_one_out = {p.name for p, e in grouped if e.baseline == "leave_one_out"}
+        self.std_scaled = {
+            p.name
+            for p, _ in grouped
+            if normalisation(p.algorithm.name, p.algorithm.advantage_norm) == "per-group"
+        }
         self.in_flight = 0
         self._busy_s = 0.0
         self._busy_since: float | None = None
@@ -289,7 +306,8 @@ class WorkflowWorker:
             if t.policy in self.group_sizes
         }
         loo = frozenset(t.agent for _, _, e in done for t in e.turns if t.policy in self.leave_one_out)
-        signals = group_relative([e.rewards for _, _, e in done], sizes, [i for i, _, _ in done], loo)
+        scaled = frozenset(t.agent for _, _, e in done for t in e.turns if t.policy in self.std_scaled)
+        signals = group_relative([e.rewards for _, _, e in done], sizes, [i for i, _, _ in done], loo, scaled)
         items = [
             (t, Episode(e.episode_id, e.turns, s, e.metadata))
             for (_, t, e), s in zip(done, signals, strict=True)

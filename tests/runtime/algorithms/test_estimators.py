@@ -73,3 +73,35 @@ def test_an_unset_advantage_norm_is_the_estimators_and_a_set_one_wins() -> None:
     assert normalisation("dr_grpo", "per-policy") == "per-policy"
     with pytest.raises(ValueError, match=r"unknown algorithm 'dpo' \(known: grpo, dr_grpo"):
         estimator("dpo")
+
+
+def test_per_group_divides_each_groups_signal_by_its_own_std() -> None:
+    """GRPO's original normalisation (advantageNorm per-group): (r - mean_g) / (std_g + eps), with the
+    population std of the group's rewards; a group of equal rewards keeps 0; the trainer then leaves
+    the signals as they are."""
+    from polyrl_runtime.workflows.runner import GROUP_STD_EPS
+
+    out = [
+        r["a"]
+        for g in GROUPS
+        for r in group_relative([{"a": v} for v in g], {"a": 4}, None, frozenset(), frozenset({"a"}))
+    ]
+    rewards = torch.tensor(GROUPS, dtype=torch.float64)
+    mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, unbiased=False, keepdim=True)
+    want = ((rewards - mean) / (std + GROUP_STD_EPS)).flatten()
+    signals = torch.tensor(out, dtype=torch.float64)
+    torch.testing.assert_close(signals, want)
+    adv = advantages(signals, "per-group", scale_stats(signals, "grpo"), algorithm="grpo")
+    torch.testing.assert_close(adv, want)
+
+
+def test_per_group_is_refused_without_groups() -> None:
+    from pydantic import ValidationError
+
+    from polyrl_operator.api.policy import Algorithm
+
+    assert (
+        Algorithm.model_validate({"name": "grpo", "advantageNorm": "per-group"}).advantage_norm == "per-group"
+    )
+    with pytest.raises(ValidationError, match="per-group needs groups"):
+        Algorithm.model_validate({"name": "reinforce_pp", "advantageNorm": "per-group"})

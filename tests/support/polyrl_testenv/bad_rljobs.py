@@ -414,6 +414,12 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].rollout.sampling.topP", "ignore a nucleus"),
     ),
     BadCase(
+        "per-group-norm-without-groups",
+        _set("spec.policies.0.algorithm", {"name": "reinforce_pp", "advantageNorm": "per-group"}),
+        "spec.policies[0].algorithm.advantageNorm",
+        ("spec.policies[0].algorithm.advantageNorm", "per-group needs groups"),
+    ),
+    BadCase(
         "unknown-algorithm",
         _set("spec.policies.0.algorithm.name", "dpo"),
         "spec.policies[0].algorithm.name",
