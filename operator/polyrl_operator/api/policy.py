@@ -171,14 +171,21 @@ class Algorithm(ApiModel):
         "the step's sequences). Counts are taken over every rank and micro-batch of the step.",
     )
     is_cap: float = Field(
-        2.0, ge=1.0, le=100.0, description="Cap on the importance weight that corrects stale samples."
+        2.0,
+        ge=1.0,
+        le=100.0,
+        description="Cap on the importance weight that corrects stale samples (the mask isCorrection modes keep weights within [1 / isCap, isCap]).",
     )
-    is_correction: Literal["token-truncate", "sequence-truncate", "none"] = Field(
-        "token-truncate",
-        description="The importance weight w of proximal vs behaviour (engine) log-probs: "
-        "token-truncate: per token, min(pi_prox / mu, isCap); sequence-truncate: per sequence, "
-        "min(prod over its trained tokens of pi_prox / mu, isCap) (in log space), on each of its "
-        "tokens; none: w = 1.",
+    is_correction: Literal["token-truncate", "sequence-truncate", "token-mask", "sequence-mask", "none"] = (
+        Field(
+            "token-truncate",
+            description="The importance weight w of proximal vs behaviour (engine) log-probs: "
+            "token-truncate: per token, min(pi_prox / mu, isCap); sequence-truncate: per sequence, "
+            "min(prod over its trained tokens of pi_prox / mu, isCap) (in log space), on each of its "
+            "tokens; token-mask: per token, pi_prox / mu where it lies within [1 / isCap, isCap], "
+            "else 0 (the token is not trained on); sequence-mask: the same on the sequence's product "
+            "(the whole sequence is rejected); none: w = 1.",
+        )
     )
     kl_coef: float = Field(
         0.0, ge=0, le=100.0, description="Weight of a KL penalty to the initial policy (0: off)."

@@ -81,22 +81,38 @@ def kl_penalty(d: torch.Tensor, estimator: str) -> torch.Tensor:
     raise ValueError(f"unknown KL estimator {estimator!r} (k1, k2, k3)")
 
 
-IS_CORRECTIONS = ("token-truncate", "sequence-truncate", "none")
+IS_CORRECTIONS = ("token-truncate", "sequence-truncate", "token-mask", "sequence-mask", "none")
+MASKING_CORRECTIONS = frozenset({"token-mask", "sequence-mask"})
 
 
 def importance_weights(
     prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, R] the (detached) importance weight of each token under `mode` and [B, R] whether it was
-    truncated at `cap`. sequence-truncate takes the product over a row's trained tokens in log space,
-    so a long sequence's product neither overflows nor underflows before the cap."""
+    """[B, R] the (detached) importance weight of each token under `mode` and [B, R] whether the
+    correction acted on it: truncated at `cap` (the truncate modes) or masked out of the loss (the
+    mask modes: weight 0).
+
+    The sequence modes take the product over a row's trained tokens in log space, so a long
+    sequence's product neither overflows nor underflows. The mask modes (masked importance sampling,
+    Yao et al. 2025; verl's rollout-correction mask presets) keep the weight where it lies within
+    [1 / cap, cap] and reject the token (token-mask) or the whole row (sequence-mask) elsewhere:
+    a sample the engine's policy and the trainer's disagree on that much is not trained on at all,
+    where truncation would still train on it with a bounded weight."""
     d = (prox_logp - behav_logp).detach()
+    log_cap = math.log(cap)
     if mode == "token-truncate":
-        return torch.clamp(torch.exp(d), max=cap), d > math.log(cap)
-    if mode == "sequence-truncate":
+        return torch.clamp(torch.exp(d), max=cap), d > log_cap
+    if mode == "token-mask":
+        out = d.abs() > log_cap
+        return torch.where(out, torch.zeros_like(d), torch.exp(d)), out
+    if mode in ("sequence-truncate", "sequence-mask"):
         log_w = (torch.where(mask > 0, d, torch.zeros_like(d))).sum(-1, keepdim=True)
-        over = (log_w > math.log(cap)).expand_as(d)
-        return torch.exp(torch.clamp(log_w, max=math.log(cap))).expand_as(d), over
+        if mode == "sequence-truncate":
+            over = (log_w > log_cap).expand_as(d)
+            return torch.exp(torch.clamp(log_w, max=log_cap)).expand_as(d), over
+        out = log_w.abs() > log_cap
+        w = torch.where(out, torch.zeros_like(log_w), torch.exp(torch.clamp(log_w, -log_cap, log_cap)))
+        return w.expand_as(d), out.expand_as(d)
     if mode == "none":
         return torch.ones_like(d), torch.zeros_like(d, dtype=torch.bool)
     raise ValueError(f"unknown isCorrection {mode!r} ({', '.join(IS_CORRECTIONS)})")
@@ -161,6 +177,7 @@ class LossStats:
     is_truncated_frac: float
     kl: float
     entropy: float
+    is_masked_frac: float = 0.0  # trained tokens a mask correction rejected (weight 0)
 
 
 @dataclass(frozen=True)
@@ -394,7 +411,9 @@ def policy_loss(
     ratio = probability_ratio(logp, prox_logp, m, cfg.ratio_level)
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high)
-    w, truncated = importance_weights(prox_logp, behav_logp, m, cfg.is_correction, cfg.is_cap)
+    w, corrected = importance_weights(prox_logp, behav_logp, m, cfg.is_correction, cfg.is_cap)
+    corrected_frac = float((corrected.float() * m).sum()) / max(int(m.sum().item()), 1)
+    masking = cfg.is_correction in MASKING_CORRECTIONS
     objective = torch.min(ratio * a, clipped * a)
     if cfg.dual_clip is not None:  # a negative advantage's objective is bounded below by c * a
         objective = torch.where(a < 0, torch.max(objective, cfg.dual_clip * a), objective)
@@ -411,7 +430,8 @@ def policy_loss(
         tokens=n,
         clip_frac=float((((ratio - clipped).abs() > 1e-6).float() * m).sum()) / denom,
         is_weight_mean=float((w * m).sum()) / denom,
-        is_truncated_frac=float((truncated.float() * m).sum()) / denom,
+        is_truncated_frac=0.0 if masking else corrected_frac,
+        is_masked_frac=corrected_frac if masking else 0.0,
         kl=float((kl.detach() * m).sum()) / denom,
         entropy=float((entropy.detach() * m).sum()) / denom if entropy is not None else 0.0,
     )

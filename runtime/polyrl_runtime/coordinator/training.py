@@ -465,6 +465,7 @@ class PolicyTrainer:
             staleness_max=max(r.staleness_max for r in results),
             is_weight_mean=sum(r.is_weight_mean for r in results) / world,
             is_truncated_frac=sum(r.is_truncated_frac for r in results) / world,
+            is_masked_frac=sum(r.is_masked_frac for r in results) / world,
             clip_frac=sum(r.clip_frac for r in results) / world,
             kl=sum(r.kl for r in results) / world,
             entropy=sum(r.entropy for r in results) / world,

@@ -23,6 +23,7 @@ class StepResult:
     clip_frac: float = 0.0
     is_weight_mean: float = 1.0
     is_truncated_frac: float = 0.0
+    is_masked_frac: float = 0.0  # trained tokens a mask isCorrection rejected
     kl: float = 0.0
     entropy: float = 0.0  # mean per-token entropy (computed only when algorithm.entropyCoef > 0)
     staleness_mean: float = 0.0

@@ -82,7 +82,7 @@ _PAD_ROW = TokenBatch.build([np.zeros(1, np.int32)], [np.zeros(1, np.int32)], [n
 
 # The loss statistics a step reports as means over its scored tokens (`LossStats` fields, which are
 # also `StepResult` fields of the same name).
-TOKEN_WEIGHTED = ("clip_frac", "is_weight_mean", "is_truncated_frac", "kl", "entropy")
+TOKEN_WEIGHTED = ("clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac", "kl", "entropy")
 
 
 def policy_seed(job_seed: int, policy: str) -> int:
@@ -392,6 +392,7 @@ class DeepSpeedTrainer(TrainerWeights):
             clip_frac=per_token["clip_frac"],
             is_weight_mean=per_token["is_weight_mean"],
             is_truncated_frac=per_token["is_truncated_frac"],
+            is_masked_frac=per_token["is_masked_frac"],
             kl=per_token["kl"],
             entropy=per_token["entropy"],
             staleness_mean=float(lag.mean()) if len(lag) else 0.0,

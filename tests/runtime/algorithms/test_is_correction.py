@@ -1,6 +1,7 @@
 """algorithm.isCorrection against its formulas on fixed tensors: the importance weight of the proximal
 policy against the behaviour (engine) one, per token truncated at isCap (token-truncate), per sequence
-as the product over its trained tokens truncated at isCap (sequence-truncate), or 1 (none)."""
+as the product over its trained tokens truncated at isCap (sequence-truncate), masked outside
+[1 / isCap, isCap] per token (token-mask) or per sequence (sequence-mask), or 1 (none)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,38 @@ def test_a_long_sequence_product_stays_finite() -> None:
     assert torch.isfinite(w).all() and float(w[0, 0]) >= 0.0
 
 
+def test_token_mask_keeps_the_weight_inside_the_band_and_rejects_the_rest() -> None:
+    d = torch.tensor([[0.5, -0.8, 0.9], [-0.6, 0.0, 0.7]])  # log 2 = 0.693: 0.9, -0.8, 0.7 are out
+    w, out = importance_weights(d, BEHAV, torch.ones_like(d), "token-mask", CAP)
+    want = [[math.exp(0.5), 0.0, 0.0], [math.exp(-0.6), 1.0, 0.0]]
+    assert w.tolist() == [pytest.approx(row, rel=1e-6) for row in want]
+    assert out.tolist() == [[False, True, True], [False, False, True]]
+
+
+def test_sequence_mask_rejects_a_whole_row_whose_product_leaves_the_band() -> None:
+    w, out = importance_weights(D, BEHAV, MASK, "sequence-mask", CAP)
+    # row 0: exp(0.9) > 2 is rejected whole; row 1: exp(0.5) is kept on every token
+    assert w[0].tolist() == [0.0] * 3 and out[0].all()
+    assert w[1].tolist() == pytest.approx([math.exp(0.5)] * 3, rel=1e-6) and not out[1].any()
+    low = torch.tensor([[-0.5, -0.4, 0.0]])  # product exp(-0.9) < 1 / 2: rejected as well
+    w, out = importance_weights(low, torch.zeros(1, 3), torch.ones(1, 3), "sequence-mask", CAP)
+    assert w.tolist() == [[0.0] * 3] and out.all()
+
+
+def test_a_masked_token_adds_no_loss_and_no_gradient_and_is_counted() -> None:
+    logp = D.clone().requires_grad_()
+    adv = torch.tensor([1.0, -1.0])
+    cfg = LossConfig(is_correction="token-mask")
+    loss, stats = policy_loss(logp, D, BEHAV, adv, MASK, cfg=cfg)
+    loss.backward()
+    assert logp.grad is not None
+    # D's trained tokens: 0.5, 0.4 kept; 1.0 rejected (> log 2); -0.5 kept
+    assert logp.grad[1, 0] == 0.0 and logp.grad[0, 0] != 0.0 and logp.grad[1, 1] != 0.0
+    assert stats.is_masked_frac == pytest.approx(1 / 4) and stats.is_truncated_frac == 0.0
+    _, truncating = policy_loss(D.clone(), D, BEHAV, adv, MASK, cfg=LossConfig())
+    assert truncating.is_masked_frac == 0.0 and truncating.is_truncated_frac == pytest.approx(1 / 4)
+
+
 def test_none_is_weight_one() -> None:
     w, over = importance_weights(D, BEHAV, MASK, "none", CAP)
     assert w.tolist() == [[1.0] * 3] * 2 and not over.any()
@@ -51,12 +84,13 @@ def test_none_is_weight_one() -> None:
 def test_the_weight_scales_the_loss_and_its_stats() -> None:
     logp = D.clone()  # ratio 1 against the proximal policy: each token's loss is -w * A
     adv = torch.tensor([1.0, 1.0])
-    for mode in ("token-truncate", "sequence-truncate", "none"):
+    for mode in ("token-truncate", "sequence-truncate", "token-mask", "sequence-mask", "none"):
         w, over = importance_weights(D, BEHAV, MASK, mode, CAP)
         loss, stats = policy_loss(logp, D, BEHAV, adv, MASK, cfg=LossConfig(is_correction=mode))
         assert float(loss) == pytest.approx(-float((w * MASK).sum()), rel=1e-6), mode
         assert stats.is_weight_mean == pytest.approx(float((w * MASK).sum()) / 4, rel=1e-6), mode
-        assert stats.is_truncated_frac == pytest.approx(float((over.float() * MASK).sum()) / 4), mode
+        acted = stats.is_masked_frac if mode.endswith("mask") else stats.is_truncated_frac
+        assert acted == pytest.approx(float((over.float() * MASK).sum()) / 4), mode
 
 
 def test_an_unknown_correction_is_refused_by_name() -> None:

@@ -54,6 +54,8 @@ class StepRecord:
     samples_per_s: float
     # Optimizer steps of this step skipped for a non-finite loss or gradient (trainers/nonfinite.py).
     nonfinite_grad_steps: int = 0
+    # Trained tokens a mask isCorrection (token-mask, sequence-mask) rejected: weight 0.
+    is_masked_frac: float = 0.0
     # Samples of this policy the buffer dropped, by reason (experience.DropReason).
     dropped: dict[str, int] = field(default_factory=dict)
     dropped_total: dict[str, int] = field(default_factory=dict)
