@@ -13,6 +13,9 @@ from polyrl_operator.api.patterns import GPU_TYPE_PATTERN, MODEL_URI_PATTERN
 DEFAULT_GPUS = 1
 """GPUs per pod of a dedicated rollout or trainer whose spec leaves `gpus` unset."""
 
+DEFAULT_MAX_NEW_TOKENS = 256
+"""`rollout.sampling.maxNewTokens` when unset."""
+
 POOL_FIELD_DESCRIPTION = (
     "Run on the pods of this device pool (spec.pools[].name) instead of pods of its own; leave "
     "replicas, gpus and gpuType unset, the pool sets them."
@@ -87,6 +90,44 @@ GROUPED_ALGORITHMS = ("grpo", "dr_grpo", "rloo")
 GROUPED_ALGORITHMS_CEL = "[" + ", ".join(f"'{n}'" for n in GROUPED_ALGORITHMS) + "]"
 
 
+class DynamicSampling(ApiModel):
+    """DAPO's dynamic sampling: groups whose rewards are all equal carry no gradient and are dropped,
+    so that every step trains on groups that do."""
+
+    max_refills: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="How many steps' worth of episodes (this many times training.episodesPerStep) a "
+        "policy version may drop for equal rewards. Past it the version trains on such groups as "
+        "they come (zero signal), so that a policy solving (or failing) every task still steps "
+        "instead of sampling forever; a warning says so.",
+    )
+
+
+class OverlongPenalty(ApiModel):
+    """DAPO's soft overlong punishment: a length penalty added to the reward of each response that
+    comes near the most tokens a turn may have."""
+
+    buffer_tokens: int = Field(
+        ...,
+        ge=1,
+        le=1_048_576,
+        description="The length of the penalty's ramp: a turn of L sampled tokens, at most maxLength, "
+        "gets penaltyFactor * min(0, (maxLength - bufferTokens - L) / bufferTokens) added to its "
+        "agent's return (0 down to -penaltyFactor at maxLength). Must be below maxLength.",
+    )
+    max_length: int | None = Field(
+        None,
+        ge=2,
+        le=1_048_576,
+        description="The length the ramp ends at; unset: the policy's rollout.sampling.maxNewTokens.",
+    )
+    penalty_factor: float = Field(
+        1.0, gt=0, le=100.0, description="The penalty of a turn of maxLength sampled tokens or more."
+    )
+
+
 class Algorithm(ApiModel):
     """The policy-gradient algorithm and its hyper-parameters."""
 
@@ -98,10 +139,29 @@ class Algorithm(ApiModel):
             field=".groupSize",
         ),
         Rule(
+            cel=f"!has(self.dynamicSampling) || self.name in {GROUPED_ALGORITHMS_CEL}",
+            message="needs groups: equal rewards are found within a group of grpo, dr_grpo or rloo",
+            check=lambda a: a.dynamic_sampling is None or a.name in GROUPED_ALGORITHMS,
+            field=".dynamicSampling",
+        ),
+        Rule(
             cel=f"!has(self.advantageNorm) || self.advantageNorm != 'per-group' || self.name in {GROUPED_ALGORITHMS_CEL}",
             message="per-group needs groups: it is for grpo, dr_grpo and rloo",
             check=lambda a: a.advantage_norm != "per-group" or a.name in GROUPED_ALGORITHMS,
             field=".advantageNorm",
+        ),
+        Rule(
+            cel="self.klIn != 'reward' || self.klCoef > 0.0",
+            message="reward needs klCoef > 0 (the weight of the KL estimate it subtracts from the reward)",
+            check=lambda a: a.kl_in != "reward" or a.kl_coef > 0,
+            field=".klIn",
+        ),
+        Rule(
+            cel=f"self.klIn != 'reward' || !(self.name in {GROUPED_ALGORITHMS_CEL})",
+            message="reward is for reinforce_pp and ppo: a per-token KL shaping would corrupt the "
+            "group-centred signals of grpo, dr_grpo and rloo",
+            check=lambda a: a.kl_in != "reward" or a.name not in GROUPED_ALGORITHMS,
+            field=".klIn",
         ),
     )
 
@@ -190,6 +250,16 @@ class Algorithm(ApiModel):
     kl_coef: float = Field(
         0.0, ge=0, le=100.0, description="Weight of a KL penalty to the initial policy (0: off)."
     )
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss",
+        description="Where the KL penalty to the reference model (klCoef, klEstimator) goes: loss (a "
+        "per-token term of the loss, any estimator) or reward (REINFORCE++: each token's return is "
+        "the reward minus klCoef times the sum of the KL estimates of that token and every later one "
+        "of its sequence, taken without gradient against the proximal log-probabilities before the "
+        "step's first update; the per-token advantages are then normalised over the batch's trained "
+        "tokens as advantageNorm says, and the loss has no KL term). reward needs klCoef > 0 and "
+        "reinforce_pp or ppo.",
+    )
     entropy_coef: float = Field(
         0.0,
         ge=0,
@@ -225,6 +295,24 @@ class Algorithm(ApiModel):
         "trainer fails (restarted from its latest checkpoint, frozen or failing the job, as "
         "failurePolicy says).",
     )
+    dynamic_sampling: DynamicSampling | None = Field(
+        None,
+        description="Drop the groups whose rewards are all equal (DAPO's dynamic sampling; grpo, "
+        "dr_grpo and rloo): their samples are counted as dropped_zero_variance and more episodes "
+        "are played in their place. Unset: such groups are trained on (they add no gradient but "
+        "count toward the step).",
+    )
+    overlong_filter: bool = Field(
+        False,
+        description="Do not train on turns cut at their maximum new tokens (DAPO's overlong "
+        "filtering): their samples are counted as dropped_overlong. The episode's other turns "
+        "are trained on, and the cut turn still counts in its group's rewards.",
+    )
+    overlong_penalty: OverlongPenalty | None = Field(
+        None,
+        description="Add DAPO's soft overlong penalty to the return of an agent for each of its "
+        "turns that comes near the maximum length; unset: none.",
+    )
     lora: Lora | None = Field(
         None,
         description="Train low-rank adapters instead of all weights (Hugging Face models only); unset "
@@ -258,7 +346,9 @@ class Sampling(ApiModel):
 
     temperature: float = Field(1.0, ge=0, le=10.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling threshold.")
-    max_new_tokens: int = Field(256, ge=1, le=1_048_576, description="Most tokens generated per agent turn.")
+    max_new_tokens: int = Field(
+        DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_048_576, description="Most tokens generated per agent turn."
+    )
 
 
 EngineName = Literal["vllm", "torch"]
@@ -431,6 +521,19 @@ class Policy(ApiModel):
             field=".failurePolicy",
         ),
         Rule(
+            cel="!has(self.algorithm) || !has(self.algorithm.overlongPenalty) || "
+            "self.algorithm.overlongPenalty.bufferTokens < (has(self.algorithm.overlongPenalty.maxLength) "
+            "? self.algorithm.overlongPenalty.maxLength : (has(self.rollout) && has(self.rollout.sampling) "
+            f"&& has(self.rollout.sampling.maxNewTokens) ? self.rollout.sampling.maxNewTokens : {DEFAULT_MAX_NEW_TOKENS}))",
+            message="must be below the penalty's maxLength (by default rollout.sampling.maxNewTokens): "
+            "the ramp ends there",
+            check=lambda p: (
+                p.algorithm.overlong_penalty is None
+                or p.algorithm.overlong_penalty.buffer_tokens < p.overlong_max_length
+            ),
+            field=".algorithm.overlongPenalty.bufferTokens",
+        ),
+        Rule(
             cel="!has(self.rollout) || !has(self.rollout.sampling) || !has(self.rollout.sampling.topP) "
             "|| self.rollout.sampling.topP == 1.0 || (has(self.algorithm) && "
             "has(self.algorithm.isCorrection) && self.algorithm.isCorrection == 'none')",
@@ -473,6 +576,14 @@ class Policy(ApiModel):
         if self.frozen and self.trainer != Trainer():
             raise RuleViolation(".trainer", "a frozen policy has no trainer: leave trainer unset")
         return self
+
+    @property
+    def overlong_max_length(self) -> int:
+        """The length the soft overlong penalty's ramp ends at: its maxLength, else maxNewTokens."""
+        penalty = self.algorithm.overlong_penalty
+        if penalty is not None and penalty.max_length is not None:
+            return penalty.max_length
+        return self.rollout.sampling.max_new_tokens
 
     @property
     def trainer_pool(self) -> str | None:

@@ -60,7 +60,8 @@ class Workflow(RoleOverrides):
         gt=0,
         le=86_400.0,
         description="Seconds an episode may run: one still running then fails (reason timeout); "
-        "its turns so far are trained on with failureReward.",
+        "its turns so far are trained on with failureReward, and its engine requests still in flight "
+        "are aborted on their engines (their batch slots and KV cache freed).",
     )
     failure_reward: float | None = Field(
         None,

@@ -15,8 +15,10 @@ Dr. GRPO (Liu et al., 2025) also drops GRPO's per-sequence length normalisation;
 already a mean over all tokens of the step, so no sequence's tokens weigh more for it being short.
 RLOO's leave-one-out baseline is n/(n-1) times GRPO's group-centred signal: unbiased, where the
 group mean includes the sample itself. REINFORCE++ normalises over the batch rather than the group;
-its KL-in-the-reward is not applied here (the KL penalty, `klCoef`, is in the loss for every
-estimator).
+its KL-in-the-reward is `algorithm.klIn: reward` (algorithms/kl_reward.py: per-token returns, the
+reward less the KL to go, normalised over the batch's trained tokens), for the estimators whose
+signal is the raw reward (reinforce_pp, ppo); by default (`klIn: loss`) the KL penalty, `klCoef`, is
+a term of the loss, for every estimator.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ class LossConfig:
     loss_aggregation: str = "token-mean"
     is_correction: str = "token-truncate"
     ratio_level: str = "token"
+    kl_in: str = "loss"  # reward: the KL is in the advantages (algorithms/kl_reward.py), not the loss
 
     @classmethod
     def of(cls, algo: Algorithm) -> LossConfig:
@@ -66,6 +67,7 @@ class LossConfig:
             loss_aggregation=algo.loss_aggregation,
             is_correction=algo.is_correction,
             ratio_level=algo.ratio_level,
+            kl_in=algo.kl_in,
         )
 
 
@@ -391,6 +393,22 @@ def sequence_logprobs_and_entropy(
     return scores[0], scores[1]
 
 
+KL_IN = ("loss", "reward")
+
+
+def per_token_advantages(adv: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """[B, R] advantages in `logp`'s dtype from per-row [B] (one for every token of the row) or
+    per-token [B, R] ones."""
+    if adv.dim() == 1 and adv.shape[0] == logp.shape[0]:
+        return adv[:, None].to(logp.dtype)
+    if adv.shape == logp.shape:
+        return adv.to(logp.dtype)
+    raise ValueError(
+        f"advantages of shape {tuple(adv.shape)}: need one per row {tuple(logp.shape[:1])} or one per "
+        f"token {tuple(logp.shape)}"
+    )
+
+
 def policy_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,
@@ -403,10 +421,11 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The micro-batch's loss numerator (`aggregate_numerator` under `cfg.loss_aggregation`: the sum
-    over real tokens of the per-token loss for token-mean) ([B, R] inputs, `adv` per row [B]);
-    `entropy` (per token, with gradient) is rewarded with weight `cfg.entropy_coef`. Stats are per
-    token whatever the aggregation."""
-    a = adv[:, None].to(logp.dtype)
+    over real tokens of the per-token loss for token-mean) ([B, R] inputs; `adv` per row [B] or per
+    token [B, R]); `entropy` (per token, with gradient) is rewarded with weight `cfg.entropy_coef`.
+    The KL to `ref_logp` is a term of the loss under `cfg.kl_in` loss; under reward it is in the
+    advantages already, and only reported. Stats are per token whatever the aggregation."""
+    a = per_token_advantages(adv, logp)
     m = mask.to(logp.dtype)
     ratio = probability_ratio(logp, prox_logp, m, cfg.ratio_level)
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
@@ -418,10 +437,14 @@ def policy_loss(
     if cfg.dual_clip is not None:  # a negative advantage's objective is bounded below by c * a
         objective = torch.where(a < 0, torch.max(objective, cfg.dual_clip * a), objective)
     per_token = -objective * w
+    if cfg.kl_in not in KL_IN:
+        raise ValueError(f"unknown klIn {cfg.kl_in!r} ({', '.join(KL_IN)})")
     kl = torch.zeros_like(logp)
     if ref_logp is not None and cfg.kl_coef > 0:
-        kl = kl_penalty(ref_logp.detach() - logp, cfg.kl_estimator)
-        per_token = per_token + cfg.kl_coef * kl
+        in_loss = cfg.kl_in == "loss"
+        kl = kl_penalty(ref_logp.detach() - (logp if in_loss else logp.detach()), cfg.kl_estimator)
+        if in_loss:
+            per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * entropy
     n = int(m.sum().item())

@@ -271,6 +271,9 @@ class Driver:
                 final_version=self.total + offsets.get(p.name, 0),
                 max_version_skew=spec.max_version_skew if spec.version_skew_action == "drop" else None,
                 frozen=p.frozen,
+                zero_variance_cap=(
+                    ds.max_refills * self.episodes_per_step if (ds := p.algorithm.dynamic_sampling) else None
+                ),
             )
             for p in spec.policies
         ]

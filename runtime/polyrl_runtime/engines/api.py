@@ -8,7 +8,8 @@ sampling but not the recorded logprob (as vLLM's processed logprobs).
 
 A generation ends at a stop id (EOS), when the decoded reply contains a stop string (its tokens stay
 in `token_ids`: they were sampled and are trained on; `Generation.stop_str` names the string so the
-workflow can cut the reply text), after `max_new_tokens`, or at the model's context limit.
+workflow can cut the reply text), after `max_new_tokens`, or at the model's context limit; or it is
+aborted (`Engine.abort`, by its `request_id`) and its `generate` raises `RequestAbortedError`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class SamplingParams:
     # The policy the request samples for ("": the engine's own). An engine serving several policies
     # as LoRA adapters on one base runs the request with that policy's adapter.
     policy: str = ""
+    # The caller's name for the request ("": none), unique among the requests it sends: what
+    # `Engine.abort` names to stop it (`EnginePool` sets one on every request).
+    request_id: str = ""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -74,6 +78,10 @@ class EngineStats:
     # An engine serving policies as LoRA adapters: each policy's adapter version (`version` is the
     # oldest of them).
     adapters: dict[str, int] = field(default_factory=dict)
+    # Requests stopped before they finished because their caller aborted (`Engine.abort`) or went
+    # away, and the tokens they did not generate: each one's max_new_tokens minus what it had.
+    aborted: int = 0
+    freed_tokens: int = 0
 
 
 class PromptTooLongError(ValueError):
@@ -90,6 +98,21 @@ class PromptTooLongError(ValueError):
 
     def __reduce__(self) -> tuple[type[PromptTooLongError], tuple[str, int, int, str]]:
         return PromptTooLongError, (self.policy, self.prompt_len, self.limit, self.agent)  # through Ray
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (`Engine.abort`) before it finished: what its `generate` raises."""
+
+    def __init__(self, engine: str, request_id: str, generated: int, max_new_tokens: int) -> None:
+        super().__init__(
+            f"engine {engine}: request {request_id} was aborted by its caller after {generated} of at "
+            f"most {max_new_tokens} tokens"
+        )
+        self.engine, self.request_id = engine, request_id
+        self.generated, self.max_new_tokens = generated, max_new_tokens
+
+    def __reduce__(self) -> tuple[type[RequestAbortedError], tuple[str, str, int, int]]:
+        return RequestAbortedError, (self.engine, self.request_id, self.generated, self.max_new_tokens)
 
 
 class EngineUnavailableError(RuntimeError):
@@ -152,6 +175,14 @@ class Engine(Protocol):
     def generate_many(
         self, requests: list[tuple[list[int], SamplingParams]]
     ) -> AsyncIterator[list[tuple[int, Generation | BaseException]]]: ...
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests (by `SamplingParams.request_id`) at the engine's next step and free
+        their batch slots and KV cache; each one's `generate` raises `RequestAbortedError`. An id the
+        engine does not hold (finished, or still on its way: calls to an async actor may start out
+        of order) is remembered among the last `aborts.REMEMBERED` such ids, and a request of that
+        id arriving later is refused the same way."""
+        ...
 
     async def pause(self) -> None: ...
 

@@ -31,6 +31,9 @@ class EngineClient(ActorClient[Engine]):
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> ray.ObjectRef[Generation]:
         return call(self.handle, Engine.generate, prompt_ids, params)
 
+    def abort(self, request_ids: list[str]) -> ray.ObjectRef[None]:
+        return call(self.handle, Engine.abort, request_ids)
+
     @property
     def streams(self) -> bool:
         """Whether the engine has `generate_many` (else the pool sends one `generate` per request)."""

@@ -13,6 +13,12 @@ finishes (see `engines/batching.py`): a Ray call costs more CPU than the engine'
 of the small models. An engine without `generate_many` gets one `generate` call per request. Routing,
 in-flight counts and retries stay per request: a dead engine's unanswered requests of a call are
 retried elsewhere, one by one, as before.
+
+Every request gets an id of this pool (`SamplingParams.request_id`). A caller cancelled while its
+request is on an engine (an episode past `workflow.episodeTimeoutSeconds`, or a cancelled group)
+aborts it there (`Engine.abort`, the tick's aborts for an engine in one call): the engine stops it at
+its next step and frees its batch slot and KV cache, instead of generating to `max_new_tokens` for
+no one. A request cancelled before its tick's call went out is simply not sent.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import uuid
 from collections.abc import Mapping
 
 import ray
@@ -50,7 +57,13 @@ class EnginePool:
         # engine name -> (engine, requests waiting for this tick's flush, their futures)
         self._batches: dict[str, tuple[EngineClient, list[Request], list[asyncio.Future[Generation]]]] = {}
         self._flush_due = False
+        self._sent: set[asyncio.Future[Generation]] = set()  # flushed, not yet answered or cancelled
         self._streams: set[asyncio.Task[None]] = set()  # referenced so that they are not collected
+        self._prefix = uuid.uuid4().hex[:12]  # request ids unique across the pools of every worker
+        self._request_ids = itertools.count()
+        # engine name -> (engine, ids of its requests to abort in this tick's call)
+        self._aborts: dict[str, tuple[EngineClient, list[str]]] = {}
+        self._abort_due = False
         if routes:
             self.set_routes(routes)
 
@@ -78,8 +91,10 @@ class EnginePool:
         return min(candidates, key=lambda nh: (self._in_flight.get(nh[0], 0), next(self._tiebreak)))
 
     async def generate(self, policy: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        if params.policy != policy:  # an engine serving several policies' adapters reads it
-            params = dataclasses.replace(params, policy=policy)
+        # `policy`: an engine serving several policies' adapters reads it; the id names it to `abort`.
+        params = dataclasses.replace(
+            params, policy=policy, request_id=f"{self._prefix}-{next(self._request_ids)}"
+        )
         last: BaseException | None = None
         for _ in range(self.retries + 1):
             name, engine = self._choose(policy)
@@ -99,7 +114,11 @@ class EnginePool:
         self, name: str, engine: EngineClient, prompt_ids: list[int], params: SamplingParams
     ) -> Generation:
         if not engine.streams:
-            return await engine.generate(prompt_ids, params)
+            try:
+                return await engine.generate(prompt_ids, params)
+            except asyncio.CancelledError:
+                self._abort(name, engine, params.request_id)
+                raise
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Generation] = loop.create_future()
         _, requests, futures = self._batches.setdefault(name, (engine, [], []))
@@ -108,13 +127,43 @@ class EnginePool:
         if not self._flush_due:  # after the callbacks already queued: the rest of this tick's requests
             self._flush_due = True
             loop.call_soon(self._flush)
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut in self._sent:  # on the engine: stop it there
+                self._abort(name, engine, params.request_id)
+            raise
+        finally:
+            self._sent.discard(fut)
+
+    def _abort(self, name: str, engine: EngineClient, request_id: str) -> None:
+        """Abort a sent request whose caller was cancelled, in one call with the tick's others."""
+        _, ids = self._aborts.setdefault(name, (engine, []))
+        ids.append(request_id)
+        if not self._abort_due:
+            self._abort_due = True
+            asyncio.get_running_loop().call_soon(self._flush_aborts)
+
+    def _flush_aborts(self) -> None:
+        self._abort_due = False
+        aborts, self._aborts = self._aborts, {}
+        for name, (engine, ids) in aborts.items():
+            task = asyncio.get_running_loop().create_task(self._send_abort(name, engine, ids))
+            self._streams.add(task)
+            task.add_done_callback(self._streams.discard)
+
+    async def _send_abort(self, name: str, engine: EngineClient, request_ids: list[str]) -> None:
+        try:
+            await engine.abort(request_ids)
+        except Exception as e:  # a dead engine generates nothing more; a failed call costs only tokens
+            log.warning("engine.abort_failed", engine=name, requests=len(request_ids), error=repr(e))
 
     def _flush(self) -> None:
         self._flush_due = False
         batches, self._batches = self._batches, {}
         for name, (engine, requests, futures) in batches.items():
             live = [i for i, f in enumerate(futures) if not f.done()]  # a cancelled caller sends nothing
+            self._sent.update(futures[i] for i in live)
             if live:
                 task = asyncio.get_running_loop().create_task(
                     self._stream(name, engine, [requests[i] for i in live], [futures[i] for i in live])

@@ -26,6 +26,10 @@ Several policies may share one engine as LoRA adapters on its base model (`adapt
 with its own policy's adapter in the same forward pass, every token records its adapter's version,
 and a weight update of one adapter re-prefills only that adapter's requests.
 
+An aborted request (`Engine.abort`, or a `generate` call cancelled by its caller) leaves the queue or
+the running batch before the next step, its cache row freed, and is counted with the tokens it did
+not generate (the `TorchEngineAborts` mixin, `engines/torch_aborts.py`).
+
 Sleep and wake (`Engine.sleep`, for device pools) are the `TorchEngineSleep` mixin
 (`engines/torch_sleep.py`). Sleep, wake and weight updates exclude each other (`_control`): an update
 while asleep is refused (`EngineAsleepError`). Tokens are sampled by `engines/sampling.py`.
@@ -47,6 +51,7 @@ from polyrl_operator.api import Lora
 from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.device_memory import HostBuffers, ParkedMemory
+from polyrl_runtime.engines.aborts import Aborts
 from polyrl_runtime.engines.adapters import EngineAdapters
 from polyrl_runtime.engines.api import (
     EngineAsleepError,
@@ -59,6 +64,7 @@ from polyrl_runtime.engines.batching import Answer, Request, stream_generations
 from polyrl_runtime.engines.hf_cache import BatchCache, prefill
 from polyrl_runtime.engines.sampling import sample_batch
 from polyrl_runtime.engines.stops import find_stop
+from polyrl_runtime.engines.torch_aborts import TorchEngineAborts
 from polyrl_runtime.engines.torch_request import TorchRequest
 from polyrl_runtime.engines.torch_sleep import TorchEngineSleep
 from polyrl_runtime.models import ModelLoadError, Tokenizer, context_limit, load_model, load_tokenizer
@@ -75,7 +81,7 @@ log = structlog.get_logger(__name__)
 INLINE_STEP_S = 0.01
 
 
-class TorchEngine(EngineWeights, TorchEngineSleep):
+class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
     """A rollout engine actor for `engine: torch` (methods are called through Ray)."""
 
     def __init__(
@@ -149,6 +155,8 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
         self._requests = 0
         self._tokens = 0
         self._forwards = 0
+        self._aborts = Aborts(name)
+        self._by_id: dict[str, TorchRequest] = {}  # request id -> its request, while it is served
         # Sleep (see the module docstring): the level asleep at (0: awake), the parked weights,
         # requests that arrived since `sleep` began, and whether they wait for a weight update.
         self._asleep = 0
@@ -188,16 +196,26 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
             )
         if params.stop and self._tokenizer is None:
             self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
+        if refused := self._aborts.arrived_aborted(params):
+            raise refused
         wake = self._ensure_loop()
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         held = self._draining or self._asleep or self._needs_weights
-        (self._held if held else self._pending).append(
-            TorchRequest(list(prompt_ids), params, fut, generator=gen)
-        )
+        request = TorchRequest(list(prompt_ids), params, fut, generator=gen)
+        (self._held if held else self._pending).append(request)
+        if params.request_id:
+            self._by_id[params.request_id] = request
         self._requests += 1
         wake.set()
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # its caller went away: the loop drops it before the next step
+            wake.set()
+            raise
+        finally:
+            if self._by_id.get(params.request_id) is request:
+                del self._by_id[params.request_id]
 
     async def generate_many(self, requests: list[Request]) -> AsyncIterator[list[Answer]]:
         """`generate` for each request in one actor call (streamed: `num_returns="streaming"`),
@@ -220,6 +238,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
     async def _serve(self) -> None:
         assert self._wakeup is not None
         while True:
+            self._drop_abandoned()
             if self._paused or not (self._pending or self._active):
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -454,6 +473,8 @@ class TorchEngine(EngineWeights, TorchEngineSleep):
             requests=self._requests,
             tokens=self._tokens,
             paused=self._paused,
+            aborted=self._aborts.aborted,
+            freed_tokens=self._aborts.freed_tokens,
             extra={
                 "pod": os.environ.get(ENV_POD_NAME, ""),
                 "forward_passes": self._forwards,

@@ -26,6 +26,9 @@ broadcast without loading it (the sender and the other engines go on), a cudaipc
 drain. The bytes a sleep frees are measured on the
 workers' GPUs (`polyrl_device_memory`: every process's use of the device).
 
+An aborted request (`Engine.abort`) or a `generate` cancelled by its caller ends where it waits; in
+vLLM, `AsyncLLM.abort` stops it and frees its KV blocks. Both count with the tokens they did not make.
+
 New requests wait while a sync runs. A failure before any tensor reached the model resumes on the old
 version and raises `WeightSyncError` (the driver's sync-failed path). A failure after that leaves the
 weights mixed: the engine never serves again; it shuts vLLM down and exits its actor, so the driver
@@ -47,6 +50,7 @@ import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,6 +59,7 @@ import structlog
 from polyrl_operator.api import Lora
 from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.engines import vllm_api, vllm_lora
+from polyrl_runtime.engines.aborts import Aborts
 from polyrl_runtime.engines.api import (
     EngineAsleepError,
     EngineStats,
@@ -149,6 +154,8 @@ class VllmEngine:
         self._open = asyncio.Event()  # cleared while a sync (or the driver's pause) holds new requests
         self._open.set()
         self._ids = itertools.count()
+        self._aborts = Aborts(name)
+        self._live: dict[str, _Live] = {}  # request id -> its request, while `generate` runs
         self._in_flight = self._queued = self._requests = self._tokens = 0
         self._busy_s = 0.0
         self._sleep_mode = sleep_mode
@@ -170,6 +177,39 @@ class VllmEngine:
     # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if refused := self._aborts.arrived_aborted(params):
+            raise refused
+        live = _Live(asyncio.current_task())
+        if params.request_id:
+            self._live[params.request_id] = live
+        try:
+            return await self._generate(prompt_ids, params, live)
+        except asyncio.CancelledError:
+            # Aborted (`abort` cancels it) or its caller went away: stopped in vLLM either way.
+            if live.vllm_id:
+                await self._llm.abort(request_id=live.vllm_id)
+            error = self._aborts.stopped(params, live.generated)
+            task = asyncio.current_task()
+            if live.aborted and task is not None and task.uncancel() == 0:  # cancelled by `abort` alone
+                raise error from None
+            raise
+        finally:
+            if self._live.get(params.request_id) is live:
+                del self._live[params.request_id]
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """`Engine.abort`: each request's `generate` is cancelled where it waits, which aborts it in
+        vLLM (`AsyncLLM.abort`, freeing its KV blocks) and raises `RequestAbortedError`."""
+        for rid in request_ids:
+            live = self._live.get(rid)
+            if live is None:
+                if rid:
+                    self._aborts.unmatched(rid)
+            elif not live.aborted and live.task is not None:
+                live.aborted = True
+                live.task.cancel()
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams, live: _Live) -> Generation:
         sampling = self._sampling_cls(**vllm_api.sampling_kwargs(params))
         while True:
             if not self._open.is_set():
@@ -189,9 +229,11 @@ class VllmEngine:
             final: Any = None
             try:
                 prompt = {"prompt_token_ids": list(prompt_ids)}
-                request_id = f"{self.name}-{next(self._ids)}"
+                request_id = live.vllm_id = f"{self.name}-{next(self._ids)}"
                 async for out in self._llm.generate(prompt, sampling, request_id, lora_request=lora):
                     final = out
+                    live.generated = len(final.outputs[0].token_ids)
+                live.vllm_id = ""
             finally:
                 self._in_flight -= 1
                 self._busy_s += time.perf_counter() - start
@@ -436,12 +478,24 @@ class VllmEngine:
             requests=self._requests,
             tokens=self._tokens,
             paused=not self._open.is_set(),
+            aborted=self._aborts.aborted,
+            freed_tokens=self._aborts.freed_tokens,
             extra={"pod": os.environ.get(ENV_POD_NAME, ""), "retired": self._retired, "asleep": self._asleep},
             adapters=self._adapters.versions.versions() if self._adapters is not None else {},
         )
 
     def ping(self) -> str:
         return self.name
+
+
+@dataclass
+class _Live:
+    """A request while its `generate` runs: its task, its vLLM id while in vLLM, tokens so far."""
+
+    task: asyncio.Task[Any] | None
+    vllm_id: str = ""
+    generated: int = 0
+    aborted: bool = False
 
 
 class WeightsMixedError(WeightSyncError):

@@ -47,7 +47,7 @@ from polyrl_runtime.experience.state import (
     UnknownLeaseError,
     UnknownTicketError,
 )
-from polyrl_runtime.experience.types import Episode, Ticket
+from polyrl_runtime.experience.types import Episode, EpisodeHead, Ticket
 
 __all__ = [
     "BufferSnapshot",
@@ -188,10 +188,12 @@ class ExperienceBuffer(BufferCore):
             for ticket_id, policies in zip(packed.ticket_ids, used, strict=True):
                 for n in self._tickets.pop(ticket_id).policies - policies:
                     self._p[n].admitted -= 1  # credit back: this episode never used that policy
-            self._accept(chunks.values(), episodes)
+            self._accept(chunks.values(), episodes, packed.heads)
             self._cond.notify_all()
 
-    def _accept(self, chunks: Iterable[Chunk], episodes: columns.Counts) -> None:
+    def _accept(
+        self, chunks: Iterable[Chunk], episodes: columns.Counts, heads: Sequence[EpisodeHead]
+    ) -> None:
         kept = []
         for c in chunks:
             p = self._p[c.policy]
@@ -214,7 +216,7 @@ class ExperienceBuffer(BufferCore):
         # the first of a pair's samples early would close the pair under the others.
         for c in kept:
             p = self._p[c.policy]
-            for _, i, j in self._drop_skewed(p, c):
+            for _, i, j in self._drop_skewed(p, c, self._drop_filtered(p, c, heads)):
                 if p.version - c.oldest <= p.cfg.max_staleness:
                     p.queue.append((c, i, j))
                     p.buffered += j - i
@@ -293,6 +295,8 @@ class ExperienceBuffer(BufferCore):
             if version < p.version:
                 raise ValueError(f"{policy}: version {version} < current {p.version}")
             newer, p.version = version > p.version, version
+            if newer:
+                p.zero_variance_dropped = 0
             before = p.buffered
             keep: deque[Segment] = deque()
             for c, i, j in p.queue:

@@ -10,11 +10,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from polyrl_runtime.experience import columns
 from polyrl_runtime.experience.columns import Chunk, Segment
 from polyrl_runtime.experience.state import (
+    FILTERED_KEY,
     DropReason,
     LeaseState,
     PolicyConfig,
@@ -22,9 +24,11 @@ from polyrl_runtime.experience.state import (
     UnknownLeaseError,
     UnknownTicketError,
 )
-from polyrl_runtime.experience.types import Ticket, version_skew
+from polyrl_runtime.experience.types import EpisodeHead, Ticket, version_skew
 
 log = structlog.get_logger(__name__)
+
+Rows = npt.NDArray[np.bool_]  # one flag per row of a chunk
 
 
 class BufferCore:
@@ -80,20 +84,61 @@ class BufferCore:
             self._drop(p, c, rows + i, len(rows), DropReason.STALE)
         return [(c, i + a, i + b) for a, b in columns.runs(~stale)]
 
-    def _drop_skewed(self, p: PolicyState, c: Chunk) -> list[Segment]:
-        """Drop the rows of `c` whose episodes' policies still training are further apart than
-        `p`'s bound; returns the ranges of those kept. Every chunk of a put decides alike: they share
-        the episodes' version vectors, and no policy finishes during a put."""
+    def _drop_filtered(self, p: PolicyState, c: Chunk, heads: Sequence[EpisodeHead]) -> Rows:
+        """Drop the rows of `c` the workflow worker marked in their episode's metadata
+        (`FILTERED_KEY`): overlong turns always; equal-reward groups while the version's dropped
+        pairs stay within `zero_variance_cap` (past it the version keeps them, so that a policy
+        whose every group has equal rewards still steps). Returns which rows are kept."""
+        keep = np.ones(len(c), dtype=np.bool_)
+        marks = [heads[e][3].get(FILTERED_KEY) for e in range(len(heads))]
+        if not any(marks):
+            return keep
+        reasons: dict[DropReason, Rows] = {}
+        for row, (e, turn) in enumerate(zip(c.row_episode.tolist(), c.turn_index.tolist(), strict=True)):
+            mark = marks[e]
+            if not mark:
+                continue
+            for reason in (DropReason.OVERLONG, DropReason.ZERO_VARIANCE):
+                if turn in mark.get(reason.value, ()):
+                    reasons.setdefault(reason, np.zeros(len(c), dtype=np.bool_))[row] = True
+                    break
+        zero = reasons.pop(DropReason.ZERO_VARIANCE, None)
+        cap = p.cfg.zero_variance_cap
+        if zero is not None and cap is not None:
+            pairs = len(np.unique(c.row_pair[zero]))
+            if p.zero_variance_dropped + pairs <= cap:
+                p.zero_variance_dropped += pairs
+                reasons[DropReason.ZERO_VARIANCE] = zero
+            elif p.zero_variance_dropped <= cap:
+                p.zero_variance_dropped = cap + 1  # warn once per version
+                log.warning(
+                    "experience.dynamic_sampling_cap",
+                    policy=p.cfg.name,
+                    version=p.version,
+                    cap_pairs=cap,
+                    detail="this version dropped algorithm.dynamicSampling.maxRefills steps' worth "
+                    "of equal-reward groups: it trains on the next ones (zero signal) to step",
+                )
+        for reason, rows in reasons.items():
+            idx = np.flatnonzero(rows)
+            self._drop(p, c, idx, len(idx), reason)
+            keep &= ~rows
+        return keep
+
+    def _drop_skewed(self, p: PolicyState, c: Chunk, keep: Rows) -> list[Segment]:
+        """Drop the rows of `c` still kept (`keep`) whose episodes' policies still training are
+        further apart than `p`'s bound; returns the ranges of those kept. Every chunk of a put
+        decides alike: they share the episodes' version vectors, and no policy finishes during a
+        put."""
         bound = p.cfg.max_version_skew
-        if bound is None:
-            return [(c, 0, len(c))]
-        over = np.array([self._skew(v) > bound for v in c.episode_versions], dtype=np.bool_)
-        skewed = over[c.row_episode]
-        rows = np.flatnonzero(skewed)
-        if not len(rows):
-            return [(c, 0, len(c))]
-        self._drop(p, c, rows, len(rows), DropReason.VERSION_SKEW)
-        return [(c, a, b) for a, b in columns.runs(~skewed)]
+        if bound is not None:
+            over = np.array([self._skew(v) > bound for v in c.episode_versions], dtype=np.bool_)
+            skewed = over[c.row_episode] & keep
+            rows = np.flatnonzero(skewed)
+            if len(rows):
+                self._drop(p, c, rows, len(rows), DropReason.VERSION_SKEW)
+                keep = keep & ~skewed
+        return [(c, a, b) for a, b in columns.runs(keep)]
 
     def _skew(self, vector: Mapping[str, int]) -> int:
         """The version skew of an episode among its policies still training: a policy that has

@@ -23,6 +23,16 @@ class DropReason(StrEnum):
     POLICY_RESTARTING = "policy_restarting"
     # a frozen policy's turns (`trainer: null`): served, never trained on
     POLICY_FROZEN = "policy_frozen"
+    # the workflow worker marked them (`FILTERED_KEY`): a group whose rewards were all equal (DAPO's
+    # dynamic sampling, while the version's cap allows) and turns cut at their maximum new tokens
+    # (overlong filtering)
+    ZERO_VARIANCE = "zero_variance"
+    OVERLONG = "overlong"
+
+
+# Episode.metadata[FILTERED_KEY]: {drop reason value: [turn indices]}, the turns the workflow worker
+# marked for the buffer to drop (`DropReason.ZERO_VARIANCE`, `DropReason.OVERLONG`).
+FILTERED_KEY = "polyrl_filtered"
 
 
 class UnknownTicketError(KeyError):
@@ -49,12 +59,17 @@ class PolicyConfig:
     # Never trained (`trainer: null`): finished from the start, it takes no credit, and its samples
     # are dropped on arrival (counted as policy_frozen).
     frozen: bool = False
+    # Dynamic sampling: how many (episode, policy) pairs of equal rewards one version may drop
+    # before it keeps them (maxRefills * episodesPerStep); None: they are kept.
+    zero_variance_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.episodes_per_version < 1 or self.max_staleness < 0:
             raise ValueError(f"{self.name}: episodes_per_version >= 1 and max_staleness >= 0 required")
         if self.max_version_skew is not None and self.max_version_skew < 0:
             raise ValueError(f"{self.name}: max_version_skew >= 0 required (or None)")
+        if self.zero_variance_cap is not None and self.zero_variance_cap < 0:
+            raise ValueError(f"{self.name}: zero_variance_cap >= 0 required (or None)")
         if self.final_version is not None and self.final_version < 1:
             raise ValueError(f"{self.name}: final_version >= 1 required (or None)")
 
@@ -99,6 +114,7 @@ class PolicyState:
     staleness_sum: int = 0
     staleness_max: int = 0
     finished: bool = False
+    zero_variance_dropped: int = 0  # pairs dropped for equal rewards at the current version
     # Its trainer restarts alone: it takes no credit and its arriving samples are dropped, so the
     # episodes the other policies train on keep starting; what it had buffered stays.
     restarting: bool = False

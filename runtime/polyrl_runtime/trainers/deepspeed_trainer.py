@@ -19,10 +19,7 @@ trainers/offload.py); while it is offloaded every call that needs its tensors fa
 from __future__ import annotations
 
 import functools
-import logging
-import os
 import time
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,10 +34,10 @@ from polyrl_runtime.algorithms.advantages import (
     AdvantageStats,
     advantages,
     agent_stats,
-    merge_agent_stats,
     scale_stats,
 )
 from polyrl_runtime.algorithms.estimators import estimator, normalisation
+from polyrl_runtime.algorithms.kl_reward import shaped_returns, token_advantages, token_kl
 from polyrl_runtime.algorithms.losses import (
     LossConfig,
     TokenBatch,
@@ -61,15 +58,19 @@ from polyrl_runtime.trainers.batching import micro_batches, pack_rows, row_lengt
 from polyrl_runtime.trainers.build import (
     Built,
     build_trainer,
-    cuda_device_index,
     learning_rate,
     set_learning_rate,
 )
-from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
 from polyrl_runtime.trainers.export import export_policy, zero_gather
 from polyrl_runtime.trainers.lora import reference_model
 from polyrl_runtime.trainers.nonfinite import StepGuard
 from polyrl_runtime.trainers.offload import TrainerOffloadedError, offload_rank, restore_rank
+from polyrl_runtime.trainers.process_group import (
+    allreduce,
+    gather_agent_stats,
+    join_process_group,
+    policy_seed,
+)
 from polyrl_runtime.trainers.publish import published_tensors
 from polyrl_runtime.weights.endpoints import TrainerWeights
 
@@ -83,51 +84,6 @@ _PAD_ROW = TokenBatch.build([np.zeros(1, np.int32)], [np.zeros(1, np.int32)], [n
 # The loss statistics a step reports as means over its scored tokens (`LossStats` fields, which are
 # also `StepResult` fields of the same name).
 TOKEN_WEIGHTED = ("clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac", "kl", "entropy")
-
-
-def policy_seed(job_seed: int, policy: str) -> int:
-    return (job_seed * 1_000_003 + zlib.crc32(policy.encode())) % (2**31)
-
-
-def join_process_group(
-    master_addr: str, master_port: int, *, rank: int, world: int, local_rank: int, cuda: bool
-) -> torch.device:
-    """Join the trainer's process group (rendezvous at `master_addr:master_port`; a process that
-    joined it already keeps it); the rank's device."""
-    import torch.distributed as dist
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    device = torch.device("cpu")
-    device_index = 0
-    if cuda:
-        device_index = cuda_device_index(local_rank, torch.cuda.device_count())
-        torch.cuda.set_device(device_index)
-        device = torch.device("cuda", device_index)
-    if not dist.is_initialized():
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            # DeepSpeed selects the CUDA device by LOCAL_RANK: the index of this rank's own device.
-            LOCAL_RANK=str(device_index),
-        )
-    # DeepSpeed's communication backend, over torch's group (which it starts when there is none)
-    import_deepspeed().init_distributed(dist_backend="nccl" if cuda else "gloo")
-    return device
-
-
-def allreduce(values: list[float], *, world: int, cuda: bool, op: str = "sum") -> list[float]:
-    """`values` summed (or their maximum) over the trainer's process group, in float64."""
-    if world == 1:
-        return values
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    if cuda:
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return [float(x) for x in t.cpu()]
 
 
 class DeepSpeedTrainer(TrainerWeights):
@@ -234,14 +190,7 @@ class DeepSpeedTrainer(TrainerWeights):
 
     def _agent_stats(self, signals: torch.Tensor, agents: tuple[str, ...]) -> dict[str, AdvantageStats]:
         """Every agent's signal statistics over all ranks (ranks may hold different agents)."""
-        local = agent_stats(signals, agents, self.algo.name)
-        if self.world == 1:
-            return local
-        import torch.distributed as dist
-
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, local)
-        return merge_agent_stats(parts)
+        return gather_agent_stats(agent_stats(signals, agents, self.algo.name), world=self.world)
 
     def _set_gas(self, gas: int) -> None:
         if gas != self._gas:
@@ -267,21 +216,78 @@ class DeepSpeedTrainer(TrainerWeights):
             behav[j, : len(lp)] = torch.from_numpy(lp.astype(np.float32))
         return tb, behav
 
+    def _reference_logprobs(self, tb: TokenBatch) -> torch.Tensor | None:
+        """[B, R] the reference policy's logprobs of the rows (no gradient); None without klCoef."""
+        with torch.no_grad():
+            if self.ref is not None:
+                return sequence_logprobs(self.ref, tb, self.temperature)
+            if self.loss_cfg.kl_coef > 0 and self.algo.lora is not None:
+                # LoRA: the initial policy is the trained model with its adapters switched off.
+                with reference_model(self.engine.module):
+                    return sequence_logprobs(self.engine, tb, self.temperature)
+        return None
+
+    def _kl_in_reward(
+        self,
+        samples: list[Sample],
+        micro_rows: list[list[int]],
+        prox: list[torch.Tensor | None],
+        rewards: torch.Tensor,
+        global_std: float | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """klIn reward (algorithms/kl_reward.py): each micro-batch's [rows, R] advantages and its
+        reference logprobs. The KL is taken against the proximal logprobs: PPO's, else the weights
+        now, which (one optimizer step per batch) every micro-batch of the step is scored at."""
+        refs: list[torch.Tensor | None] = []
+        returns: list[torch.Tensor] = []  # an empty micro-batch's: [0, 0], as its mask; no agents
+        masks: list[torch.Tensor] = []
+        agents: list[list[str]] = []
+        with torch.no_grad():
+            for k, rows in enumerate(micro_rows):
+                if not rows:
+                    refs.append(None)
+                    returns.append(torch.zeros(0, 0))
+                    masks.append(torch.zeros(0, 0))
+                    agents.append([])
+                    continue
+                tb = self._token_batch(samples, rows)[0]
+                ref = self._reference_logprobs(tb)
+                if ref is None:  # the API refuses klIn reward without klCoef > 0, which builds one
+                    raise ValueError(f"policy {self.spec.name}: algorithm.klIn reward needs klCoef > 0")
+                refs.append(ref)
+                old = prox[k]
+                old = sequence_logprobs(self.engine, tb, self.temperature) if old is None else old
+                mask = tb.response_mask.to(old.device)
+                kl = token_kl(ref, old, self.loss_cfg.kl_estimator)
+                returns.append(shaped_returns(rewards[rows].to(old.device), kl, mask, self.loss_cfg.kl_coef))
+                masks.append(mask)
+                agents.append([samples[i].agent for i in rows])
+        shaped = token_advantages(
+            returns,
+            masks,
+            agents,
+            self.norm,
+            algorithm=self.algo.name,
+            allreduce=self._allreduce,
+            agent_stats=self._agent_stats,
+            global_std=global_std,
+        )
+        return shaped, refs
+
     def _forward_loss(
-        self, tb: TokenBatch, behav: torch.Tensor, adv: torch.Tensor, prox: torch.Tensor | None
+        self,
+        tb: TokenBatch,
+        behav: torch.Tensor,
+        adv: torch.Tensor,
+        prox: torch.Tensor | None,
+        ref: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Any]:
+        """`adv` per row or per token; `ref`: the rows' reference logprobs when scored already."""
         # The entropy is always computed (a metric); it enters the loss only with entropyCoef > 0.
         logp, entropy = sequence_logprobs_and_entropy(self.engine, tb, self.temperature)
         device = logp.device
         mask = tb.response_mask.to(device)
-        ref = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref = sequence_logprobs(self.ref, tb, self.temperature)
-        elif self.loss_cfg.kl_coef > 0 and self.algo.lora is not None:
-            # LoRA: the initial policy is the trained model with its adapters switched off.
-            with torch.no_grad(), reference_model(self.engine.module):
-                ref = sequence_logprobs(self.engine, tb, self.temperature)
+        ref = self._reference_logprobs(tb) if ref is None else ref.to(device)
         prox_logp = logp.detach() if prox is None else prox.to(device)
         return policy_loss(
             logp,
@@ -338,6 +344,10 @@ class DeepSpeedTrainer(TrainerWeights):
                         prox[k] = sequence_logprobs(
                             self.engine, self._token_batch(samples, rows)[0], self.temperature
                         )
+        micro_adv = [adv[rows] for rows in micro_rows]
+        refs: list[torch.Tensor | None] = [None] * n_micro
+        if self.loss_cfg.kl_in == "reward":  # on every rank: the normalisation all-reduces
+            micro_adv, refs = self._kl_in_reward(samples, micro_rows, prox, signals, global_std)
         # Each rank's micro loss is scaled so the optimizer sees the step's loss: its micro-batches'
         # numerators over the all-reduced token or sequence count (algorithm.lossAggregation).
         denom = aggregation_denominator(self.loss_cfg.loss_aggregation, tokens, sequences)
@@ -356,7 +366,7 @@ class DeepSpeedTrainer(TrainerWeights):
             if rows:
                 assert batch is not None
                 tb, behav = self._token_batch(samples, rows)
-                loss_sum, ls = self._forward_loss(tb, behav, adv[rows], prox[k])
+                loss_sum, ls = self._forward_loss(tb, behav, micro_adv[k], prox[k], refs[k])
                 for key in TOKEN_WEIGHTED:
                     acc[key] += getattr(ls, key) * ls.tokens
                 tokens_scored += ls.tokens

@@ -119,6 +119,23 @@ def load_workflow(entrypoint: str, args: Mapping[str, Any] | None) -> tuple[Any,
 
 
 @dataclass(frozen=True)
+class CallRecord:
+    """One generation call of an episode: the agent and policy, the turn its tokens went into (a
+    conversation's calls share one), how many tokens it sampled, and whether it was cut at its
+    maximum new tokens (finish reason "length")."""
+
+    agent: str
+    policy: str
+    turn_index: int
+    tokens: int
+    truncated: bool
+
+    @classmethod
+    def of(cls, agent: str, policy: str, turn_index: int, gen: Generation) -> CallRecord:
+        return cls(agent, policy, turn_index, len(gen.token_ids), gen.finish_reason == "length")
+
+
+@dataclass(frozen=True)
 class Reply:
     text: str
     token_ids: list[int]
@@ -177,6 +194,7 @@ class Agent:
                 temperature=temp,
             )
         )
+        self.ctx.calls.append(CallRecord.of(self.name, self.policy, len(self.ctx.turns) - 1, gen))
         return Reply(self._text(gen, include_stop), gen.token_ids.tolist(), ids, gen.finish_reason)
 
     async def chat(
@@ -245,6 +263,7 @@ class Agent:
             self.ctx.turns.append(turn)
         else:
             self.ctx.turns[conv.turn_index] = turn
+        self.ctx.calls.append(CallRecord.of(self.name, self.policy, conv.turn_index, gen))
         raw = self._text(gen, False)
         prefix = f"call_{self.name}_{len(conv.versions)}"
         parsed = parse_tool_calls(raw, id_prefix=prefix, tools=tool_list) if tool_list else None
@@ -324,6 +343,7 @@ class EpisodeContext:
     agent_policies: Mapping[str, str] = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)
     conversations: dict[str, Conversation] = field(default_factory=dict)  # each agent's latest
+    calls: list[CallRecord] = field(default_factory=list)  # every generation call, in order
     # The group's prompt data row (spec.data; the same row for every member of the group), read-only;
     # None for a job without data.
     sample: Mapping[str, Any] | None = None

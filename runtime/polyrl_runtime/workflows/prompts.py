@@ -16,18 +16,20 @@ Arguments beside `reward` and `agent`:
   `answer_tag` (the text inside the last `<answer>...</answer>`; nothing when there is none), or
   `last_line` (the last line that is not blank), or `last_number` (the last number written, as
   digits: `12`, `-3`, `2.5`; nothing when there is none), how small models answer arithmetic;
-- `max_new_tokens`: the reply's length cap.
+- `max_new_tokens`: the reply's length cap;
+- `judge` (instead of `reward`): the reply is scored by asking a judge policy (workflows/judge.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyrl_runtime.rewards.builtins import last_number
 from polyrl_runtime.rewards.load import load_reward
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, Workflow
+from polyrl_runtime.workflows.judge import Judge
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -60,15 +62,24 @@ EXTRACTORS: dict[str, Callable[[str], str]] = {
 class PromptCompletion(Workflow):
     def __init__(
         self,
-        reward: str = "exact_match",
+        reward: str | None = None,
         agent: str = "agent",
         max_new_tokens: int | None = None,
         *,
         chat: bool = False,
         instruction: str | None = None,
         extract: str = "reply",
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        if reward is not None and judge is not None:
+            raise ValueError(
+                "workflow.args: set reward or judge, not both (the judge's verdict is the reward)"
+            )
+        self.judge = Judge.parse(judge) if judge is not None else None
+        if self.judge is not None and self.judge.agent == agent:
+            raise ValueError(f"workflow.args.judge.agent must differ from the agent it judges ({agent!r})")
+        reward = reward or "exact_match"
         load_reward(reward)  # a bad name fails the job at start, not every episode
         if extract not in EXTRACTORS:
             raise ValueError(f"workflow.args.extract {extract!r}: expected one of {', '.join(EXTRACTORS)}")
@@ -88,5 +99,11 @@ class PromptCompletion(Workflow):
             text = str(row["prompt"]) + (f"\n{self.instruction}" if self.instruction else "")
             prompt = agent.chat_prompt([{"role": "user", "content": text}]) if self.chat else text
         reply = await agent.generate(prompt, max_new_tokens=self.max_new_tokens)
-        r = ctx.reward(self.reward, self.extract(reply.text))
-        return Outcome({self.agent: r}, {"success": r})
+        answer = self.extract(reply.text)
+        if self.judge is None:
+            r = ctx.reward(self.reward, answer)
+            return Outcome({self.agent: r}, {"success": r})
+        question = str(row["prompt"]) if "prompt" in row else str(row["messages"][-1]["content"])
+        reference = str(row["answer"]) if "answer" in row else None
+        r = await self.judge.score(ctx, question=question, answer=answer, reference=reference)
+        return Outcome({self.agent: r, self.judge.agent: 0.0}, {"success": r})

@@ -31,12 +31,16 @@ from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.client import BufferClient
+from polyrl_runtime.experience.state import FILTERED_KEY, DropReason
 from polyrl_runtime.experience.types import Episode, Ticket, Turn
 from polyrl_runtime.experience.wire import EpisodeBatch
 from polyrl_runtime.models import Tokenizer, load_tokenizer
 from polyrl_runtime.rewards.load import RewardError
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, load_workflow
 from polyrl_runtime.workflows.failure import PolicyFailure
+from polyrl_runtime.workflows.groups import equal_reward_agents, group_relative
+from polyrl_runtime.workflows.judge import JudgeError
+from polyrl_runtime.workflows.overlong import Ramp, overlong_penalties, overlong_turns
 
 log = structlog.get_logger(__name__)
 
@@ -81,49 +85,6 @@ class WorkerStats:
     routes_epoch: int  # the routing table it holds
 
 
-def group_relative(
-    rewards: Sequence[Mapping[str, float]],
-    group_sizes: Mapping[str, int],
-    members: Sequence[int] | None = None,
-    leave_one_out: frozenset[str] = frozenset(),
-    std_scaled: frozenset[str] = frozenset(),
-) -> list[dict[str, float]]:
-    """Per agent of a grouped estimator (`group_sizes`: agent -> its policy's groupSize): its reward
-    minus its baseline over its sub-group, the members whose position in the group (`members`,
-    default 0..n-1) divided by its group size is the same. The baseline is the sub-group's mean
-    reward, or for agents in `leave_one_out` (rloo) the mean of the sub-group's other members (0
-    signal for a member alone). A group is as many episodes as the largest groupSize of its
-    policies, so each policy's baseline is over its own groupSize episodes of the task (the last
-    sub-group is smaller where the sizes do not divide); other agents keep the raw reward. Agents
-    in `std_scaled` (advantageNorm per-group) have their signal divided by the standard deviation
-    of their sub-group's rewards plus `GROUP_STD_EPS`: a sub-group of equal rewards keeps 0."""
-    out = [dict(r) for r in rewards]
-    position = list(range(len(rewards))) if members is None else list(members)
-    for agent, size in group_sizes.items():
-        subgroups: dict[int, list[int]] = {}
-        for i, r in enumerate(rewards):
-            if agent in r:
-                subgroups.setdefault(position[i] // size, []).append(i)
-        for rows in subgroups.values():
-            total, n = sum(rewards[i][agent] for i in rows), len(rows)
-            mean = total / n
-            scale = 1.0
-            if agent in std_scaled:
-                scale = math.sqrt(sum((rewards[i][agent] - mean) ** 2 for i in rows) / n) + GROUP_STD_EPS
-            for i in rows:
-                own = rewards[i][agent]
-                if agent in leave_one_out:
-                    out[i][agent] = (own - (total - own) / (n - 1) if n > 1 else 0.0) / scale
-                else:
-                    out[i][agent] = (own - mean) / scale
-    return out
-
-
-# GRPO's std normalisation adds this to the group's std (TRL's value): a group whose rewards
-# differ by a little less than it is not blown up into +-1 signals.
-GROUP_STD_EPS = 1e-4
-
-
 # The failures a policy causes, trained on with the failure reward; every other reason is the
 # machinery's or the workflow's, and its episode is dropped and played again.
 POLICY_FAILURES = frozenset({"timeout", "policy_failure"})
@@ -147,6 +108,15 @@ def _settled(
     episode = Episode(report.episode_id, turns, rewards, {"rewards": rewards, "group": group_id, **meta})
     report.versions = dict(episode.versions)
     return episode
+
+
+def marked(metadata: dict[str, Any], reason: DropReason, turns: Sequence[int]) -> dict[str, Any]:
+    """`metadata` with `turns` marked for the buffer to drop for `reason` (`FILTERED_KEY`)."""
+    if not turns:
+        return metadata
+    marks = dict(metadata.get(FILTERED_KEY) or {})
+    marks[reason.value] = sorted({*marks.get(reason.value, ()), *turns})
+    return {**metadata, FILTERED_KEY: marks}
 
 
 def failure_rewards(
@@ -208,6 +178,10 @@ class WorkflowWorker:
             for p, _ in grouped
             if normalisation(p.algorithm.name, p.algorithm.advantage_norm) == "per-group"
         }
+        # DAPO (workflows/overlong.py, groups.py): what this worker marks for the buffer to drop.
+        self.dynamic_sampling = frozenset(p.name for p in spec.policies if p.algorithm.dynamic_sampling)
+        self.overlong_filtered = frozenset(p.name for p in spec.policies if p.algorithm.overlong_filter)
+        self.ramps = {p.name: r for p in spec.policies if (r := Ramp.of(p)) is not None}
         self.in_flight = 0
         self._busy_s = 0.0
         self._busy_since: float | None = None
@@ -246,6 +220,9 @@ class WorkflowWorker:
             result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
             outcome = result if isinstance(result, Outcome) else Outcome(dict(result))
             rewards = outcome.returns()  # per agent: reward plus its per-turn rewards
+            for agent, penalty in overlong_penalties(ctx.calls, self.ramps).items():
+                if agent in rewards:
+                    rewards[agent] += penalty
             bad = {a: v for a, v in rewards.items() if not math.isfinite(v)}
             if bad:  # never into a group's baseline: one NaN makes the policy's whole step NaN
                 raise RewardError(
@@ -267,19 +244,27 @@ class WorkflowWorker:
         except RewardError as e:
             report.reason, report.error = "reward_error", str(e)
             log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
+        except JudgeError as e:
+            report.reason, report.error = "judge_error", str(e)
         except Exception as e:
             report.reason = "workflow_error"
             report.error = "".join(traceback.format_exception_only(e)).strip()
             log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
         else:
             report.ok = True
-            return report, _settled(report, ctx.group_id, tuple(ctx.turns), rewards, dict(outcome.metadata))
+            meta = marked(dict(outcome.metadata), DropReason.OVERLONG, self._overlong(ctx))
+            return report, _settled(report, ctx.group_id, tuple(ctx.turns), rewards, meta)
         if report.reason in POLICY_FAILURES and ctx.turns:
             report.penalised = True
             unset = {t.agent: math.nan for t in ctx.turns}
-            meta = {"failed": report.reason, "error": report.error}
+            meta = marked(
+                {"failed": report.reason, "error": report.error}, DropReason.OVERLONG, self._overlong(ctx)
+            )
             return report, _settled(report, ctx.group_id, tuple(ctx.turns), unset, meta)
         return report, None
+
+    def _overlong(self, ctx: EpisodeContext) -> list[int]:
+        return overlong_turns(ctx.calls, self.overlong_filtered) if self.overlong_filtered else []
 
     async def run_group(
         self, group_id: str, seed: int, tickets: Sequence[Ticket], row: RowRef | None = None
@@ -308,15 +293,32 @@ class WorkflowWorker:
         loo = frozenset(t.agent for _, _, e in done for t in e.turns if t.policy in self.leave_one_out)
         scaled = frozenset(t.agent for _, _, e in done for t in e.turns if t.policy in self.std_scaled)
         signals = group_relative([e.rewards for _, _, e in done], sizes, [i for i, _, _ in done], loo, scaled)
+        equal = self._equal_reward_turns(done, sizes)
         items = [
-            (t, Episode(e.episode_id, e.turns, s, e.metadata))
-            for (_, t, e), s in zip(done, signals, strict=True)
+            (t, Episode(e.episode_id, e.turns, s, marked(dict(e.metadata), DropReason.ZERO_VARIANCE, turns)))
+            for (_, t, e), s, turns in zip(done, signals, equal, strict=True)
         ]
         if items:
             await self.buffer.put(EpisodeBatch(items))
         if failed:
             await self.buffer.release(failed)
         return GroupReport(group_id, [r for r, _ in results], self.pool.take_dead(), time.monotonic() - start)
+
+    def _equal_reward_turns(
+        self, done: Sequence[tuple[int, Ticket, Episode]], sizes: Mapping[str, int]
+    ) -> list[list[int]]:
+        """Per finished episode, the indices of its turns of dynamic-sampling policies whose agent's
+        sub-group had equal rewards: they carry no signal (DAPO drops them)."""
+        if not self.dynamic_sampling:
+            return [[] for _ in done]
+        agents = {
+            t.agent: sizes[t.agent] for _, _, e in done for t in e.turns if t.policy in self.dynamic_sampling
+        }
+        equal = equal_reward_agents([e.rewards for _, _, e in done], agents, [i for i, _, _ in done])
+        return [
+            [k for k, t in enumerate(e.turns) if t.agent in same]
+            for (_, _, e), same in zip(done, equal, strict=True)
+        ]
 
     def _penalise(
         self, results: Sequence[tuple[EpisodeReport, Episode | None]]

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages, agent_stats, scale_stats
-from polyrl_runtime.workflows.runner import group_relative
+from polyrl_runtime.workflows.groups import group_relative
 
 
 def test_group_relative_centres_each_grpo_agent_on_its_group_mean() -> None:
@@ -53,7 +53,11 @@ def test_grpo_per_policy_normalisation_is_scale_free(groups: list[list[float]], 
         [r["a"] for g in groups for r in group_relative([{"a": v} for v in g], {"a": len(g)})],
         dtype=torch.float64,
     )
-    if float((signals * min(1.0, scale)).abs().max()) < 1e-2:  # no gradient anywhere
+    carrying_signals = signals[signals != 0]
+    if not len(carrying_signals):  # no gradient anywhere
+        return
+    # EPS (1e-6) in the denominator changes a result by about EPS / RMS: within rtol only above this.
+    if float(carrying_signals.square().mean().sqrt()) * min(1.0, scale) < 2e-2:
         return
     a = advantages(signals, "per-policy", scale_stats(signals))
     b = advantages(signals * scale, "per-policy", scale_stats(signals * scale))

@@ -14,7 +14,7 @@ import torch
 from polyrl_operator.api.policy import GROUPED_ALGORITHMS, AlgorithmName
 from polyrl_runtime.algorithms.advantages import EPS, advantages, scale_stats
 from polyrl_runtime.algorithms.estimators import ESTIMATORS, estimator, normalisation
-from polyrl_runtime.workflows.runner import group_relative
+from polyrl_runtime.workflows.groups import group_relative
 
 GROUPS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.0, 2.0, 2.0]]
 
@@ -79,7 +79,7 @@ def test_per_group_divides_each_groups_signal_by_its_own_std() -> None:
     """GRPO's original normalisation (advantageNorm per-group): (r - mean_g) / (std_g + eps), with the
     population std of the group's rewards; a group of equal rewards keeps 0; the trainer then leaves
     the signals as they are."""
-    from polyrl_runtime.workflows.runner import GROUP_STD_EPS
+    from polyrl_runtime.workflows.groups import GROUP_STD_EPS
 
     out = [
         r["a"]

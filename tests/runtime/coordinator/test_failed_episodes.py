@@ -59,6 +59,8 @@ def test_a_sync_step_trains_on_full_episodes_per_step_whatever_fails(ray_local: 
             "version_skew": 0,
             "policy_restarting": 0,
             "policy_frozen": 0,
+            "zero_variance": 0,
+            "overlong": 0,
         }
     # Nothing generated only to be dropped, during the run or at its end.
     assert summary.dropped["agent"] == {
@@ -68,6 +70,8 @@ def test_a_sync_step_trains_on_full_episodes_per_step_whatever_fails(ray_local: 
         "version_skew": 0,
         "policy_restarting": 0,
         "policy_frozen": 0,
+        "zero_variance": 0,
+        "overlong": 0,
     }
     assert any(r.failed_episodes for r in records)
     # Per step: the episodes that failed since the step before (a sync step's episodes are all in

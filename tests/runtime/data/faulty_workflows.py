@@ -43,3 +43,12 @@ class PolicyFailsAFraction(SignalGame):
         if random.Random(ctx.seed * 7919 + ctx.index).random() < 0.25:
             raise PolicyFailure(f"unusable output (episode {ctx.episode_id})")
         return outcome
+
+
+class AlwaysTied(SignalGame):
+    """Every episode of a group gets the same reward: no group carries a learning signal (what
+    dynamic sampling drops, up to its cap)."""
+
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        await super().run_episode(ctx)
+        return {"speaker": 1.0, "listener": 1.0}

@@ -65,6 +65,14 @@ class _Single:
         return await self.engine.answer(prompt, params)
 
 
+class _Abort:
+    def __init__(self, engine: StreamEngine) -> None:
+        self.engine = engine
+
+    async def remote(self, request_ids: list[str]) -> None:
+        self.engine.aborted.append(list(request_ids))
+
+
 class StreamEngine:
     """A fake engine actor handle: request [t] is answered with token t once `release(t)` was called
     (immediately with `auto`); `die_after` streamed items, the stream fails as a dead actor's does."""
@@ -75,8 +83,10 @@ class StreamEngine:
         self.die_after = die_after
         self.calls: list[list[Request]] = []
         self.single_calls = 0
+        self.aborted: list[list[str]] = []  # the request ids of each `abort` call
         self._released: dict[int, asyncio.Event] = {}
         self.generate = _Single(self)
+        self.abort = _Abort(self)
         self.generate_many = _Streaming(self)
 
     def _event(self, token: int) -> asyncio.Event:
@@ -202,6 +212,36 @@ def test_cancelled_caller_is_not_answered_and_not_counted() -> None:
         assert pool.outstanding() == {}
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_a_cancelled_callers_sent_request_is_aborted_on_its_engine(streams: bool) -> None:
+    eng = StreamEngine("e", auto=False)
+    if not streams:
+        del eng.generate_many  # one `generate` call per request
+    pool = EnginePool(engine_routes({"p": {"e": eng}}))
+
+    async def go() -> None:
+        unsent = asyncio.ensure_future(pool.generate("p", [3], P))
+        await asyncio.sleep(0)  # started, waiting for this tick's call
+        unsent.cancel()
+        gone = [asyncio.ensure_future(pool.generate("p", [t], P)) for t in (1, 2)]
+        kept = asyncio.ensure_future(pool.generate("p", [4], P))
+        await asyncio.sleep(0.01)
+        for g in gone:
+            g.cancel()
+        await asyncio.sleep(0.01)
+        eng.release(4)
+        assert (await asyncio.wait_for(kept, 5)).token_ids.tolist() == [4]
+
+    asyncio.run(go())
+    sent = [params.request_id for call in eng.calls for _, params in call]
+    if streams:
+        assert len(eng.calls) == 1 and len(sent) == 3  # the cancelled one was never sent
+        # both cancelled callers' requests, in one call; ids unique to the pool
+        assert eng.aborted == [sent[:2]] and len(set(sent)) == 3 and all(sent)
+    else:
+        assert eng.single_calls == 4 and [len(a) for a in eng.aborted] == [1, 2]  # each call is sent
 
 
 def test_engines_without_generate_many_get_one_call_per_request() -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
+import pytest
 
 from polyrl_runtime.engines.api import Generation, SamplingParams
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
@@ -125,3 +126,28 @@ def test_an_engine_that_never_started_is_marked_dead_and_its_requests_go_elsewhe
     assert [(g.engine, int(g.token_ids[0])) for g in gens] == [("spare", 1), ("spare", 2), ("spare", 3)]
     assert pool.take_dead() == {"unborn"} and pool.outstanding() == {}
     ray.kill(spare)
+
+
+def test_a_cancelled_callers_request_is_aborted_on_its_torch_engine_actor(ray_session: Any) -> None:
+    """The request is on a paused engine (it would wait there, then generate to max_new_tokens);
+    cancelling its caller aborts it through the streamed call's engine: counted, out of the queue."""
+    ray = ray_session
+    engine = ray.remote(num_cpus=0)(TorchEngine).remote("e0", "p", "builtin://tiny", transport="shm", seed=3)
+    ray.get(engine.pause.remote())
+    pool = EnginePool(_routes({"e0": engine}))
+
+    async def go() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pool.generate("p", [1, 10], SamplingParams(max_new_tokens=64)), 1.0)
+        for _ in range(300):
+            stats = await engine.stats.remote()
+            if stats.aborted:
+                break
+            await asyncio.sleep(0.05)
+        assert (stats.aborted, stats.freed_tokens, stats.in_flight) == (1, 64, 0)
+        await engine.resume.remote()
+        assert len((await pool.generate("p", [1, 10], SamplingParams(max_new_tokens=3))).token_ids) == 3
+
+    asyncio.run(go())
+    assert pool.outstanding() == {}
+    ray.kill(engine)

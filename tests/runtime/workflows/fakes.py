@@ -3,6 +3,7 @@ tests wrap them in the clients (`EngineClient`, `BufferClient`), which call that
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,26 @@ class FakeEngine:
             )
 
         self.generate = _Method(generate)
+
+
+class _Detached:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        task = asyncio.ensure_future(self.fn(*args))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        return asyncio.shield(task)
+
+
+class DetachedEngine:
+    """A real engine (e.g. `TorchEngine`) behind the handle shape whose calls run as tasks of their
+    own, as a Ray actor's do: cancelling the caller's await leaves the engine's `generate` running
+    (awaiting an ObjectRef does not cancel the actor's call), so only `abort` stops it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.generate = _Detached(engine.generate)
+        self.abort = _Detached(engine.abort)
 
 
 class FakeBuffer:

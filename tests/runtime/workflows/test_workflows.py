@@ -9,15 +9,16 @@ from typing import Any
 
 import pytest
 import ray
-from fakes import FakeBuffer, FakeEngine
+from fakes import DetachedEngine, FakeBuffer, FakeEngine
 
 from polyrl_operator.api import RLJob
 from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.types import Ticket
 from polyrl_runtime.models import CharTokenizer
-from polyrl_runtime.workflows.api import EpisodeContext, WorkflowImportError, load_workflow
+from polyrl_runtime.workflows.api import EpisodeContext, Workflow, WorkflowImportError, load_workflow
 from polyrl_runtime.workflows.failure import PolicyFailure
 from polyrl_runtime.workflows.proposer_solver import ProposerSolver
 from polyrl_runtime.workflows.runner import WorkflowWorker, failure_rewards
@@ -265,6 +266,57 @@ def test_an_episode_past_the_spec_timeout_fails_and_is_trained_on_or_dropped(
     else:
         assert buffer.released == [] and len(buffer.episodes) == 2
         assert all(e.metadata["rewards"] == {"speaker": -1.0, "listener": -1.0} for e in buffer.episodes)
+
+
+class LongTurn(Workflow):
+    """One speaker turn of up to 40 tokens."""
+
+    async def run_episode(self, ctx: EpisodeContext) -> dict[str, float]:
+        await ctx.agent("speaker").generate("target:1", max_new_tokens=40, allowed=["a", "b"])
+        return {"speaker": 1.0}
+
+
+@pytest.mark.parametrize("end", ["timeout", "cancelled"])
+def test_a_timed_out_or_cancelled_episodes_requests_are_aborted_on_the_engine(end: str) -> None:
+    """The speaker's engine is paused, so each episode's request waits on it (and would generate its
+    40 tokens on resume): the episode timing out, or its group's call being cancelled, aborts it
+    there; the engine counts the aborts and the tokens they freed, and serves the next request."""
+    engine = TorchEngine("s", "speaker", "builtin://tiny", transport="shm", seed=1)
+    routes = {"speaker": {"s": DetachedEngine(engine)}, "listener": {"l": FakeEngine(listener_decode)}}
+    timeout = 0.3 if end == "timeout" else 300.0
+    job = _job(f"{__name__}:LongTurn", episodeTimeoutSeconds=timeout)
+    buffer = FakeBuffer()
+    worker = WorkflowWorker("w", job, BufferClient(buffer), engine_routes(routes))
+    tickets = [Ticket(i, frozenset({"speaker"})) for i in range(2)]
+
+    async def go() -> Any:
+        await engine.pause()
+        group = asyncio.create_task(worker.run_group("g9", 11, tickets))
+        while engine.stats().queued < 2:
+            await asyncio.sleep(0.01)
+        if end == "cancelled":
+            group.cancel()
+        result = await asyncio.gather(group, return_exceptions=True)
+        for _ in range(500):
+            if engine.stats().aborted == 2:
+                break
+            await asyncio.sleep(0.01)
+        await engine.resume()
+        after = await engine.generate([1, 5], SamplingParams(max_new_tokens=3))
+        return result[0], len(after.token_ids)
+
+    report, after = asyncio.run(go())
+    st = engine.stats()
+    assert (st.aborted, st.freed_tokens, st.in_flight) == (2, 80, 0)
+    assert st.tokens == after == 3  # the aborted requests never generated
+    if end == "timeout":
+        assert [(e.reason, e.error) for e in report.episodes] == [
+            ("timeout", "episode exceeded workflow.episodeTimeoutSeconds (0.3 s)")
+        ] * 2
+        assert buffer.released == tickets
+    else:
+        assert isinstance(report, asyncio.CancelledError)
+    assert worker.pool.outstanding() == {}
 
 
 def test_failure_rewards_are_fixed_or_each_agents_lowest_finished_reward() -> None:

@@ -414,10 +414,34 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].rollout.sampling.topP", "ignore a nucleus"),
     ),
     BadCase(
+        "dynamic-sampling-without-groups",
+        _set("spec.policies.0.algorithm", {"name": "reinforce_pp", "groupSize": 1, "dynamicSampling": {}}),
+        "spec.policies[0].algorithm.dynamicSampling",
+        ("spec.policies[0].algorithm.dynamicSampling", "needs groups"),
+    ),
+    BadCase(
+        "overlong-penalty-ramp-past-max-new-tokens",
+        _set("spec.policies.0.algorithm", {"overlongPenalty": {"bufferTokens": 4096}}),
+        "spec.policies[0].algorithm.overlongPenalty.bufferTokens",
+        ("spec.policies[0].algorithm.overlongPenalty.bufferTokens", "maxLength"),
+    ),
+    BadCase(
         "per-group-norm-without-groups",
         _set("spec.policies.0.algorithm", {"name": "reinforce_pp", "advantageNorm": "per-group"}),
         "spec.policies[0].algorithm.advantageNorm",
         ("spec.policies[0].algorithm.advantageNorm", "per-group needs groups"),
+    ),
+    BadCase(
+        "kl-in-reward-without-kl-coef",
+        _set("spec.policies.0.algorithm", {"name": "reinforce_pp", "groupSize": 1, "klIn": "reward"}),
+        "spec.policies[0].algorithm.klIn",
+        ("spec.policies[0].algorithm.klIn", "reward needs klCoef > 0"),
+    ),
+    BadCase(
+        "kl-in-reward-for-a-grouped-estimator",
+        _set("spec.policies.0.algorithm", {"name": "grpo", "groupSize": 4, "klCoef": 0.1, "klIn": "reward"}),
+        "spec.policies[0].algorithm.klIn",
+        ("spec.policies[0].algorithm.klIn", "reward is for reinforce_pp and ppo"),
     ),
     BadCase(
         "unknown-algorithm",
