@@ -24,6 +24,7 @@ client (polyrl_runtime/actors.py); `PolicyTrainer.train_step` (training.py) make
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -185,6 +186,9 @@ class Driver:
         except JobFailedError as e:
             self.state, self.message, self.retryable = "failed", str(e), e.retryable
             log.error("job.failed", error=str(e))
+            if self.parts is not None:  # the engines' final counters (aborted requests) for the summary
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.fleet.poll(), 10.0)
         await asyncio.to_thread(self.metrics.close)
         startup = self.control.startup.seconds
         buffer = self.parts.buffer if self.parts is not None else None

@@ -389,6 +389,7 @@ class Fleet:
                 continue
             s.observe(r.busy_s, r.in_flight)
             s.queued, s.version = r.queued, r.version
+            s.aborted, s.freed_tokens = r.aborted, r.freed_tokens
             s.pod = s.pod or str(r.extra.get("pod", "")) or s.name
         workers = [w for w in self.workers.values() if not w.dead]
         outstanding: Counter[str] = Counter()  # engine -> requests the workers are waiting on

@@ -48,6 +48,10 @@ class PolicySnapshot:
     version: int | None = None  # None: the step (a trainer that never restarted alone)
     restarts: int = 0
     trainer_state: TrainerState = "training"
+    # Its live engines' aborted requests and the tokens those did not generate (an engine of a
+    # shared base counts every policy's).
+    aborted_requests: int = 0
+    freed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ def policy_snapshot(run: PolicyRun, fleet: Fleet, total: int) -> PolicySnapshot:
         version=run.version,
         restarts=run.restarts,
         trainer_state="done" if run.trainer_state == "training" and run.step >= total else run.trainer_state,
+        aborted_requests=sum(s.aborted for s in live),
+        freed_tokens=sum(s.freed_tokens for s in live),
     )
 
 
@@ -192,6 +198,9 @@ class RunSummary:
     last_success: dict[str, float | None] = field(default_factory=dict)
     startup: dict[str, float] = field(default_factory=dict)
     """Seconds each start-up phase took (metrics.StartupPhases), in the order they ran."""
+    aborted: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per policy: engine requests aborted because their episode timed out or was cancelled
+    (`requests`) and the tokens they did not generate (`freed_tokens`), by its live engines."""
 
 
 async def run_summary(
@@ -234,4 +243,7 @@ async def run_summary(
         checkpoint=s.last_ckpt_location,
         records=list(records),
         buffers=buffers,
+        aborted={
+            p.name: {"requests": p.aborted_requests, "freed_tokens": p.freed_tokens} for p in s.policies
+        },
     )

@@ -42,6 +42,10 @@ class Slot(Generic[C_co]):
     # own in-flight count alone is not enough: a request a worker has sent may still be on its way.
     fence: int | None = None
     quiet: bool = False
+    # Requests the engine stopped because their episode timed out or was cancelled, and the tokens
+    # they did not generate (EngineStats.aborted, .freed_tokens: since the engine started).
+    aborted: int = 0
+    freed_tokens: int = 0
 
     @property
     def drained(self) -> bool:

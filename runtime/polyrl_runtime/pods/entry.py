@@ -197,6 +197,7 @@ async def _coordinate(job: RLJob, env: PodEnv, out_dir: Path, head: RayHead | No
         "failed": summary.failed,
         "dropped": summary.dropped,
         "buffers": summary.buffers,
+        "aborted": summary.aborted,
     }
     sys.stdout.write(json.dumps(counters) + "\n")
     return 0 if summary.state == "done" else (3 if driver.interrupted else 1)

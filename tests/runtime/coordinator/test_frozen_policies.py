@@ -79,3 +79,43 @@ def test_a_frozen_policy_shares_a_pool_with_a_trained_one(
     assert all(r.pool == "shared" for r in summary.records)
     assert summary.dropped["listener"]["policy_frozen"] > 0
     assert all(e.version == 0 for e in driver.snapshot().policies[1].engines)
+
+
+@pytest.mark.slow
+def test_a_frozen_judge_scores_a_trained_solver(ray_local: Any, tmp_path: Path) -> None:
+    """LLM-as-judge (workflows/judge.py): the solver's reward is the frozen judge's verdict; the
+    judge's turns are dropped as policy_frozen, and a judge that gives no verdict fails episodes
+    as judge_error."""
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(f'{{"prompt": "{i}+0=", "answer": {i}}}\n' for i in range(8)))
+    solver, judge = policy("solver"), policy("judge", frozen=True)
+    del judge["trainer"]
+
+    def job(**judge_args: Any) -> Any:
+        args = {
+            "agent": "solver",
+            "max_new_tokens": 2,
+            "judge": {"agent": "judge", "chat": False, "verdicts": {"y": 1.0, "n": 0.0}, **judge_args},
+            "policies": {"solver": "solver", "judge": "judge"},
+        }
+        return make_job(
+            mode="sync",
+            maxStaleness=0,
+            training={"totalSteps": 2, "episodesPerStep": 8},
+            workflow={"entrypoint": "polyrl_runtime.workflows.prompts:PromptCompletion", "args": args},
+            data={"train": f"file://{rows}"},
+            policies=[solver, judge],
+        )
+
+    _, summary = run(job(), tmp_path / "constrained")
+    assert summary.state == "done", summary.message
+    assert [r.step for r in summary.records] == [1, 2] and {r.policy for r in summary.records} == {"solver"}
+    assert summary.failed == {} or sum(summary.failed.values()) == 0
+    assert summary.dropped["judge"]["policy_frozen"] == summary.buffers["judge"]["produced"] > 0
+    # A random judge says y to some replies and n to others: rewards are verdicts, 0 or 1.
+    assert all(r.reward_mean is not None and 0.0 <= r.reward_mean <= 1.0 for r in summary.records)
+
+    # Unconstrained, a random tiny model's two tokens are rarely a verdict: judge_error, counted.
+    _, free = run(job(constrained=False, max_new_tokens=2), tmp_path / "free", max_consecutive_failures=6)
+    assert free.failed.get("judge_error", 0) > 0, free.failed
+    assert set(free.failed) <= {"judge_error"}

@@ -52,3 +52,13 @@ class AlwaysTied(SignalGame):
     async def run_episode(self, ctx: EpisodeContext) -> Any:
         await super().run_episode(ctx)
         return {"speaker": 1.0, "listener": 1.0}
+
+
+class Rambles(SignalGame):
+    """The speaker writes letters (no end token allowed) up to the model's context, again and again:
+    an episode that always outlasts workflow.episodeTimeoutSeconds, a request generating when it
+    does."""
+
+    async def run_episode(self, ctx: EpisodeContext) -> Any:
+        while True:
+            await ctx.agent("speaker").generate("target:1", max_new_tokens=100_000, allowed=["a", "b"])
