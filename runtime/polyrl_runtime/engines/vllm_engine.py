@@ -70,14 +70,13 @@ from polyrl_runtime.engines.api import (
     check_sleep_level,
 )
 from polyrl_runtime.engines.batching import Answer, Request, stream_generations
-from polyrl_runtime.engines.vllm_worker import address_args, layout_args
+from polyrl_runtime.engines.vllm_weight_rpc import WeightsMixedError, receive_on_workers
 from polyrl_runtime.models import model_dir
 from polyrl_runtime.weights.api import SyncReport, VersionError, WeightManifest, WeightSyncError, make_report
 from polyrl_runtime.weights.collective import TRANSPORT as COLLECTIVE
 from polyrl_runtime.weights.collective_group import GroupAddress
-from polyrl_runtime.weights.cudaipc import LAYOUT_ALIGN as CUDAIPC_ALIGN
 from polyrl_runtime.weights.cudaipc import TRANSPORT as CUDAIPC
-from polyrl_runtime.weights.cudaipc_handle import CudaIpcHandle, handle_args
+from polyrl_runtime.weights.cudaipc_handle import CudaIpcHandle
 
 log = structlog.get_logger(__name__)
 
@@ -347,44 +346,8 @@ class VllmEngine:
         return make_report(manifest, start, pause, applied=True)
 
     async def _rpc(self, manifest: WeightManifest, *, apply: bool) -> int:
-        """Run the worker extension on every worker; the number of tensors loaded, or raise.
-        `apply=False`: take part in a broadcast without loading it (a cudaipc version waits for no
-        one: nothing to do)."""
-        ipc = isinstance(manifest.handle, CudaIpcHandle)
-        if ipc and not apply:
-            return 0
         log.info("vllm.receiving", engine=self.name, version=manifest.version, bytes=manifest.nbytes)
-        if ipc:
-            results = await self._llm.collective_rpc(
-                "polyrl_receive_ipc",
-                timeout=self._timeout_s + 60.0,
-                kwargs={
-                    "policy": manifest.policy,
-                    "version": manifest.version,
-                    "handle": handle_args(manifest.handle),
-                    "layout": layout_args(manifest.layout, CUDAIPC_ALIGN),
-                    "timeout_s": self._timeout_s,
-                },
-            )
-        else:
-            results = await self._llm.collective_rpc(
-                "polyrl_receive_version",
-                timeout=self._timeout_s + 60.0,
-                kwargs={
-                    "address": address_args(manifest.handle),
-                    "layout": layout_args(manifest.layout),
-                    "timeout_s": self._timeout_s,
-                    "apply": apply,
-                },
-            )
-        errors = [r for r in results if r.get("error")]
-        # Mixed when any worker wrote and any failed: TP ranks that read the trainer's memory each on
-        # their own (cudaipc) may part ways.
-        if errors and any(r.get("written") for r in results):
-            raise WeightsMixedError(f"{manifest.policy} version {manifest.version}: {errors[0]['error']}")
-        if errors:
-            raise WeightSyncError(f"{manifest.policy} version {manifest.version}: {errors[0]['error']}")
-        return int(results[0]["tensors"])
+        return await receive_on_workers(self._llm, manifest, apply=apply, timeout_s=self._timeout_s)
 
     async def _retire(self, reason: str) -> None:
         """The served weights are mixed: never serve again. Requests waiting here fail; vLLM shuts
@@ -496,7 +459,3 @@ class _Live:
     vllm_id: str = ""
     generated: int = 0
     aborted: bool = False
-
-
-class WeightsMixedError(WeightSyncError):
-    """Part of a version reached the served model before the sync failed."""
