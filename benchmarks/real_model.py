@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -266,7 +267,16 @@ class PairedChat(Workflow):
         return Outcome(rewards, {"success": statistics.fmean(rewards.values())})
 
 
-def polyrl_job(h: Hyper, model: str, data_path: Path, policies: list[str], mode: str) -> Any:
+def polyrl_job(
+    h: Hyper,
+    model: str,
+    data_path: Path,
+    policies: list[str],
+    mode: str,
+    *,
+    policy: dict[str, Any] | None = None,
+) -> Any:
+    """The job of `policies`, each `policy` (unset: `grpo_policy`, the settings TRL's run shares)."""
     from polyrl_operator.api import RLJob
 
     if len(policies) == 1:
@@ -275,7 +285,7 @@ def polyrl_job(h: Hyper, model: str, data_path: Path, policies: list[str], mode:
     else:
         workflow = {"entrypoint": "real_model:PairedChat", "args": {}}
     workflow["args"]["max_new_tokens"] = h.max_new_tokens
-    policy = grpo_policy(h, model)
+    policy = policy if policy is not None else grpo_policy(h, model)
     return RLJob.model_validate(
         {
             "apiVersion": "polyrl.dev/v1alpha1",
@@ -296,9 +306,18 @@ def polyrl_job(h: Hyper, model: str, data_path: Path, policies: list[str], mode:
 
 
 def polyrl_side(
-    h: Hyper, model: str, data_path: Path, held: list[dict[str, Any]], policies: list[str], *, mode: str
+    h: Hyper,
+    model: str,
+    data_path: Path,
+    held: list[dict[str, Any]],
+    policies: list[str],
+    *,
+    mode: str,
+    policy: dict[str, Any] | None = None,
+    also: Callable[[Any], None] | None = None,
 ) -> dict[str, Side]:
-    """One job; each policy's pass@1 from its export at the last step."""
+    """One job (`polyrl_job`'s); each policy's pass@1 from its export at the last step; `also` sees
+    every step record."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -306,7 +325,8 @@ def polyrl_side(
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "ckpt"
-        runs = measure_job(polyrl_job(h, model, data_path, policies, mode), policies, h.steps, root)
+        job = polyrl_job(h, model, data_path, policies, mode, policy=policy)
+        runs = measure_job(job, policies, h.steps, root, also)
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         out = {}
         for p in policies:
@@ -321,19 +341,25 @@ def polyrl_side(
 # -- the comparison ----------------------------------------------------------------------------------
 
 
-def seed_run(
-    h: Hyper, model: str, model_dir: Path, eval_rows: int, mode: str, *, two: bool
-) -> dict[str, list[Side]]:
+def base_pass_at_1(model_dir: Path, held: list[dict[str, Any]], max_new_tokens: int) -> float:
+    """`pass_at_1` of the untrained model in `model_dir`, on every core (this process then goes back
+    to one thread, as the polyrl processes it starts run)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    before = pass_at_1(base, AutoTokenizer.from_pretrained(model_dir), held, max_new_tokens)
+    torch.set_num_threads(1)
+    return before
+
+
+def seed_run(
+    h: Hyper, model: str, model_dir: Path, eval_rows: int, mode: str, *, two: bool
+) -> dict[str, list[Side]]:
     cores = len(os.sched_getaffinity(0))
     train, held = task_rows(h.seed, eval_rows)
-    torch.set_num_threads(cores)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    before = pass_at_1(base, AutoTokenizer.from_pretrained(model_dir), held, h.max_new_tokens)
-    torch.set_num_threads(1)
-    del base
+    before = base_pass_at_1(model_dir, held, h.max_new_tokens)
     print(f"pass@1 before training: {before:.3f} on {len(held)} questions ({len(train)} training rows)")
     sides: dict[str, list[Side]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -400,9 +426,9 @@ def worker(spec: dict[str, Any]) -> None:
     print(json.dumps(asdict(run(h, Path(spec["model"]), train, held, spec["threads"]))))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=10)
+def task_arguments(ap: argparse.ArgumentParser, *, steps: int, mode: str) -> None:
+    """The task's and the training run's options (`Hyper`'s, the evaluation's, the seeds')."""
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--prompts", type=int, default=4, help="questions per step")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
@@ -411,8 +437,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-rows", type=int, default=64)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=1)
-    ap.add_argument("--mode", choices=("async", "sync"), default="async", help="polyrl's mode")
+    ap.add_argument("--mode", choices=("async", "sync"), default=mode, help="polyrl's mode")
     ap.add_argument("--model", default=MODEL, help="a Hugging Face model URI every side loads")
+
+
+def hyper(args: argparse.Namespace, seed: int) -> Hyper:
+    return Hyper(args.steps, args.prompts, args.group, args.lr, args.max_new_tokens, args.temperature, seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    task_arguments(ap, steps=10, mode="async")
     ap.add_argument("--no-two", dest="two", action="store_false", help="skip the two-policy job")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -434,9 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     seeds, per_seed = list(range(args.first_seed, args.first_seed + args.seeds)), []
     try:
         for seed in seeds:
-            h = Hyper(
-                args.steps, args.prompts, args.group, args.lr, args.max_new_tokens, args.temperature, seed
-            )
+            h = hyper(args, seed)
             print(f"\n## seed {seed}: {h}")
             per_seed.append(seed_run(h, args.model, where, args.eval_rows, args.mode, two=args.two))
             report([seed], per_seed[-1:])

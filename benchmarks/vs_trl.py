@@ -61,6 +61,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -362,11 +363,15 @@ def polyrl_run(
 
 
 def measure_job(
-    job: Any, policies: list[str], steps: int, checkpoint_root: Path | None = None
+    job: Any,
+    policies: list[str],
+    steps: int,
+    checkpoint_root: Path | None = None,
+    also: Callable[[Any], None] | None = None,
 ) -> dict[str, Result]:
     """Each policy's steps of one in-process run of `job`, timed as TRL's are. The job's CPU time
     (from the first step's end to the last's) is shared among the policies by their samples;
-    `checkpoint_root` keeps the job's exports."""
+    `checkpoint_root` keeps the job's exports; `also` sees every step record after they are timed."""
     from _jobs import run_job  # type: ignore[import-not-found]
 
     results = {p: Result() for p in policies}
@@ -383,6 +388,8 @@ def measure_job(
         r.rewards.append(float(rec.reward_mean) if rec.reward_mean is not None else float("nan"))
         if not cpu or all(len(x.ends) >= steps for x in results.values()):
             cpu.append(job_cpu_s())  # read at the first step's end and once every policy is done
+        if also is not None:
+            also(rec)
 
     summary = run_job(job, on_record, checkpoint_root=checkpoint_root)
     if summary.state != "done":

@@ -12,14 +12,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, timeout: float = 300) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -210,6 +210,30 @@ def test_real_model_benchmark_runs() -> None:
     assert set(sides) == {"polyrl", "trl", "plain"}, out
     assert all(float(r[6]) > 0 and float(r[7]) > 0 for r in sides.values())  # samples/s, CPU-s/sample
     assert "goal: one policy >= 1.0x TRL's samples/s" in out
+
+
+@pytest.mark.slow
+def test_algorithms_benchmark_runs() -> None:
+    """Three variants (one-step grpo, clipped ppo, DAPO's dynamic sampling and length penalty) on the
+    tiny Qwen2; every variant's job is checked in test_algorithms_benchmark.py, and the figures are
+    SmolLM2's (docs/performance.md)."""
+    variants = ["grpo", "ppo", "dapo"]
+    out = _run(
+        "algorithms.py",
+        *("--model", "builtin://tiny-qwen2", "--seeds", "1", "--steps", "2", "--prompts", "2"),
+        *("--group", "2", "--eval-rows", "4", "--max-new-tokens", "4", "--variants", ",".join(variants)),
+        timeout=400,  # three jobs one after the other
+    )
+    runs = [line for line in out.splitlines() if " seed 1: pass@1 " in line]
+    assert [line.split()[0] for line in runs] == variants, out
+    assert all("; 8 samples trained, " in r for r in runs), runs  # 2 steps x 4: the same budget
+    rows = [
+        r.split("|") for r in out.splitlines() if r.startswith("| ") and r.split("|")[1].strip() in variants
+    ]
+    assert [r[1].strip() for r in rows] == variants, out
+    assert all(r[3].strip() in ("0 of 1", "1 of 1") and float(r[5]) >= 1.0 for r in rows), rows
+    assert "goal: Dr. GRPO or DAPO at least as good as today's GRPO on the mean" in out
+    assert out.rstrip().splitlines()[-1].split(": ")[-1].startswith(("met (grpo ", "not met (grpo ")), out
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The RLJob API (polyrl.dev/v1alpha1): the single source of truth for the CRD, validation, the
 operator's planning and the runtime's configuration."""
 
+from polyrl_operator.api.algorithm import Algorithm, Critic, Lora
 from polyrl_operator.api.base import ApiModel, Rule, RuleViolation
 from polyrl_operator.api.common import (
     EnvVar,
@@ -9,8 +10,9 @@ from polyrl_operator.api.common import (
     ResourceRequirements,
     RoleOverrides,
 )
+from polyrl_operator.api.model import Model
 from polyrl_operator.api.operation import FailurePolicy, Scheduling
-from polyrl_operator.api.policy import Algorithm, Lora, Model, Policy, Rollout, Sampling, Trainer
+from polyrl_operator.api.policy import Policy, Rollout, Sampling, Trainer
 from polyrl_operator.api.pools import Placement, Pool, SharedBase
 from polyrl_operator.api.rljob import (
     API_VERSION,
@@ -57,6 +59,7 @@ __all__ = [
     "Checkpoint",
     "Condition",
     "Coordinator",
+    "Critic",
     "EnvVar",
     "FailurePolicy",
     "Lora",

@@ -6,6 +6,8 @@ The runtime sets these `AsyncEngineArgs` itself (`vllm_lora_args`): `enable_lora
 requests it started beside the new one), and `max_lora_rank`, the largest rank among them rounded up to a
 rank vLLM supports. A user's `rollout.engineArgs` may raise them; a value that cannot hold the adapters is
 refused naming the field (`lora_serving_problems`), as vLLM would refuse it only once the engine starts.
+A frozen policy of a shared base takes no LoRA slot: its requests carry no `LoRARequest`, which vLLM
+serves with the base model alone.
 """
 
 from __future__ import annotations
@@ -37,16 +39,18 @@ def vllm_lora_args(ranks: Sequence[int]) -> dict[str, Any]:
 
 def lora_serving_problems(policies: Sequence[Policy], bases: Sequence[SharedBase]) -> list[tuple[str, str]]:
     """(field path under spec, message) for each engineArgs value or adapter rank a vLLM engine of a
-    shared base (`RLJobSpec.shared_bases`) cannot serve; [] when every shared base fits."""
+    shared base (`RLJobSpec.shared_bases`) cannot serve; [] when every shared base fits. The room
+    needed counts the trained members' adapters; every member's engineArgs is checked against it."""
     out: list[tuple[str, str]] = []
     index = {p.name: i for i, p in enumerate(policies)}
     by_name = {p.name: p for p in policies}
     for base in bases:
         members = [by_name[n] for n in base.policies]
+        adapters = [by_name[n] for n in base.trained]
         if members[0].rollout.engine != "vllm":
             continue
-        for p in members:
-            assert p.algorithm.lora is not None  # a shared base's members set algorithm.lora
+        for p in adapters:
+            assert p.algorithm.lora is not None  # a shared base's trained members set algorithm.lora
             if p.algorithm.lora.rank > VLLM_LORA_RANKS[-1]:
                 out.append(
                     (
@@ -54,8 +58,9 @@ def lora_serving_problems(policies: Sequence[Policy], bases: Sequence[SharedBase
                         f"{p.algorithm.lora.rank} is above {VLLM_LORA_RANKS[-1]}, the largest LoRA rank vLLM serves",
                     )
                 )
-        ranks = [p.algorithm.lora.rank for p in members if p.algorithm.lora is not None]
-        need = {"max_loras": len(members), "max_cpu_loras": len(members), "max_lora_rank": max(ranks)}
+        ranks = [p.algorithm.lora.rank for p in adapters if p.algorithm.lora is not None]
+        need = {"max_loras": len(adapters), "max_cpu_loras": len(adapters), "max_lora_rank": max(ranks)}
+        served = ", ".join(base.trained)
         for p in members:
             args = p.rollout.engine_args or {}
             where = f"policies[{index[p.name]}].rollout.engineArgs"
@@ -63,7 +68,7 @@ def lora_serving_problems(policies: Sequence[Policy], bases: Sequence[SharedBase
                 out.append(
                     (
                         f"{where}.enable_lora",
-                        f"policies {', '.join(base.policies)} are served as LoRA adapters: leave it unset or true",
+                        f"policies {served} are served as LoRA adapters: leave it unset or true",
                     )
                 )
             for key, least in need.items():
@@ -75,7 +80,7 @@ def lora_serving_problems(policies: Sequence[Policy], bases: Sequence[SharedBase
                     out.append(
                         (
                             f"{where}.{key}",
-                            f"{value!r} cannot hold the adapters of {', '.join(base.policies)} (one vLLM engine on "
+                            f"{value!r} cannot hold the adapters of {served} (one vLLM engine on "
                             f"pool {base.pool}): it must be an integer of at least {least}, {what} them",
                         )
                     )

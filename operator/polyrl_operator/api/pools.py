@@ -62,9 +62,18 @@ class Placement:
 @dataclass(frozen=True)
 class SharedBase:
     """Policies whose rollouts share one engine per pod of `pool`: the base model `model_uri` in
-    `dtype`, resident once, with each policy's LoRA adapter on it (`RLJobSpec.shared_bases`)."""
+    `dtype`, resident once, with each trained policy's LoRA adapter on it; the `frozen` ones among
+    `policies` are served the base alone (`RLJobSpec.shared_bases`)."""
 
     pool: str
     model_uri: str
     dtype: str
     policies: tuple[str, ...]
+    frozen: tuple[str, ...] = ()
+    """The members with `frozen: true`, in the order of `policies`: no adapter, no trainer, no
+    weight sync (the base never changes: the trained members' updates move their adapters only)."""
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """The members served as LoRA adapters (never empty: a group has one at least)."""
+        return tuple(n for n in self.policies if n not in self.frozen)

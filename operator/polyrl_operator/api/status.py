@@ -94,11 +94,17 @@ class PolicyStatus(ApiModel):
 
 class SharedBaseStatus(ApiModel):
     """Policies whose rollouts share one engine per pod of a pool: one resident base model, each
-    policy's LoRA adapter on it."""
+    trained policy's LoRA adapter on it, the frozen ones served the base alone."""
 
     model: str = Field(..., description="The base model (model.uri).")
     dtype: str = Field(..., description="Its dtype (model.dtype).")
-    policies: list[str] = Field(..., description="The policies served as adapters on it.")
+    policies: list[str] = Field(
+        ...,
+        description="The policies it serves: the trained ones as LoRA adapters, the frozen ones the base.",
+    )
+    frozen: list[str] | None = Field(
+        None, description="The frozen policies among them, served the base model alone; unset when none."
+    )
 
 
 class PoolStatus(ApiModel):
@@ -127,8 +133,8 @@ class PoolStatus(ApiModel):
     )
     shared_bases: list[SharedBaseStatus] | None = Field(
         None,
-        description="Policies served as LoRA adapters on one base model by the pool's engines (rollouts "
-        "on the pool with the same model and algorithm.lora); unset when none share.",
+        description="Policies served on one base model by the pool's engines (rollouts on the pool with "
+        "the same model, with algorithm.lora or frozen, one LoRA policy at least); unset when none share.",
     )
 
 

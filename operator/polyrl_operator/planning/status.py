@@ -111,7 +111,12 @@ def pool_statuses(
                 busy_fraction=usage.busy_fraction if usage is not None else None,
                 switches=usage.switches if usage is not None else None,
                 shared_bases=[
-                    SharedBaseStatus(model=b.model_uri, dtype=b.dtype, policies=list(b.policies))
+                    SharedBaseStatus(
+                        model=b.model_uri,
+                        dtype=b.dtype,
+                        policies=list(b.policies),
+                        frozen=list(b.frozen) or None,
+                    )
                     for b in job.spec.shared_bases()
                     if b.pool == slot.pool
                 ]

@@ -33,7 +33,7 @@ import numpy.typing as npt
 import torch
 import torch.utils.checkpoint
 
-from polyrl_operator.api.policy import Algorithm
+from polyrl_operator.api.algorithm import Algorithm
 from polyrl_runtime.models.tiny import TinyCausalLM
 
 # Float32 logits per chunk (64 MiB; a chunk holds several tensors of this size in backward).

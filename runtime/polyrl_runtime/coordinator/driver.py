@@ -122,13 +122,16 @@ class Driver:
             )
             for p in self.spec.policies
         }
-        # One engine receives the adapter versions of every policy of a shared base, through one
-        # receiver: they agree on a transport, and collective and cudaipc (which tie an engine to one
-        # trainer) are not among them (validation refuses them when asked for by name).
+        # One engine receives the adapter versions of every trained policy of a shared base, through
+        # one receiver: they agree on a transport, and collective and cudaipc (which tie an engine to
+        # one trainer) are not among them (validation refuses them when asked for by name). Its frozen
+        # members receive nothing; they are given the group's transport, which their engine is.
         for base in self.spec.shared_bases():
-            chosen = {self.transports[m] for m in base.policies}
-            if len(chosen) > 1 or chosen & {"collective", "cudaipc"}:
-                self.transports.update(dict.fromkeys(base.policies, "objectstore"))
+            chosen = {self.transports[m] for m in base.trained}
+            agreed = next(iter(chosen)) if len(chosen) == 1 else "objectstore"
+            if agreed in ("collective", "cudaipc"):
+                agreed = "objectstore"
+            self.transports.update(dict.fromkeys(base.policies, agreed))
         # Starts no actor before `run`; then it starts (and `close` stops) every one.
         self.fleet = Fleet(
             job,

@@ -44,6 +44,7 @@ from polyrl_runtime.engines.registry import engine_kind
 from polyrl_runtime.experience.actor import create_experience_actor
 from polyrl_runtime.experience.buffer import BufferSnapshot, PolicyConfig
 from polyrl_runtime.experience.client import BufferClient
+from polyrl_runtime.models import policy_seed
 from polyrl_runtime.trainers.api import RANK_CONCURRENCY, TrainerRank
 from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.workflows.client import WorkflowWorkerClient
@@ -149,9 +150,12 @@ class Fleet:
     def new_engine(self, policy: Policy) -> EngineSlot:
         """An engine for `policy`: its own, or, for a policy that shares a base (`spec.shared_bases`),
         one engine for every policy of that base, taking a unit of each one's rollout resource on its
-        pod and listed under each of them."""
+        pod and listed under each of them. A shared base's engine is the first trained member's
+        rollout, whichever member asks for it (a frozen member's engine settings agree with it)."""
         shared = self.spec.shared_base(policy.name)
         members = shared.policies if shared is not None else (policy.name,)
+        if shared is not None:
+            policy = self.spec.policy(shared.trained[0])
         name = f"{'+'.join(members) if shared is not None else policy.name}-rollout-{next(self._ids)}"
         placement = self.spec.rollout_placement(policy)
         resources: dict[str, float] = {}
@@ -170,11 +174,14 @@ class Fleet:
 
     def _engine(self, policy: Policy, name: str) -> functools.partial[Engine]:
         """An engine of the policy's rollout (or of its shared base), to be constructed (as an actor of
-        its own, or in a `ColocatedRank`). Its seed: the job's, plus the fleet's count so far."""
+        its own, or in a `ColocatedRank`). Its seed: the job's, plus the fleet's count so far. On a
+        shared base: an adapter per trained member, and the frozen members served the base alone
+        (`base_policies`)."""
         shared = self.spec.shared_base(policy.name)
         adapters = (
-            {m: self.spec.policy(m).algorithm.lora for m in shared.policies} if shared is not None else {}
+            {m: self.spec.policy(m).algorithm.lora for m in shared.trained} if shared is not None else {}
         )
+        base_policies = shared.frozen if shared is not None else ()
         kind = engine_kind(policy.rollout.engine)
         cls: Callable[..., Engine] = kind.load()  # every engine class takes these (engines/registry.py)
         return functools.partial(
@@ -185,10 +192,12 @@ class Fleet:
             transport=self.transports[policy.name],
             transport_kwargs=self.transport_kwargs,
             seed=self.spec.training.seed + next(self._ids),
+            model_seed=policy_seed(self.spec.training.seed, policy.name),
             dtype=policy.model.dtype,
             trust_remote_code=policy.model.trust_remote_code,
             **kind.options(self.spec, policy),
             **({"adapters": adapters} if adapters else {}),
+            **({"base_policies": base_policies} if base_policies else {}),
         )
 
     def _add_engine(
@@ -346,6 +355,11 @@ class Fleet:
             total_steps=self.spec.training.total_steps,
             gpus=self.spec.trainer_placement(policy).gpus,
             adapter_only=self.spec.shared_base(policy.name) is not None,
+            teacher_json=(
+                self.spec.policy(d.teacher).model_dump_json(by_alias=True)
+                if (d := policy.algorithm.distillation) is not None
+                else None
+            ),
         )
 
     def close(self) -> None:

@@ -62,14 +62,16 @@ def shared_trainers(spec: RLJobSpec) -> dict[str, tuple[str, ...]]:
     once, one LoRA adapter each), for every policy of a shared base (`spec.shared_bases`) whose
     members' trainers all run on the base's pool with the same ranks per pod and a ZeRO stage below 3
     (the ranks hold the base whole; only the adapters train). Other policies of a shared base keep a
-    trainer each, as a policy that shares nothing does."""
+    trainer each, as a policy that shares nothing does. Its frozen members have no trainer, so no
+    part of one: a base with a single trained member leaves that member a trainer of its own."""
     out: dict[str, tuple[str, ...]] = {}
     for base in spec.shared_bases():
-        members = [spec.policy(name) for name in base.policies]
+        members = [spec.policy(name) for name in base.trained]
         layouts = {(t.trainer_world, t.ranks_per_pod) for t in map(spec.trainer_placement, members)}
         if (
-            all(not p.frozen and p.trainer.pool == base.pool and p.trainer.zero_stage < 3 for p in members)
+            len(members) > 1
+            and all(p.trainer.pool == base.pool and p.trainer.zero_stage < 3 for p in members)
             and len(layouts) == 1
         ):
-            out.update(dict.fromkeys(base.policies, base.policies))
+            out.update(dict.fromkeys(base.trained, base.trained))
     return out

@@ -103,7 +103,9 @@ def policy_snapshot(run: PolicyRun, fleet: Fleet, total: int) -> PolicySnapshot:
         last_reward=run.last_reward,
         staleness=run.staleness,
         last_ckpt_step=run.last_ckpt_step,
-        engines=[_worker(s, max(s.version, 0)) for s in live],
+        # A frozen policy is served the model as loaded, version 0, by a shared base's engine too
+        # (whose own version is its adapters').
+        engines=[_worker(s, 0 if run.served_only else max(s.version, 0)) for s in live],
         backlog=sum(s.queued for s in live),
         evaluation=run.last_eval,
         version_skew=dict(run.version_skew),

@@ -11,6 +11,10 @@ Versions and update counts are per adapter. A request's cached key and value row
 after its own adapter changes (as a full-weight engine does after any update) and are kept when
 another adapter changes. Until its first version an adapter's B is zero, so it serves what the base
 model gives, as peft's freshly initialised adapter does.
+
+A frozen policy of the shared base (`base_policies`) has no adapter: its rows are routed to the base
+alone, with the base's version and update count (which adapter updates never change), and a weight
+update naming it is refused as one naming an unknown policy.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from polyrl_runtime.weights.api import TensorTarget
 
 
 class UnknownAdapterError(ValueError):
-    """A request or a weight update names a policy the engine holds no adapter for."""
+    """A request or a weight update names a policy the engine holds no adapter for (a request of a
+    policy it serves the base alone is accepted; a weight update for one is not)."""
 
     def __init__(self, engine: str, policy: str, known: Sequence[str]) -> None:
         super().__init__(
@@ -86,12 +91,23 @@ class AdapterTarget(TensorTarget):
 
 
 class EngineAdapters:
-    """The adapters of `loras` (policy -> its `algorithm.lora`) on `model`, which `base` serves."""
+    """The adapters of `loras` (policy -> its `algorithm.lora`) on `model`, which `base` serves, and
+    the policies served `base` alone (`base_policies`: frozen policies of the shared base)."""
 
     def __init__(
-        self, engine: str, model: torch.nn.Module, base: TensorTarget, loras: Mapping[str, Lora]
+        self,
+        engine: str,
+        model: torch.nn.Module,
+        base: TensorTarget,
+        loras: Mapping[str, Lora],
+        base_policies: Sequence[str] = (),
     ) -> None:
+        both = sorted(set(loras) & set(base_policies))
+        if both:
+            raise ValueError(f"engine {engine}: policy {both[0]} is given an adapter and the base alone")
         self.engine = engine
+        self.base = base
+        self.base_policies = frozenset(base_policies)
         self.bank = LoraBank(model)
         weight = next(model.parameters())
         self.targets: dict[str, AdapterTarget] = {}
@@ -115,23 +131,32 @@ class EngineAdapters:
         return list(self.targets)
 
     def target(self, policy: str) -> AdapterTarget:
+        """The weight target of `policy`'s adapter (a policy served the base alone has none)."""
         target = self.targets.get(policy)
         if target is None:
             raise UnknownAdapterError(self.engine, policy, self.policies)
         return target
 
+    def check(self, policy: str) -> None:
+        """Raise `UnknownAdapterError` unless the engine serves `policy` (an adapter or the base)."""
+        if policy not in self.base_policies:
+            self.target(policy)
+
     def version(self, policy: str) -> int:
-        return self.target(policy).version
+        """The version `policy`'s tokens are sampled with: its adapter's, or the base's."""
+        return self.base.version if policy in self.base_policies else self.target(policy).version
 
     def updates(self, policy: str) -> int:
-        return self.target(policy).updates
+        return self.base.updates if policy in self.base_policies else self.target(policy).updates
 
     def versions(self) -> dict[str, int]:
+        """Each adapter's version (the policies served the base alone have no adapter: not listed)."""
         return {p: t.version for p, t in self.targets.items()}
 
     def route(self, policies: Sequence[str]) -> None:
-        """Row i of the next forward passes runs with the adapter of `policies[i]`."""
-        self.bank.route(list(policies))
+        """Row i of the next forward passes runs with the adapter of `policies[i]` (the base alone for
+        a policy in `base_policies`)."""
+        self.bank.route([None if p in self.base_policies else p for p in policies])
 
     def nbytes(self, policy: str) -> int:
         return self.bank.nbytes(policy)

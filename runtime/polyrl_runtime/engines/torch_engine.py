@@ -24,7 +24,8 @@ leaves no room is refused before it joins the batch (`PromptTooLongError`).
 Several policies may share one engine as LoRA adapters on its base model (`adapters`, see
 `engines/adapters.py`): a request names its policy (`SamplingParams.policy`), each row of a batch runs
 with its own policy's adapter in the same forward pass, every token records its adapter's version,
-and a weight update of one adapter re-prefills only that adapter's requests.
+and a weight update of one adapter re-prefills only that adapter's requests. The frozen policies of
+the shared base (`base_policies`) run on the base alone, their tokens at the base's version.
 
 An aborted request (`Engine.abort`, or a `generate` call cancelled by its caller) leaves the queue or
 the running batch before the next step, its cache row freed, and is counted with the tokens it did
@@ -98,6 +99,8 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
         dtype: str = "auto",
         trust_remote_code: bool = False,
         adapters: Mapping[str, Lora] | None = None,
+        base_policies: Sequence[str] = (),
+        model_seed: int | None = None,
     ) -> None:
         pin_from_env()
         torch.set_num_threads(1)
@@ -106,9 +109,11 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
         self.model_uri = model_uri
         self.device = torch.device(device)
         self.trust_remote_code = trust_remote_code
+        # A built-in model's weights come from `model_seed` (the policy's: every engine and trainer
+        # rank of the policy alike; a frozen policy's engines get no other weights), else `seed`.
         self.model = load_model(
             model_uri,
-            seed=seed,
+            seed=seed if model_seed is None else model_seed,
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             cuda=self.device.type == "cuda",
@@ -118,16 +123,18 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
             p.requires_grad_(False)
         self.target = TensorTarget.from_module(self.model)
         self.init_weight_receiver(transport, self.target, **(transport_kwargs or {}))
-        # Several policies as LoRA adapters on this base (`engines/adapters.py`); None: one policy's
-        # full weights.
+        # Several policies as LoRA adapters on this base (`engines/adapters.py`), and the frozen
+        # policies it serves the base alone; None: one policy's full weights.
         self.adapters: EngineAdapters | None = None
+        if base_policies and not adapters:
+            raise ValueError(f"engine {name}: policies served the base alone need a shared base's adapters")
         if adapters:
             if isinstance(self.model, TinyCausalLM):
                 raise ModelLoadError(
                     f"engine {name}: policies {', '.join(adapters)} share {model_uri} as LoRA adapters, "
                     "which needs a Hugging Face model; the plain-torch builtin models take none"
                 )
-            self.adapters = EngineAdapters(name, self.model, self.target, adapters)
+            self.adapters = EngineAdapters(name, self.model, self.target, adapters, base_policies)
         self.max_batch = max_batch
         self.max_len = context_limit(self.model)
         hf: Any = self.model
@@ -183,7 +190,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
         if not prompt_ids:
             raise ValueError("empty prompt")
         if self.adapters is not None:
-            self.adapters.target(params.policy)  # an unknown policy is refused here, not in a batch
+            self.adapters.check(params.policy)  # an unknown policy is refused here, not in a batch
         elif params.policy not in ("", self.policy):
             raise ValueError(f"engine {self.name} serves policy {self.policy}, not {params.policy}")
         if len(prompt_ids) >= self.max_len:  # refused here: in a forward pass it would fail the batch

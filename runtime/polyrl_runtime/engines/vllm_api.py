@@ -140,6 +140,7 @@ VLLM_NAMES: tuple[VllmName, ...] = (
 # as `AsyncLLM.pause_generation`).
 RECEIVERS: dict[str, str] = {
     "_llm": "AsyncLLM",
+    "llm": "AsyncLLM",  # vllm_weight_rpc.py: the engine's AsyncLLM passed in
     "tp": "GroupCoordinator",
     "final": "RequestOutput",
     "completion": "CompletionOutput",

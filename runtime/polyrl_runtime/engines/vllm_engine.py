@@ -38,7 +38,8 @@ Several policies as LoRA adapters on one base (`adapters`: a rollout shared on a
 `vllm_lora.py`): vLLM runs with LoRA on, a request runs with its policy's adapter (`SamplingParams.policy`),
 and each adapter version arrives through the objectstore or shm transport and is added to vLLM under an
 id of its own, without pausing any request; every token of a request has the version its request
-started with.
+started with. A frozen policy of the shared base (`base_policies`) is served the base alone: no
+`LoRARequest`, no LoRA slot.
 
 vLLM is not a dependency of the runtime: install the `gpu` extra (`polyrl-runtime[gpu]`) in GPU images.
 """
@@ -49,7 +50,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,8 +105,12 @@ class VllmEngine:
         policy_path: str = "rollout",
         sleep_mode: bool = False,
         adapters: Mapping[str, Lora] | None = None,
+        base_policies: Sequence[str] = (),
+        model_seed: int | None = None,  # built-in models' only: vLLM loads Hugging Face weights
     ) -> None:
         self.name, self.policy = name, policy
+        if base_policies and not adapters:
+            raise ValueError(f"{name}: policies served the base alone need a shared base's adapters")
         if adapters and transport not in ADAPTER_TRANSPORTS:
             raise ValueError(
                 f"{name}: policies {', '.join(adapters)} share this engine as LoRA adapters, whose versions "
@@ -171,6 +176,7 @@ class VllmEngine:
                 loras=adapters,
                 transport=transport,
                 transport_kwargs=transport_kwargs,
+                base_policies=base_policies,
             )
 
     # -- generation ----------------------------------------------------------------------------
@@ -243,9 +249,9 @@ class VllmEngine:
             if reason == "abort" and self._inflight == "abort" and self._pauses != pauses:
                 continue  # ended by a weight update in abort mode: issue it again on the new weights
             if self._adapters is not None:  # every token: the adapter version the request started with
-                return self._generation(
-                    completion, reason, stop_str, adapter.version if adapter else -1, False
-                )
+                base = params.policy in self._adapters.base_policies  # the base as loaded: its version
+                served = adapter.version if adapter else version if base else -1
+                return self._generation(completion, reason, stop_str, served, False)
             return self._generation(completion, reason, stop_str, version)
 
     def _generation(

@@ -15,6 +15,9 @@ directory (`adapter_config.json` and `adapter_model.safetensors`) in a memory-ba
 - vLLM's prefix cache keys blocks by the adapter's name and path, so a new version never reuses the
   cached prefix of an old one, and the other adapters' cached blocks stay.
 - Updating one policy pauses no request, its own included.
+- A frozen policy of the shared base (`base_policies`) has no adapter and takes no LoRA slot: its
+  requests carry no `LoRARequest`, so vLLM serves them with the base model as loaded, which no update
+  changes (the trained policies' versions are adapters). A version naming it is refused.
 
 A version that fails (a manifest that does not match the layout, vLLM refusing the adapter) raises
 `WeightSyncError` naming the policy and the version; the previous version keeps serving.
@@ -29,7 +32,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -240,15 +243,20 @@ class VllmAdapters:
         loras: Mapping[str, Lora],
         transport: str,
         transport_kwargs: Mapping[str, Any] | None,
+        base_policies: Sequence[str] = (),
     ) -> None:
         self.engine, self._llm, self._lora_cls = engine, llm, lora_cls
         self.loras = dict(loras)
+        self.base_policies = frozenset(base_policies)
         self.layouts = meta_layouts(model_dir, trust_remote_code, self.loras)
         self.versions = AdapterVersions(adapter_root(), serving=dict.fromkeys(self.loras))
         self._receiver = make_receiver(transport, **(transport_kwargs or {}))
 
     def acquire(self, policy: str) -> AdapterVersion | None:
-        """The version a new request of `policy` runs with; `release` it when the request ends."""
+        """The version a new request of `policy` runs with; `release` it when the request ends. None
+        for a policy served the base alone (and for an adapter before its first version)."""
+        if policy in self.base_policies:
+            return None
         if policy not in self.loras:
             raise UnknownAdapterError(self.engine, policy, list(self.loras))
         return self.versions.acquire(policy)

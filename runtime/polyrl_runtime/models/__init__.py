@@ -10,6 +10,7 @@ Instruct, a real pretrained instruct model) through the same conversion.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,7 +40,9 @@ __all__ = [
     "local_path",
     "model_dir",
     "packaged_gguf",
+    "policy_seed",
     "resolve_dtype",
+    "vocabulary_mismatch",
 ]
 
 
@@ -185,3 +188,28 @@ def context_limit(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
     return int(limit) if isinstance(limit, int) else 1 << 30
+
+
+# Text the tokenizers of a student and its teacher must encode alike (on-policy distillation scores
+# the student's token ids with the teacher's model): letters, digits, punctuation, spaces,
+# newlines and some non-ASCII.
+VOCABULARY_PROBE = "The answer is 42.\n  x = (a + b) * 3; print(x)\n{'k': [1, 2]} déjà vu, 東京 ✓"
+
+
+def vocabulary_mismatch(student: Tokenizer, teacher: Tokenizer) -> str | None:
+    """Why `teacher` cannot score `student`'s token ids, or None: a different vocabulary size, end
+    ids, or encoding of `VOCABULARY_PROBE`."""
+    if student.vocab_size != teacher.vocab_size:
+        return f"vocabulary sizes differ ({student.vocab_size} and {teacher.vocab_size})"
+    if tuple(student.stop_ids) != tuple(teacher.stop_ids):
+        return f"end ids differ ({list(student.stop_ids)} and {list(teacher.stop_ids)})"
+    a, b = student.encode(VOCABULARY_PROBE), teacher.encode(VOCABULARY_PROBE)
+    if a != b:
+        return f"they encode the same text differently ({a[:12]}... and {b[:12]}...)"
+    return None
+
+
+def policy_seed(job_seed: int, policy: str) -> int:
+    """The seed of a policy's initial weights where a seed makes them (the built-in models): its
+    trainer ranks and every engine of it start from the same weights."""
+    return (job_seed * 1_000_003 + zlib.crc32(policy.encode())) % (2**31)

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepResult:
-    """One rank's part of one training step (one optimizer step, or one per micro-batch under ppo)."""
+    """One rank's part of one training step (epochs x miniBatches optimizer steps: by default one, or
+    one per micro-batch under ppo)."""
 
     rank: int
     lease_id: int | None
@@ -24,8 +25,14 @@ class StepResult:
     is_weight_mean: float = 1.0
     is_truncated_frac: float = 0.0
     is_masked_frac: float = 0.0  # trained tokens a mask isCorrection rejected
+    # algorithm.distillation: the mean over trained tokens of log student - log teacher
+    distill_kl: float = 0.0
     kl: float = 0.0
     entropy: float = 0.0  # mean per-token entropy (computed only when algorithm.entropyCoef > 0)
+    # algorithm.critic: this rank's share of the mean value loss of the critic's optimizer steps, and
+    # the fraction of its trained tokens whose clipped value term was the larger.
+    value_loss: float = 0.0
+    value_clip_frac: float = 0.0
     staleness_mean: float = 0.0
     staleness_max: int = 0
     signal_mean: float = 0.0

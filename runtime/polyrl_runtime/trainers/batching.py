@@ -2,9 +2,9 @@
 
 Rows are sorted by sequence length (prompt + response) first: a micro-batch is padded to its longest
 row, so mixing short turns with long ones (a long-tail reply beside one-token answers) would pay for
-the long one in every row. GRPO sums the micro losses into one optimizer step, so grouping does not
-change its gradient; PPO's per-micro-batch updates see rows grouped by length instead of by arrival,
-an order as arbitrary as before.
+the long one in every row. A mini-batch sums its micro losses into one optimizer step, so grouping
+does not change its gradient; ppo's default, one mini-batch per micro-batch, updates on rows grouped
+by length instead of by arrival, an order as arbitrary as before.
 
 Two ways to cut the sorted rows:
 - by rows (`trainer.microBatchSize`): at most `micro` rows each;
@@ -14,9 +14,20 @@ Two ways to cut the sorted rows:
 
 The count then differs between ranks; every rank must run the same number of passes (each backward
 is collective under ZeRO), so ranks agree on the largest count and pad with empty micro-batches.
+
+Mini-batches (`algorithm.miniBatches`): the micro-batches are dealt to the mini-batches in turn,
+mini-batch j accumulating micro-batches j, j + miniBatches, ..., so each mini-batch spans the share's
+lengths rather than holding its shortest or longest rows; every mini-batch has the same number of
+micro-batches (the count is padded to a multiple of miniBatches), so every rank reaches each
+accumulation boundary, one optimizer step, at the same pass. A share that packs into fewer
+micro-batches than mini-batches has its largest ones halved first, so each mini-batch gets rows
+while the share has as many rows as mini-batches.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -67,11 +78,63 @@ def pad_to(groups: list[list[int]], n_micro: int) -> list[list[int]]:
     return groups + [[] for _ in range(n_micro - len(groups))]
 
 
+def share_micro_batches(
+    batch: SampleBatch | None, micro: int, max_tokens: int | None = None, minis: int | None = None
+) -> list[list[int]]:
+    """Row indices of each of the share's micro-batches (see `pack_rows`), before padding; with
+    `minis`, split to at least that many while the rows allow (`split_to`). Equal lengths are ordered
+    by a canonical rank, not arrival order: the same samples give the same micro-batches, and so the
+    same update."""
+    tiebreak = None if batch is None else canonical_rank(batch)
+    groups = pack_rows(row_lengths(batch), micro, max_tokens, tiebreak)
+    return groups if minis is None else split_to(groups, minis)
+
+
 def micro_batches(
     batch: SampleBatch | None, micro: int, n_micro: int, max_tokens: int | None = None
 ) -> list[list[int]]:
-    """Row indices of each of `n_micro` micro-batches (see `pack_rows`), empty ones padding the list.
-    Equal lengths are ordered by a canonical rank, not arrival order: the same samples give the same
-    micro-batches, and so the same update."""
-    tiebreak = None if batch is None else canonical_rank(batch)
-    return pad_to(pack_rows(row_lengths(batch), micro, max_tokens, tiebreak), n_micro)
+    """Row indices of each of `n_micro` micro-batches (`share_micro_batches`), empty ones padding the
+    list."""
+    return pad_to(share_micro_batches(batch, micro, max_tokens), n_micro)
+
+
+def split_to(groups: list[list[int]], count: int) -> list[list[int]]:
+    """`groups` with the one of most rows (the first such) halved in place, order kept, until there
+    are `count` of them or every one is a single row."""
+    out = [list(g) for g in groups]
+    while 0 < len(out) < count:
+        k = max(range(len(out)), key=lambda i: len(out[i]))
+        if len(out[k]) < 2:
+            break
+        half = len(out[k]) // 2
+        out[k : k + 1] = [out[k][:half], out[k][half:]]
+    return out
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """A rank's passes of one step: its micro-batches (row indices; empty ones pad to the count every
+    rank runs) and `minis` mini-batches of `per_mini` micro-batches each, one optimizer step per
+    mini-batch per epoch."""
+
+    micro_rows: list[list[int]]
+    minis: int
+
+    @property
+    def per_mini(self) -> int:
+        return len(self.micro_rows) // self.minis
+
+    def mini_batches(self) -> list[list[int]]:
+        """Each mini-batch's micro-batch indices: j, j + minis, ... (module docstring)."""
+        return [list(range(j, len(self.micro_rows), self.minis)) for j in range(self.minis)]
+
+
+def step_layout(groups: list[list[int]], n_micro: int, minis: int | None) -> StepLayout:
+    """`groups` (this rank's micro-batches) padded to the ranks' common count: `n_micro` (no rank has
+    more), rounded up to a multiple of `minis`; `minis` None: one mini-batch per micro-batch."""
+    if n_micro < 1 or (minis is not None and minis < 1):
+        raise ValueError(
+            f"a step needs a micro-batch and a mini-batch (micro-batches {n_micro}, mini {minis})"
+        )
+    count = n_micro if minis is None else minis * math.ceil(n_micro / minis)
+    return StepLayout(pad_to(groups, count), count if minis is None else minis)

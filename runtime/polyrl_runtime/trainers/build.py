@@ -12,8 +12,8 @@ step (`lr_factor`, `learning_rate`), the DeepSpeed config (`deepspeed_config`). 
 - the optimizer (torch AdamW: DeepSpeed's CPU Adam would compile C++ ops on first use) with no
   scheduler: the learning rate is a function of the *training* step, which the trainer sets before
   each step (`set_learning_rate`). A scheduler stepped by DeepSpeed would count optimizer steps,
-  several per training step under ppo (one per micro-batch), so warmupSteps and the cosine horizon
-  would mean different things for grpo and ppo. The training step is the policy's version, which a
+  epochs x miniBatches per training step (ppo's default: one per micro-batch), so warmupSteps and
+  the cosine horizon would mean different things for different settings. The training step is the policy's version, which a
   checkpoint restores, so a resumed job continues the schedule with no scheduler state;
 - the KL reference model, only when `klCoef > 0`: loaded again from the URI (never a copy of the
   trained one), frozen, and under ZeRO-3 wrapped in its own optimizer-less DeepSpeed engine so it is

@@ -3,13 +3,15 @@
 Each rank is a Ray actor placed on one unit of a `polyrl/<policy>/trainer` resource (a trainer pod
 offers one per rank: one per GPU, or `trainer.ranksPerPod` on CPU) and, on GPU, one GPU of its own.
 Ranks of one policy form their own process group (rendezvous at rank 0's address); what a rank is
-built of (model, reference, optimizer, schedule, DeepSpeed config) is in `trainers/build.py`. A step: every rank pulls its share of the
-step's samples from the experience buffer under a lease, the ranks all-reduce the advantage
-statistics and token count, run the same number of micro-batches (padding with empty ones), and
-DeepSpeed does one optimizer step (GRPO) or one per micro-batch (PPO, with the proximal logprobs
-taken before the first update), which every rank skips when any saw a non-finite loss or gradient
-(trainers/nonfinite.py). The driver acks the leases after the step, so a rank that dies
-mid-step has its samples redelivered.
+built of (model, reference, optimizer, schedule, DeepSpeed config) is in `trainers/build.py`. A step:
+every rank pulls its share of the step's samples from the experience buffer under a lease and
+fixes what it trains on before the first update (trainers/step_inputs.py: the advantages, from
+all-reduced statistics; the micro-batches and mini-batches, the same counts on every rank, padding
+with empty ones; the proximal logprobs). Then it makes `algorithm.epochs` passes over the
+mini-batches, one optimizer step per mini-batch per pass (estimators.py: by default one per batch,
+ppo one per micro-batch), which every rank skips when any saw a non-finite loss or gradient
+(trainers/nonfinite.py). The driver acks the leases after the step, so a rank that dies mid-step
+has its samples redelivered.
 
 On a device pool a rank moves its state to host memory between its phases (`offload`, `restore`:
 trainers/offload.py); while it is offloaded every call that needs its tensors fails with
@@ -23,21 +25,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import ray
 import structlog
 import torch
 
 from polyrl_operator.api import Policy
 from polyrl_runtime import storage
-from polyrl_runtime.algorithms.advantages import (
-    AdvantageStats,
-    advantages,
-    agent_stats,
-    scale_stats,
-)
-from polyrl_runtime.algorithms.estimators import estimator, normalisation
-from polyrl_runtime.algorithms.kl_reward import shaped_returns, token_advantages, token_kl
+from polyrl_runtime.algorithms.advantages import AdvantageStats, agent_stats, scale_stats
+from polyrl_runtime.algorithms.estimators import normalisation, update_schedule
 from polyrl_runtime.algorithms.losses import (
     LossConfig,
     TokenBatch,
@@ -50,40 +45,43 @@ from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.device_memory import HostBuffers, ParkedMemory
 from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.client import BufferClient
-from polyrl_runtime.experience.types import Sample
-from polyrl_runtime.models import is_hf, model_dir
+from polyrl_runtime.models import is_hf, model_dir, policy_seed
 from polyrl_runtime.netmap import free_port
 from polyrl_runtime.trainers.api import OffloadReport, StepResult
-from polyrl_runtime.trainers.batching import micro_batches, pack_rows, row_lengths
+from polyrl_runtime.trainers.batching import StepLayout, share_micro_batches, step_layout
 from polyrl_runtime.trainers.build import (
     Built,
     build_trainer,
     learning_rate,
     set_learning_rate,
 )
+from polyrl_runtime.trainers.critic import Critic, Whitening
 from polyrl_runtime.trainers.export import export_policy, zero_gather
-from polyrl_runtime.trainers.lora import reference_model
 from polyrl_runtime.trainers.nonfinite import StepGuard
 from polyrl_runtime.trainers.offload import TrainerOffloadedError, offload_rank, restore_rank
 from polyrl_runtime.trainers.process_group import (
     allreduce,
     gather_agent_stats,
     join_process_group,
-    policy_seed,
 )
 from polyrl_runtime.trainers.publish import published_tensors
+from polyrl_runtime.trainers.shaping import shape
+from polyrl_runtime.trainers.step_inputs import (
+    PAD_ROW,
+    LossTotals,
+    Scorer,
+    StepInputs,
+    batch_advantages,
+    mini_batch_counts,
+    score_before_update,
+    signals_of,
+    token_batch,
+)
+from polyrl_runtime.trainers.step_result import step_result
+from polyrl_runtime.trainers.teacher import Teacher
 from polyrl_runtime.weights.endpoints import TrainerWeights
 
 log = structlog.get_logger(__name__)
-
-
-# One token of prompt and one of response: the input of an empty micro-batch's zero-weighted step.
-_PAD_ROW = TokenBatch.build([np.zeros(1, np.int32)], [np.zeros(1, np.int32)], [np.zeros(0, np.int32)])
-
-
-# The loss statistics a step reports as means over its scored tokens (`LossStats` fields, which are
-# also `StepResult` fields of the same name).
-TOKEN_WEIGHTED = ("clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac", "kl", "entropy")
 
 
 class DeepSpeedTrainer(TrainerWeights):
@@ -104,6 +102,7 @@ class DeepSpeedTrainer(TrainerWeights):
         total_steps: int = 1,
         gpus: int = 0,
         adapter_only: bool = False,
+        teacher_json: str | None = None,
     ) -> None:
         # Cheap on purpose: the model is built in `setup`, once the process group exists (ZeRO-3
         # partitions it collectively as it is constructed).
@@ -124,6 +123,10 @@ class DeepSpeedTrainer(TrainerWeights):
         self.algo = self.spec.algorithm
         self.norm = normalisation(self.algo.name, self.algo.advantage_norm)
         self.loss_cfg = LossConfig.of(self.algo)
+        # Mini-batches per step (None: one per micro-batch) and passes over them (estimators.py).
+        self.mini_batches, self.epochs = update_schedule(
+            self.algo.name, self.algo.mini_batches, self.algo.epochs
+        )
         self.version = 0
         self.cuda = gpus > 0 and torch.cuda.is_available()  # gpus: its pod's (or pool's)
         self.seed = policy_seed(job_seed, self.spec.name)
@@ -133,6 +136,11 @@ class DeepSpeedTrainer(TrainerWeights):
         self._built: Built | None = None
         self._gas = 0
         self._guard: StepGuard | None = None  # its optimizer steps, once `setup` built the engine
+        self.job_seed = job_seed
+        # algorithm.distillation's frozen teacher (its policy: `teacher_json`), built in `setup`.
+        self._teacher_spec = Policy.model_validate_json(teacher_json) if teacher_json else None
+        self.teacher: Teacher | None = None
+        self.critic: Critic | None = None  # algorithm.critic's value model (trainers/critic.py), from `setup`
         self.device = torch.device("cpu")
         self._offloaded: ParkedMemory | None = None  # the rank's state while in host memory
         self._host_buffers = HostBuffers()  # pinned once, reused by every offload
@@ -168,6 +176,14 @@ class DeepSpeedTrainer(TrainerWeights):
             watch_gradients=self.watches_gradients,
             allreduce=reduce,
         )
+        if self._teacher_spec is not None:
+            self.teacher = Teacher(
+                self._teacher_spec, self.spec, job_seed=self.job_seed, cuda=self.cuda, device=self.device
+            )
+        if self.algo.critic is not None:
+            self.critic = Critic.build(
+                self.spec, built.config, seed=self.seed, cuda=self.cuda, device=self.device, world=self.world
+            )
         log.info(
             "trainer.ready",
             policy=self.spec.name,
@@ -197,82 +213,25 @@ class DeepSpeedTrainer(TrainerWeights):
             self.engine.set_train_batch_size(self.spec.trainer.micro_batch_size * gas * self.world)
             self._gas = gas
 
-    def _token_batch(self, samples: list[Sample], rows: list[int]) -> tuple[TokenBatch, torch.Tensor]:
-        """The rows' model inputs and [rows, R] behaviour logprobs. Each row carries the temperature
-        its tokens were sampled at: the policy's, or the call's own (`Turn.temperature`). The
-        trainer's, proximal and reference logprobs of the row are all taken at it, so that they and
-        the behaviour logprobs are of one distribution (`self.temperature` only scores `_PAD_ROW`)."""
-        tb = TokenBatch.build(
-            [samples[i].prompt_ids for i in rows],
-            [samples[i].response_ids for i in rows],
-            [samples[i].allowed_ids for i in rows],
-            [samples[i].loss_mask for i in rows],
-            [samples[i].temperature for i in rows],
-        )
-        width = tb.targets.shape[1]
-        behav = torch.zeros(len(rows), width)
-        for j, i in enumerate(rows):
-            lp = samples[i].logprobs
-            behav[j, : len(lp)] = torch.from_numpy(lp.astype(np.float32))
-        return tb, behav
+    def _mark_boundary(self, boundary: bool) -> None:
+        """Tell DeepSpeed whether the next pass ends its mini-batch: its own counter of passes runs
+        across training steps, and would put the boundary mid-mini-batch once the number of
+        micro-batches per mini-batch changes. (The adapter engine restarts its count at each boundary.)"""
+        mark = getattr(self.engine, "set_gradient_accumulation_boundary", None)
+        if mark is not None:
+            mark(boundary)
 
-    def _reference_logprobs(self, tb: TokenBatch) -> torch.Tensor | None:
-        """[B, R] the reference policy's logprobs of the rows (no gradient); None without klCoef."""
-        with torch.no_grad():
-            if self.ref is not None:
-                return sequence_logprobs(self.ref, tb, self.temperature)
-            if self.loss_cfg.kl_coef > 0 and self.algo.lora is not None:
-                # LoRA: the initial policy is the trained model with its adapters switched off.
-                with reference_model(self.engine.module):
-                    return sequence_logprobs(self.engine, tb, self.temperature)
-        return None
+    def _scorer(self) -> Scorer:
+        return Scorer.of(self.engine, self.ref, self.temperature, self.loss_cfg, self.algo.lora is not None)
 
-    def _kl_in_reward(
-        self,
-        samples: list[Sample],
-        micro_rows: list[list[int]],
-        prox: list[torch.Tensor | None],
-        rewards: torch.Tensor,
-        global_std: float | None,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """klIn reward (algorithms/kl_reward.py): each micro-batch's [rows, R] advantages and its
-        reference logprobs. The KL is taken against the proximal logprobs: PPO's, else the weights
-        now, which (one optimizer step per batch) every micro-batch of the step is scored at."""
-        refs: list[torch.Tensor | None] = []
-        returns: list[torch.Tensor] = []  # an empty micro-batch's: [0, 0], as its mask; no agents
-        masks: list[torch.Tensor] = []
-        agents: list[list[str]] = []
-        with torch.no_grad():
-            for k, rows in enumerate(micro_rows):
-                if not rows:
-                    refs.append(None)
-                    returns.append(torch.zeros(0, 0))
-                    masks.append(torch.zeros(0, 0))
-                    agents.append([])
-                    continue
-                tb = self._token_batch(samples, rows)[0]
-                ref = self._reference_logprobs(tb)
-                if ref is None:  # the API refuses klIn reward without klCoef > 0, which builds one
-                    raise ValueError(f"policy {self.spec.name}: algorithm.klIn reward needs klCoef > 0")
-                refs.append(ref)
-                old = prox[k]
-                old = sequence_logprobs(self.engine, tb, self.temperature) if old is None else old
-                mask = tb.response_mask.to(old.device)
-                kl = token_kl(ref, old, self.loss_cfg.kl_estimator)
-                returns.append(shaped_returns(rewards[rows].to(old.device), kl, mask, self.loss_cfg.kl_coef))
-                masks.append(mask)
-                agents.append([samples[i].agent for i in rows])
-        shaped = token_advantages(
-            returns,
-            masks,
-            agents,
-            self.norm,
-            algorithm=self.algo.name,
-            allreduce=self._allreduce,
-            agent_stats=self._agent_stats,
-            global_std=global_std,
-        )
-        return shaped, refs
+    def _layout(self, batch: SampleBatch | None, n_micro: int) -> StepLayout:
+        """The step's micro-batches and mini-batches, the same counts on every rank (trainers/batching.py)."""
+        trainer = self.spec.trainer
+        budget = trainer.max_tokens_per_micro_batch
+        groups = share_micro_batches(batch, trainer.micro_batch_size, budget, self.mini_batches)
+        if budget is not None:  # the count depends on the lengths: every rank runs the largest
+            n_micro = int(self._allreduce([float(max(n_micro, len(groups)))], op="max")[0])
+        return step_layout(groups, n_micro, self.mini_batches)
 
     def _forward_loss(
         self,
@@ -282,12 +241,13 @@ class DeepSpeedTrainer(TrainerWeights):
         prox: torch.Tensor | None,
         ref: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Any]:
-        """`adv` per row or per token; `ref`: the rows' reference logprobs when scored already."""
+        """`adv` per row or per token; `prox`: the rows' proximal logprobs (None: the weights now);
+        `ref`: the rows' reference logprobs when scored already."""
         # The entropy is always computed (a metric); it enters the loss only with entropyCoef > 0.
         logp, entropy = sequence_logprobs_and_entropy(self.engine, tb, self.temperature)
         device = logp.device
         mask = tb.response_mask.to(device)
-        ref = self._reference_logprobs(tb) if ref is None else ref.to(device)
+        ref = self._scorer().reference(tb) if ref is None else ref.to(device)
         prox_logp = logp.detach() if prox is None else prox.to(device)
         return policy_loss(
             logp,
@@ -300,6 +260,84 @@ class DeepSpeedTrainer(TrainerWeights):
             entropy=entropy,
         )
 
+    def _pass(self, inputs: StepInputs, k: int, totals: LossTotals) -> torch.Tensor:
+        """Micro-batch `k`'s forward: its loss numerator (with gradient), its statistics into `totals`."""
+        rows = inputs.layout.micro_rows[k]
+        if not rows:
+            # Keep collectives aligned across ranks: a zero-weighted forward and backward. A real
+            # forward (not a sum of the parameters) because under ZeRO-3 a parameter is an empty
+            # shard outside the forward's gather hooks, and its gradient must have the full size.
+            return sequence_logprobs(self.engine, PAD_ROW, self.temperature).sum() * 0.0
+        tb, behav = token_batch(inputs.samples, rows)
+        loss_sum, ls = self._forward_loss(tb, behav, inputs.advantages[k], inputs.prox[k], inputs.refs[k])
+        totals.add(ls)
+        return loss_sum
+
+    def _inputs(self, batch: SampleBatch | None, n_micro: int, global_std: float | None) -> StepInputs:
+        """Everything the step trains on, fixed before its first update (trainers/step_inputs.py);
+        collectives, in the same order on every rank."""
+        samples = batch.samples() if batch is not None else []
+        layout = self._layout(batch, n_micro)
+        minis = layout.mini_batches()
+        signals = signals_of(batch)
+        local = scale_stats(signals, self.algo.name)
+        # One all-reduce: the advantage statistics and each mini-batch's token and sequence counts.
+        reduced = self._allreduce(
+            [local.count, local.total, local.total_sq, *mini_batch_counts(samples, layout.micro_rows, minis)]
+        )
+        counts = reduced[3:]
+        adv = batch_advantages(
+            signals,
+            AdvantageStats(*reduced[:3]),
+            batch.agents if batch is not None else (),
+            norm=self.norm,
+            algorithm=self.algo.name,
+            global_std=global_std,
+            agent_stats=self._agent_stats,
+        )
+        updates = self.epochs * layout.minis
+        scorer = self._scorer()
+        kl_shaped = self.loss_cfg.kl_in == "reward"
+        # More than one optimizer step: every one is clipped around the logprobs of the weights the
+        # step began with, and (several epochs) the reference is scored once rather than per pass.
+        prox, refs = score_before_update(
+            scorer,
+            samples,
+            layout.micro_rows,
+            proximal=updates > 1,
+            reference=self.epochs > 1 and not kl_shaped,
+        )
+        shaped = shape(
+            scorer,
+            samples,
+            layout.micro_rows,
+            advantages=[adv[rows] for rows in layout.micro_rows],
+            prox=prox,
+            refs=refs,
+            signals=signals,
+            cfg=self.loss_cfg,
+            whitening=Whitening(self.norm, self.algo.name, global_std, self._allreduce, self._agent_stats),
+            policy=self.spec.name,
+            critic=self.critic,
+            teacher=self.teacher,
+        )
+        agg = self.loss_cfg.loss_aggregation
+        return StepInputs(
+            samples,
+            signals,
+            layout,
+            minis,
+            denominators=[
+                aggregation_denominator(agg, counts[2 * j], counts[2 * j + 1]) for j in range(len(minis))
+            ],
+            trains=[counts[2 * j + 1] > 0 for j in range(len(minis))],
+            advantages=shaped.advantages,
+            prox=prox,
+            refs=shaped.refs,
+            value_targets=shaped.value_targets,
+            distill=(shaped.distill_kl_sum, shaped.distill_tokens),
+        )
+
     def train_step(
         self, step: int, share: int, n_micro: int, global_std: float | None = None, version: int | None = None
     ) -> StepResult:
@@ -310,108 +348,55 @@ class DeepSpeedTrainer(TrainerWeights):
         start = time.perf_counter()
         lease = ray.get(self.buffer.pull(self.spec.name, self.name, share, 60.0)) if share else None
         batch: SampleBatch | None = lease.batch if lease is not None else None
-        n = 0 if batch is None else len(batch)
-        signals = torch.from_numpy(batch.rewards.astype(np.float32)) if batch is not None else torch.zeros(0)
-        local = scale_stats(signals, self.algo.name)
-        tokens_local = 0 if batch is None else batch.trained_tokens  # context tokens are not trained
-        count, total, total_sq, tokens, sequences = self._allreduce(
-            [local.count, local.total, local.total_sq, tokens_local, float(n)]
-        )
-        stats = AdvantageStats(count, total, total_sq)
-        agents = batch.agents if batch is not None else ()
-        adv = advantages(
-            signals,
-            self.norm,
-            stats,
-            algorithm=self.algo.name,
-            global_std=global_std,
-            agents=agents,
-            by_agent=self._agent_stats(signals, agents) if self.norm == "per-agent" else None,
-        )
-        budget = self.spec.trainer.max_tokens_per_micro_batch
-        if budget is not None:  # the count depends on the lengths: every rank runs the largest
-            local_n = len(pack_rows(row_lengths(batch), self.spec.trainer.micro_batch_size, budget))
-            n_micro = int(self._allreduce([float(max(n_micro, local_n))], op="max")[0])
-        micro_rows = micro_batches(batch, self.spec.trainer.micro_batch_size, n_micro, budget)
-        samples = batch.samples() if batch is not None else []
-        ppo = estimator(self.algo.name).proximal_steps
-        self._set_gas(1 if ppo else n_micro)
-        prox: list[torch.Tensor | None] = [None] * n_micro
-        if ppo and batch is not None:
-            with torch.no_grad():
-                for k, rows in enumerate(micro_rows):
-                    if rows:
-                        prox[k] = sequence_logprobs(
-                            self.engine, self._token_batch(samples, rows)[0], self.temperature
-                        )
-        micro_adv = [adv[rows] for rows in micro_rows]
-        refs: list[torch.Tensor | None] = [None] * n_micro
-        if self.loss_cfg.kl_in == "reward":  # on every rank: the normalisation all-reduces
-            micro_adv, refs = self._kl_in_reward(samples, micro_rows, prox, signals, global_std)
-        # Each rank's micro loss is scaled so the optimizer sees the step's loss: its micro-batches'
-        # numerators over the all-reduced token or sequence count (algorithm.lossAggregation).
-        denom = aggregation_denominator(self.loss_cfg.loss_aggregation, tokens, sequences)
-        scale = self.world * n_micro / denom
+        inputs = self._inputs(batch, n_micro, global_std)
+        self._set_gas(inputs.layout.per_mini)
         # Training step `step` produces version `step`: the schedule's step index is step - 1, the same
-        # for every optimizer step of it (ppo takes one per micro-batch) and after a resume.
+        # for every optimizer step of it and after a resume.
         lr = learning_rate(step - 1, self.algo, self.total_steps)
         set_learning_rate(self.engine.optimizer, lr)
-        loss_total, acc = 0.0, dict.fromkeys(TOKEN_WEIGHTED, 0.0)
-        tokens_scored = 0
+        totals = LossTotals()
         guard = self._guard
         assert guard is not None
         guard.begin()
         self.begin_weight_update()
-        for k, rows in enumerate(micro_rows):
-            if rows:
-                assert batch is not None
-                tb, behav = self._token_batch(samples, rows)
-                loss_sum, ls = self._forward_loss(tb, behav, micro_adv[k], prox[k], refs[k])
-                for key in TOKEN_WEIGHTED:
-                    acc[key] += getattr(ls, key) * ls.tokens
-                tokens_scored += ls.tokens
-            else:
-                # Keep collectives aligned across ranks: a zero-weighted forward and backward. A real
-                # forward (not a sum of the parameters) because under ZeRO-3 a parameter is an empty
-                # shard outside the forward's gather hooks, and its gradient must have the full size.
-                logp = sequence_logprobs(self.engine, _PAD_ROW, self.temperature)
-                loss_sum = logp.sum() * 0.0
-            loss = loss_sum * scale
-            self.engine.backward(loss)
-            micro_loss = float(loss_sum.detach())
-            loss_total += micro_loss
-            guard.loss(micro_loss)
-            guard.step()  # at a boundary: skipped by every rank when any saw a non-finite value
-        grad_norm = guard.grad_norm()
+        # critic.warmupSteps: the critic trains alone, the policy's weights stay.
+        for _ in range(0 if self.critic is not None and self.critic.warming_up(step) else self.epochs):
+            for mini, denom, trains in zip(inputs.minis, inputs.denominators, inputs.trains, strict=True):
+                # Each optimizer step's loss is its mini-batch's: the numerators of its micro-batches (on
+                # every rank) over its all-reduced token or sequence count (lossAggregation), as AReaL
+                # (train_batch normalises by the loss weight of the mini-batch it is given) and verl
+                # (loss_scale_factor over the mini-batch's tokens) do, so that a step's size does not
+                # depend on how the batch's tokens fall between mini-batches. DeepSpeed divides each
+                # backward by the accumulation count and averages the gradient over the ranks: undone.
+                scale = self.world * len(mini) / denom
+                for pos, k in enumerate(mini):
+                    self._mark_boundary(pos == len(mini) - 1)
+                    loss_sum = self._pass(inputs, k, totals)
+                    self.engine.backward(loss_sum * scale)
+                    micro_loss = float(loss_sum.detach())
+                    totals.loss += micro_loss / denom
+                    guard.loss(micro_loss)
+                    # At the boundary: skipped by every rank when any saw a non-finite value, and not
+                    # taken when no rank had a row of the mini-batch.
+                    guard.step(trains=trains)
         guard.log_skips(policy=self.spec.name, step=step, rank=self.rank)
+        value = self.critic.train(inputs, self.epochs, self._allreduce) if self.critic is not None else None
         # The version advances even when every optimizer step was skipped: the step happened and
         # published the weights it left (unchanged), as a step of no samples does.
         self.version = version
-        lag = (
-            np.zeros(0)
-            if batch is None
-            else np.array([max(0, (version - 1) - s.min_version) for s in samples], dtype=np.float64)
-        )
-        per_token = {key: total / max(tokens_scored, 1) for key, total in acc.items()}
-        return StepResult(
+        assert self._guard is not None
+        return step_result(
+            inputs,
+            lease,
+            batch,
+            totals,
+            version,
             rank=self.rank,
-            lease_id=lease.lease_id if lease is not None else None,
-            samples=n,
-            tokens=tokens_local,
-            loss=loss_total / denom,
-            clip_frac=per_token["clip_frac"],
-            is_weight_mean=per_token["is_weight_mean"],
-            is_truncated_frac=per_token["is_truncated_frac"],
-            is_masked_frac=per_token["is_masked_frac"],
-            kl=per_token["kl"],
-            entropy=per_token["entropy"],
-            staleness_mean=float(lag.mean()) if len(lag) else 0.0,
-            staleness_max=int(lag.max()) if len(lag) else 0,
-            signal_mean=float(signals.mean()) if n else 0.0,
-            grad_norm=grad_norm,
-            skipped_nonfinite=guard.skipped,
+            guard=self._guard,
+            updates=self.epochs * inputs.layout.minis,
             lr=lr,
             wall_s=time.perf_counter() - start,
+            value=value,
         )
 
     # -- weights and checkpoints ------------------------------------------------------------------
@@ -455,6 +440,8 @@ class DeepSpeedTrainer(TrainerWeights):
                 client_state={"version": self.version},
                 exclude_frozen_parameters=self.algo.lora is not None,
             )
+            if self.critic is not None:
+                self.critic.save(local, tag)
 
     def load(self, directory: str, tag: str) -> None:
         self._require_resident("loading a checkpoint")
@@ -463,6 +450,8 @@ class DeepSpeedTrainer(TrainerWeights):
             _, client = self.engine.load_checkpoint(
                 str(local), tag=tag, load_module_strict=self.algo.lora is None
             )
+            if self.critic is not None:
+                self.critic.load(local, tag)
         self.version = int((client or {}).get("version", self.version))
 
     def export(self, directory: str) -> None:
@@ -489,7 +478,10 @@ class DeepSpeedTrainer(TrainerWeights):
         if self._offloaded is not None:
             raise RuntimeError(f"trainer rank {self.name}: offloaded already")
         self.begin_weight_update()  # a sender reading these tensors finishes first
-        self._offloaded = parked = offload_rank(self.engine, self.ref, self.device, self._host_buffers)
+        critic = self.critic.engine if self.critic is not None else None
+        self._offloaded = parked = offload_rank(
+            self.engine, self.ref, self.device, self._host_buffers, critic
+        )
         log.info("trainer.offloaded", rank=self.name, bytes=parked.nbytes, seconds=parked.seconds)
         return OffloadReport(self.rank, "offload", parked.seconds, parked.host_bytes)
 

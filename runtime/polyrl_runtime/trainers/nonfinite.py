@@ -146,9 +146,12 @@ class StepGuard:
         """A micro-batch's loss, before its `step`."""
         self._losses_finite = self._losses_finite and math.isfinite(value)
 
-    def step(self) -> None:
+    def step(self, *, trains: bool = True) -> None:
         """`engine.step()` after a micro-batch's backward (a collective at an accumulation boundary:
-        call it on every rank alike)."""
+        call it on every rank alike). `trains`: whether the optimizer step has anything to train on,
+        the same on every rank; one that has not (no rank had a row of its mini-batch) runs the
+        boundary with the optimizer's step suppressed, since a zero gradient would still move the
+        weights by the optimizer's momentum; it is not counted as skipped."""
         engine = self.engine
         if not engine.is_gradient_accumulation_boundary():
             engine.step()
@@ -157,7 +160,7 @@ class StepGuard:
         bad_losses, grads = self.allreduce([0.0 if self._losses_finite else 1.0, grads])
         skip = bad_losses > 0 or not math.isfinite(grads)
         before = int(engine.skipped_steps)
-        with suppressed_step(self.optimizer, skip):
+        with suppressed_step(self.optimizer, skip or not trains):
             engine.step()
         # The engine's own skip: DeepSpeed's ZeRO saw an invalid norm, or the adapter engine a
         # non-finite all-reduced gradient (fp16: its loss scaler's routine overflow, not counted).

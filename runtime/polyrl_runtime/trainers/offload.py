@@ -85,13 +85,17 @@ def _is_optimizer(obj: object) -> bool:
     )
 
 
-def rank_storages(engine: Any, ref: Any, device: torch.device) -> list[torch.UntypedStorage]:
-    """The storages on `device` holding a rank's state: its engine's model and optimizer, and the
-    reference model (a module or an optimizer-less engine), if any."""
-    tensors: list[torch.Tensor] = [*module_tensors(engine), *module_tensors(ref)]
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is not None:
-        tensors.extend(object_tensors(optimizer))
+def rank_storages(
+    engine: Any, ref: Any, device: torch.device, critic: Any = None
+) -> list[torch.UntypedStorage]:
+    """The storages on `device` holding a rank's state: its engine's model and optimizer, the
+    reference model (a module or an optimizer-less engine), if any, and the critic's engine (its
+    value model and optimizer: trainers/critic.py), if any."""
+    tensors: list[torch.Tensor] = [*module_tensors(engine), *module_tensors(ref), *module_tensors(critic)]
+    for trained in (engine, critic):
+        optimizer = getattr(trained, "optimizer", None)
+        if optimizer is not None:
+            tensors.extend(object_tensors(optimizer))
     return unique_storages(tensors, device)
 
 
@@ -127,13 +131,14 @@ def own_module_memory(module: Any) -> int:
 
 
 def offload_rank(
-    engine: Any, ref: Any, device: torch.device, buffers: HostBuffers | None = None
+    engine: Any, ref: Any, device: torch.device, buffers: HostBuffers | None = None, critic: Any = None
 ) -> ParkedMemory:
     """Copy the rank's state on `device` to host memory (`buffers`' when given: a rank that offloads
-    every turn reuses them) and release it there (`restore_rank` brings it back)."""
-    for module in (engine, ref):
+    every turn reuses them) and release it there (`restore_rank` brings it back). `critic`: the
+    critic's engine, if any."""
+    for module in (engine, ref, critic):
         own_module_memory(module)
-    return park(keep=rank_storages(engine, ref, device), buffers=buffers)
+    return park(keep=rank_storages(engine, ref, device, critic), buffers=buffers)
 
 
 def restore_rank(parked: ParkedMemory, rank: str) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,10 +13,6 @@ import torch
 from polyrl_runtime.algorithms.advantages import AdvantageStats, merge_agent_stats
 from polyrl_runtime.trainers.build import cuda_device_index
 from polyrl_runtime.trainers.deepspeed_import import import_deepspeed
-
-
-def policy_seed(job_seed: int, policy: str) -> int:
-    return (job_seed * 1_000_003 + zlib.crc32(policy.encode())) % (2**31)
 
 
 def join_process_group(

@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from polyrl_runtime.device_memory import HostBuffers, ParkedMemory
+from polyrl_runtime.models import policy_seed
 from polyrl_runtime.trainers.adapter_engine import AdapterEngine, SharedBase
 from polyrl_runtime.trainers.api import RANK_CONCURRENCY, OffloadReport, TrainerRank, protocol_methods
 from polyrl_runtime.trainers.build import Built, learning_rate, set_learning_rate
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 from polyrl_runtime.trainers.offload import TrainerOffloadedError, offload_rank, restore_rank
-from polyrl_runtime.trainers.process_group import policy_seed
 
 
 class AdapterTrainer(DeepSpeedTrainer):

@@ -98,3 +98,28 @@ def test_the_torch_engine_takes_no_vllm_arguments(tmp_path: Path) -> None:
         policy["rollout"]["engine"] = "torch"
     doc["spec"]["pools"][0]["gpus"] = 0
     assert _problems(tmp_path, doc) == {}  # the torch engine serves any rank
+
+
+def test_a_frozen_member_of_a_vllm_shared_base_takes_no_lora_slot(tmp_path: Path) -> None:
+    """A frozen policy on the base is served the base alone: the room asked of vLLM counts the
+    trained policies' adapters only, and its own engineArgs are held to that room."""
+    doc = _shared_on_vllm()
+    judge = {
+        "name": "judge",
+        "frozen": True,
+        "model": {"uri": "builtin://tiny-qwen2", "dtype": "bfloat16"},
+        "rollout": {"engine": "vllm", "pool": "shared", "engineArgs": {"max_loras": 2}},
+    }
+    doc["spec"]["policies"].append(judge)
+    spec = RLJobSpec.model_validate(doc["spec"])
+    (base,) = spec.shared_bases()
+    assert (base.trained, base.frozen) == (("speaker", "listener"), ("judge",))
+    assert _problems(tmp_path, doc) == {}  # two slots hold the two adapters
+    judge["rollout"]["engineArgs"] = {"max_loras": 1}
+    problems = _problems(tmp_path, doc)
+    assert "at least 2" in problems["spec.policies[2].rollout.engineArgs.max_loras"], problems
+    assert "the adapters of speaker, listener " in problems["spec.policies[2].rollout.engineArgs.max_loras"]
+    # One LoRA policy and a frozen one: one slot is room enough.
+    del doc["spec"]["policies"][1]
+    judge["rollout"]["engineArgs"] = {"max_loras": 1, "max_cpu_loras": 1}
+    assert _problems(tmp_path, doc) == {}

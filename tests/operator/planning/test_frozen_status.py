@@ -42,6 +42,11 @@ def test_it_is_frozen_from_the_start_and_no_failure() -> None:
         ({"trainer": {"gpus": 0}}, "trainer", "leave trainer unset"),
         ({"algorithm": {"lora": {"rank": 8}}}, "algorithm.lora", "no LoRA adapter to train"),
         ({"failurePolicy": {"maxRestarts": 1}}, "failurePolicy", "no trainer to restart"),
+        (
+            {"algorithm": {"name": "ppo", "groupSize": 1, "critic": {}}},
+            "algorithm.critic",
+            "no value model to train",
+        ),
     ],
 )
 def test_a_frozen_policy_refuses_what_only_training_uses(

@@ -119,3 +119,48 @@ def test_a_pool_whose_engines_share_a_base_names_its_policies_in_status_and_on_i
         == "speaker,listener on builtin://tiny-qwen2 (float32)"
         for p in pods
     )
+
+
+def test_a_frozen_policy_of_a_shared_base_is_served_by_the_pools_engines_with_no_pods_of_its_own() -> None:
+    """A LoRA speaker and a frozen listener of its base on one pool: the pool's one engine per pod
+    serves both (status and pod annotation name the listener, as frozen in status); the listener has
+    no pod and no role slot of its own."""
+    from polyrl_operator import naming
+    from polyrl_operator.planning.render import render
+    from polyrl_operator.roles import role_slots
+    from polyrl_operator.settings import OperatorSettings
+
+    doc = yaml.safe_load((REPO / "tests" / "runtime" / "data" / "selfplay-tiny.yaml").read_text())
+    speaker = doc["spec"]["policies"][0]
+    speaker.update(name="speaker", model={"uri": "builtin://tiny-qwen2", "dtype": "float32"})
+    speaker["algorithm"]["lora"] = {"rank": 4}
+    speaker["rollout"] = {"engine": "torch", "pool": "shared"}
+    listener = {k: v for k, v in speaker.items() if k not in ("trainer", "algorithm")}
+    listener.update(name="listener", frozen=True)
+    doc["spec"]["policies"] = [speaker, listener]
+    doc["spec"]["workflow"]["args"]["policies"] = {"speaker": "speaker", "listener": "listener"}
+    doc["spec"]["pools"] = [{"name": "shared", "gpus": 0}]
+    job = RLJob.model_validate(doc)
+    pools = pool_statuses(job, RLJobStatus(), None, empty_pod_plan(job))
+    assert pools is not None
+    (shared,) = pools
+    wire = shared.model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert wire["roles"] == ["speaker/rollout", "listener/rollout"]
+    assert wire["sharedBases"] == [
+        {
+            "model": "builtin://tiny-qwen2",
+            "dtype": "float32",
+            "policies": ["speaker", "listener"],
+            "frozen": ["listener"],
+        }
+    ]
+    assert [s.role for s in role_slots(job) if s.policy == "listener"] == []  # its rollout is the pool's
+    pods = [m for m in render(doc, OperatorSettings()) if m["kind"] == "Pod"]
+    names = [p["metadata"]["name"] for p in pods]
+    assert not [n for n in names if "listener" in n], names  # served on the pool's pods
+    pool_pods = [p for p in pods if "-pool-" in p["metadata"]["name"]]
+    assert pool_pods and all(
+        p["metadata"]["annotations"][naming.ANNOTATION_SHARED_BASES]
+        == "speaker,listener on builtin://tiny-qwen2 (float32)"
+        for p in pool_pods
+    )

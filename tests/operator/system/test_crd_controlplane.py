@@ -14,7 +14,7 @@ import yaml
 
 from polyrl_operator.api import RLJob
 from polyrl_operator.validation import validate_file
-from polyrl_testenv.bad_rljobs import BAD_CASES, EXAMPLES, REPO, BadCase, base_job
+from polyrl_testenv.bad_rljobs import BAD_CASES, EXAMPLES, REPO, BadCase, base_job, frozen_on_a_shared_base
 
 pytestmark = pytest.mark.controlplane
 
@@ -131,6 +131,17 @@ def test_a_frozen_policy_round_trips_and_every_policy_frozen_is_refused(crd: Any
     doc["spec"]["policies"][0] = {**doc["spec"]["policies"][1], "name": "speaker"}
     result = _apply(crd, doc, namespace)
     assert result.returncode != 0 and "at least one policy must be trained" in result.stderr
+
+
+def test_a_frozen_policy_on_a_lora_policys_base_is_accepted(crd: Any, namespace: str, tmp_path: Path) -> None:
+    """The shared-base rules (one engine, one trustRemoteCode, adapter transports) hold a frozen member
+    to its group's settings and accept it when they agree, as `polyrl validate` does."""
+    doc = frozen_on_a_shared_base(base_job("frozen-on-a-base"))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert validate_file(path).problems == []
+    result = _apply(crd, doc, namespace)
+    assert result.returncode == 0, result.stderr
 
 
 def test_printer_columns(crd: Any, namespace: str) -> None:

@@ -11,9 +11,9 @@ from typing import get_args
 import pytest
 import torch
 
-from polyrl_operator.api.policy import GROUPED_ALGORITHMS, AlgorithmName
+from polyrl_operator.api.algorithm import GROUPED_ALGORITHMS, AlgorithmName
 from polyrl_runtime.algorithms.advantages import EPS, advantages, scale_stats
-from polyrl_runtime.algorithms.estimators import ESTIMATORS, estimator, normalisation
+from polyrl_runtime.algorithms.estimators import ESTIMATORS, estimator, normalisation, update_schedule
 from polyrl_runtime.workflows.groups import group_relative
 
 GROUPS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.0, 2.0, 2.0]]
@@ -65,7 +65,31 @@ def test_a_member_alone_in_its_rloo_sub_group_has_no_signal() -> None:
 def test_the_table_has_one_estimator_per_api_name_and_agrees_on_which_are_grouped() -> None:
     assert set(ESTIMATORS) == set(get_args(AlgorithmName))
     assert {n for n, e in ESTIMATORS.items() if e.grouped} == set(GROUPED_ALGORITHMS)
-    assert [n for n, e in ESTIMATORS.items() if e.proximal_steps] == ["ppo"]
+    # ppo alone steps once per micro-batch unless told otherwise; every one makes a single pass.
+    assert {n: e.default_mini_batches for n, e in ESTIMATORS.items()} == {
+        "grpo": 1,
+        "dr_grpo": 1,
+        "rloo": 1,
+        "reinforce_pp": 1,
+        "ppo": None,
+    }
+    assert {e.default_epochs for e in ESTIMATORS.values()} == {1}
+
+
+@pytest.mark.parametrize(
+    ("name", "mini_batches", "epochs", "want"),
+    [
+        ("grpo", None, None, (1, 1)),
+        ("ppo", None, None, (None, 1)),
+        ("grpo", 4, None, (4, 1)),
+        ("ppo", 2, 3, (2, 3)),
+        ("reinforce_pp", None, 2, (1, 2)),
+    ],
+)
+def test_an_unset_update_schedule_is_the_estimators_and_a_set_one_wins(
+    name: str, mini_batches: int | None, epochs: int | None, want: tuple[int | None, int]
+) -> None:
+    assert update_schedule(name, mini_batches, epochs) == want
 
 
 def test_an_unset_advantage_norm_is_the_estimators_and_a_set_one_wins() -> None:
@@ -98,7 +122,7 @@ def test_per_group_divides_each_groups_signal_by_its_own_std() -> None:
 def test_per_group_is_refused_without_groups() -> None:
     from pydantic import ValidationError
 
-    from polyrl_operator.api.policy import Algorithm
+    from polyrl_operator.api.algorithm import Algorithm
 
     assert (
         Algorithm.model_validate({"name": "grpo", "advantageNorm": "per-group"}).advantage_norm == "per-group"

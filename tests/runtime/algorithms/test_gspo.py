@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from polyrl_operator.api.policy import Algorithm
+from polyrl_operator.api.algorithm import Algorithm
 from polyrl_runtime.algorithms.losses import LossConfig, policy_loss, probability_ratio
 
 PROX = torch.zeros(2, 3)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from polyrl_operator.api.policy import Algorithm
+from polyrl_operator.api.algorithm import Algorithm
 from polyrl_runtime.algorithms.losses import LossConfig, importance_weights, policy_loss
 
 # log(pi_prox / mu) per token; row 0: 0.5 + 0.4 + (0.9, untrained) ; row 1: 1.0 + (-0.5).

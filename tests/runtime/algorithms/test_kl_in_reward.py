@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl_operator.api.policy import Algorithm
+from polyrl_operator.api.algorithm import Algorithm
 from polyrl_runtime.algorithms.advantages import EPS, AdvantageStats, agent_stats
 from polyrl_runtime.algorithms.kl_reward import (
     at_trained_positions,

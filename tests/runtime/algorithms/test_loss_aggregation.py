@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl_operator.api.policy import Algorithm
+from polyrl_operator.api.algorithm import Algorithm
 from polyrl_runtime.algorithms.losses import (
     LossConfig,
     aggregate_numerator,

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from polyrl_operator.api.policy import Algorithm
+from polyrl_operator.api.algorithm import Algorithm
 from polyrl_runtime.algorithms.losses import LossConfig, kl_penalty, policy_loss
 
 # Three tokens of one sequence: ratios exp(+0.5), exp(-0.5), exp(+2.0) against the proximal policy.

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from driver_harness import make_job, policy, run
 
 pytestmark = pytest.mark.slow
@@ -27,3 +28,67 @@ def test_a_job_trains_with_each_estimator(ray_local: Any, tmp_path: Path, name: 
     assert [r.step for r in summary.records] == [1, 2]
     assert all(r.samples > 0 and math.isfinite(r.loss) for r in summary.records)
     assert any(r.grad_norm > 0 for r in summary.records)  # the signals carried a gradient
+
+
+def critic_job(steps: int) -> Any:
+    return make_job(
+        mode="sync",
+        maxStaleness=0,
+        training={"totalSteps": steps},
+        policies=[policy(algorithm={"name": "ppo", "groupSize": 1, "critic": {"lr": 1e-3}})],
+        checkpoint={"everySteps": 1, "keep": 5},
+    )
+
+
+def test_ppo_with_a_critic_trains_checkpoints_and_resumes_with_it(ray_local: Any, tmp_path: Path) -> None:
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    whole.mkdir(), split.mkdir()
+    _, a = run(critic_job(4), whole)
+    assert a.state == "done", a.message
+    assert [r.step for r in a.records] == [1, 2, 3, 4]
+    assert all(r.value_loss > 0 and math.isfinite(r.value_loss) for r in a.records)
+    assert all(0.0 <= r.value_clip_frac <= 1.0 for r in a.records)
+
+    _, b1 = run(critic_job(2), split)
+    assert b1.state == "done", b1.message
+    assert list((split / "ckpt").rglob("critic")), "the trainer checkpoint holds the critic"
+    _, b2 = run(critic_job(4), split)  # resumes from the step-2 checkpoint
+    assert b2.state == "done" and b2.steps == {"agent": 4}, b2.message
+    assert [r.step for r in b2.records if r.step > 2] == [3, 4]
+    assert all(r.value_loss > 0 for r in b2.records)
+    # The resumed critic continued the saved one: its engine's optimizer-step count went on from
+    # step 2's, as the whole run's did (a fresh critic would count from 0 again).
+    assert (
+        critic_optimizer_steps(split, 3)
+        == critic_optimizer_steps(whole, 3)
+        > critic_optimizer_steps(split, 2)
+    )
+
+
+def critic_optimizer_steps(tmp: Path, step: int) -> int:
+    """The optimizer steps the critic had taken at the checkpoint of `step` (DeepSpeed's count)."""
+    (states,) = (tmp / "ckpt" / f"step-{step:06d}").rglob("critic/*/mp_rank_00_model_states.pt")
+    return int(torch.load(states, map_location="cpu", weights_only=False)["global_steps"])
+
+
+def test_ppo_with_a_critic_trains_over_two_ranks(ray_local: Any, tmp_path: Path) -> None:
+    """Each rank trains its critic on its share; their collectives (the values' normalisation, the
+    value loss's token count, the guarded optimizer steps) stay aligned."""
+    job = make_job(
+        mode="sync",
+        maxStaleness=0,
+        training={"totalSteps": 2, "episodesPerStep": 8},
+        policies=[
+            policy(
+                algorithm={"name": "ppo", "groupSize": 1, "critic": {"lr": 1e-3}},
+                trainer={"gpus": 0, "ranksPerPod": 2, "zeroStage": 2, "microBatchSize": 4},
+            )
+        ],
+    )
+    driver, summary = run(job, tmp_path)
+    try:
+        assert summary.state == "done", summary.message
+        assert len(driver.runs["agent"].ranks) == 2
+        assert all(r.samples == 16 and r.value_loss > 0 for r in summary.records)
+    finally:
+        driver.close()

@@ -17,6 +17,7 @@ from polyrl_runtime.coordinator.placement import colocated_policies, shared_trai
 from polyrl_runtime.coordinator.slots import EngineSlot, Slot
 from polyrl_runtime.engines.api import EngineStats
 from polyrl_runtime.engines.client import EngineClient
+from polyrl_runtime.models import policy_seed
 from polyrl_runtime.workflows.client import WorkflowWorkerClient
 from polyrl_runtime.workflows.runner import WorkerStats, WorkflowWorker
 
@@ -264,3 +265,55 @@ def test_a_shared_base_on_vllm_gets_one_engine_with_every_adapter() -> None:
     assert {p: lora.rank for p, lora in engine.keywords["adapters"].items()} == {"a": 4, "b": 16}
     assert engine.keywords["transport"] == "objectstore"
     assert (engine.keywords["gpus"], engine.keywords["sleep_mode"]) == (1, True)
+
+
+def test_every_engine_of_a_policy_starts_from_the_policys_weights() -> None:
+    """A built-in model's initial weights come from the policy's seed, the same for each engine
+    (a frozen policy's engines never receive others) and its trainer ranks; sampling seeds differ."""
+    job = make_job()
+    fleet = Fleet(job, "objectstore", place_by_resource=False)
+    policy = job.spec.policies[0]
+    first, second = fleet._engine(policy, "agent-rollout-0"), fleet._engine(policy, "agent-rollout-1")
+    assert (
+        first.keywords["model_seed"]
+        == second.keywords["model_seed"]
+        == policy_seed(job.spec.training.seed, policy.name)
+    )
+    assert first.keywords["seed"] != second.keywords["seed"]
+
+
+def _frozen_policy(name: str) -> dict[str, Any]:
+    p = policy(name, model=HF, frozen=True)
+    p["rollout"] = {"engine": "torch", **POOLED}
+    del p["trainer"]
+    return p
+
+
+@pytest.mark.parametrize(
+    ("names", "trained_together"),
+    [
+        (("a", "judge"), ()),  # one LoRA policy: a trainer of its own, the judge none
+        (("judge", "a", "b"), ("a", "b")),  # the trained members share one; the judge is no part of it
+    ],
+)
+def test_a_frozen_member_of_a_shared_base_has_no_adapter_and_no_trainer_part(
+    names: tuple[str, ...], trained_together: tuple[str, ...]
+) -> None:
+    """The base's one engine holds an adapter per trained member and serves the frozen one the base
+    (`base_policies`), built from the first trained member's rollout and transport whichever member
+    asks; the shared trainer, where there is one, trains the LoRA members only."""
+    job = make_job(
+        pools=[POOL],
+        policies=[_frozen_policy(n) if n == "judge" else _lora_policy(n, ON_POOL) for n in names],
+    )
+    (base,) = job.spec.shared_bases()
+    assert (base.policies, base.frozen) == (names, ("judge",))
+    expected = dict.fromkeys(trained_together, trained_together)
+    assert shared_trainers(job.spec) == expected
+    fleet = Fleet(job, {n: "objectstore" for n in names}, place_by_resource=False)
+    assert fleet.shared_trainers == expected
+    lead = job.spec.policy(base.trained[0])
+    engine = fleet._engine(lead, "engine-0")
+    assert sorted(engine.keywords["adapters"]) == sorted(base.trained)
+    assert engine.keywords["base_policies"] == ("judge",)
+    assert engine.args[1] == lead.name

@@ -119,3 +119,46 @@ def test_a_frozen_judge_scores_a_trained_solver(ray_local: Any, tmp_path: Path) 
     _, free = run(job(constrained=False, max_new_tokens=2), tmp_path / "free", max_consecutive_failures=6)
     assert free.failed.get("judge_error", 0) > 0, free.failed
     assert set(free.failed) <= {"judge_error"}
+
+
+def _distilling(teacher_model: str, steps: int) -> Any:
+    """The selfplay game with every reward equal (no signal from the reward: grpo's advantages are
+    0) and a frozen teacher the agent distils from."""
+    agent = policy(
+        "agent",
+        algorithm={"name": "grpo", "groupSize": 4, "lr": 1e-2, "distillation": {"teacher": "teacher"}},
+    )
+    teacher = policy("teacher", frozen=True, model={"uri": teacher_model})
+    del teacher["trainer"]
+    return make_job(
+        mode="sync",
+        maxStaleness=0,
+        training={"totalSteps": steps},
+        workflow={
+            "entrypoint": "faulty_workflows:AlwaysTied",
+            "args": {"vocab": 4, "symbols": 3, "policies": {"speaker": "agent", "listener": "agent"}},
+        },
+        policies=[agent, teacher],
+    )
+
+
+@pytest.mark.slow
+def test_a_student_distils_from_a_frozen_teacher(ray_local: Any, tmp_path: Path) -> None:
+    """On-policy distillation: with no reward signal, the per-token reverse KL to the teacher on the
+    student's own samples is what the student learns, and it falls."""
+    _, summary = run(_distilling("builtin://tiny", steps=8), tmp_path)
+    assert summary.state == "done", summary.message
+    kls = [r.distill_kl for r in summary.records]
+    assert len(kls) == 8 and all(k > 0 for k in kls[:1]), kls
+    assert sum(kls[-2:]) / 2 < 0.7 * sum(kls[:2]) / 2, kls
+    assert summary.dropped["teacher"]["policy_frozen"] == 0  # the workflow never calls the teacher
+
+
+@pytest.mark.slow
+def test_a_teacher_whose_tokenizer_differs_fails_the_job_at_start(ray_local: Any, tmp_path: Path) -> None:
+    _, summary = run(_distilling("builtin://tiny-qwen2", steps=1), tmp_path)
+    assert summary.state == "failed", summary.message
+    assert "algorithm.distillation.teacher 'teacher' cannot score its tokens" in summary.message, (
+        summary.message
+    )
+    assert "vocabulary sizes differ" in summary.message

@@ -269,3 +269,61 @@ def test_the_other_policys_requests_keep_generating_while_an_adapter_version_arr
     solver, verifier = asyncio.run(go())
     assert progress["verifier"] > 0 and progress["solver"] > 0, progress
     assert (verifier.versions == 1).all() and solver.versions[-1] == 2
+
+
+def test_a_frozen_policy_of_the_base_is_served_the_base_alone_beside_the_adapters(model_dir: Path) -> None:
+    """`base_policies`: a frozen policy's rows, in the same batches as the adapters' rows, get the
+    base model's replies at the base's version (-1: as loaded, never updated, what a frozen policy's
+    own engine labels its tokens with), before and after the adapters' updates; it has no
+    adapter in the engine's stats and a version naming it is refused."""
+    eng = TorchEngine(
+        "e0",
+        "solver",
+        f"file://{model_dir}",
+        transport="shm",
+        seed=3,
+        dtype="float32",
+        adapters=LORAS,
+        base_policies=("judge",),
+    )
+    first, second = _peft(model_dir, seed=0), _peft(model_dir, seed=1)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    policies = ["judge", "solver", "judge", "verifier", "judge", "solver"]
+
+    async def mixed() -> list[Generation]:
+        batch = [
+            (p, SamplingParams(temperature=0, max_new_tokens=10, policy=policy))
+            for p, policy in zip(PROMPTS, policies, strict=True)
+        ]
+        return await join_midway(eng, batch)
+
+    async def go() -> list[tuple[dict[str, int], list[Generation]]]:
+        out = []
+        for model, versions in ((first, {"solver": 1, "verifier": 1}), (second, {"solver": 2})):
+            await _load(eng, model, versions)
+            out.append((dict(eng.stats().adapters), await mixed()))
+        sender = make_sender("shm", "judge", 1 << 20)
+        try:
+            with pytest.raises(UnknownAdapterError, match="it holds none for policy 'judge'"):
+                await eng.receive_weights(sender.publish(1, _tensors(first, "solver")))
+        finally:
+            sender.close()
+        return out
+
+    rounds = asyncio.run(go())
+    assert [adapters for adapters, _ in rounds] == [
+        {"solver": 1, "verifier": 1},
+        {"solver": 2, "verifier": 1},
+    ]
+    for (_, gens), model in zip(rounds, (first, second), strict=True):
+        for p, policy, g in zip(PROMPTS, policies, gens, strict=True):
+            if policy == "judge":  # the base as loaded, unchanged by the adapters' versions
+                assert g.token_ids.tolist() == greedy_reply(base, p, 10)
+                assert (g.versions == -1).all()
+            elif policy == "solver":
+                assert g.token_ids.tolist() == greedy_reply(_as(model, "solver"), p, 10)
+    assert eng.weight_version() == 1  # the oldest adapter's: the judge has none
+    with pytest.raises(ValueError, match="policy solver is given an adapter and the base alone"):
+        TorchEngine("e1", "solver", f"file://{model_dir}", adapters=LORAS, base_policies=("solver", "judge"))
+    with pytest.raises(ValueError, match="served the base alone need a shared base's adapters"):
+        TorchEngine("e2", "judge", f"file://{model_dir}", base_policies=("judge",))

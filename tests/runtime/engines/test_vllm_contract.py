@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from polyrl_operator.api.lora_serving import LORA_ENGINE_ARGS
-from polyrl_runtime.engines import vllm_api, vllm_engine, vllm_lora, vllm_worker
+from polyrl_runtime.engines import vllm_api, vllm_engine, vllm_lora, vllm_weight_rpc, vllm_worker
 from polyrl_runtime.engines.api import SamplingParams
 from polyrl_runtime.engines.vllm_api import RECEIVERS, VLLM_NAMES, VllmName
 
-ADAPTER_MODULES = (vllm_engine, vllm_lora, vllm_worker, vllm_api)
+ADAPTER_MODULES = (vllm_engine, vllm_lora, vllm_weight_rpc, vllm_worker, vllm_api)
 
 
 def _fetch(version: str, dest: Path) -> None:
@@ -330,9 +330,10 @@ def test_the_scan_catches_calls_outside_the_table(snippet: str, expected: str) -
 
 
 def test_the_rpc_methods_the_engine_calls_are_on_the_worker_extension() -> None:
-    source = Path(str(vllm_engine.__file__)).read_text()
+    sources = [Path(str(m.__file__)).read_text() for m in (vllm_engine, vllm_weight_rpc)]
     called = {
         node.args[0].value
+        for source in sources
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.Call)
         and _last(node.func) == "collective_rpc"

@@ -272,3 +272,45 @@ def test_adapter_directories_of_processes_that_are_gone_are_swept(tmp_path: Path
         and alive.exists()
         and root.name.startswith(f"{vllm_lora.ROOT_PREFIX}{os.getpid()}-")
     )
+
+
+def test_a_frozen_policy_of_the_base_runs_without_a_lora_request_and_takes_no_slot(
+    fake_vllm: None, tiny_qwen2_dir: Path
+) -> None:
+    """`base_policies`: vLLM gets room for the adapters only; a frozen policy's requests carry no
+    `LoRARequest` (vLLM serves them the base as loaded) before and after the adapters' versions, at
+    the base's version; it has no adapter in the stats and a version naming it is refused."""
+    eng = VllmEngine(
+        "e0",
+        "solver",
+        f"file://{tiny_qwen2_dir}",
+        transport="shm",
+        sleep_mode=True,
+        adapters=LORAS,
+        base_policies=("judge",),
+    )
+    llm = _llm(eng)
+    assert (llm.engine_args["max_loras"], llm.engine_args["max_cpu_loras"]) == (4, 4)  # two adapters' room
+    versions = _versions(tiny_qwen2_dir, 1)
+
+    async def go() -> None:
+        assert (await eng.generate([1, 2], _params("judge"))).versions.tolist() == [-1, -1]
+        assert llm.requests[-1] is None
+        sender = make_sender("shm", "solver", 1 << 20)
+        assert (await eng.receive_weights(sender.publish(1, versions["solver"]))).applied
+        assert (await eng.generate([1, 2], _params("solver"))).versions.tolist() == [1, 1]
+        assert llm.requests[-1] is not None
+        assert (await eng.generate([1, 2], _params("judge"))).versions.tolist() == [-1, -1]
+        assert llm.requests[-1] is None  # the base, whatever the adapters' versions
+        assert eng.stats().adapters == {"solver": 1, "verifier": -1}
+        judge = make_sender("shm", "judge", 1 << 20)
+        with pytest.raises(UnknownAdapterError, match="it holds none for policy 'judge'"):
+            await eng.receive_weights(judge.publish(1, versions["solver"]))
+        with pytest.raises(UnknownAdapterError, match="policy 'critic'"):
+            await eng.generate([1, 2], _params("critic"))
+        sender.close()
+        judge.close()
+
+    asyncio.run(go())
+    with pytest.raises(ValueError, match="served the base alone need a shared base's adapters"):
+        VllmEngine("e1", "judge", f"file://{tiny_qwen2_dir}", transport="shm", base_policies=("judge",))

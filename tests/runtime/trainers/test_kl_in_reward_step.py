@@ -20,6 +20,7 @@ from polyrl_runtime.experience.state import Lease
 from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.trainers import deepspeed_trainer
 from polyrl_runtime.trainers.batching import micro_batches
+from polyrl_runtime.trainers.step_inputs import token_batch
 from polyrl_testenv.trainer_rank import in_process_rank
 
 RESPONSE_LENGTHS = [1, 2, 6, 3]
@@ -79,7 +80,7 @@ def test_the_step_trains_on_whitened_returns_with_the_kl_to_go(
     kl, returns, weights = [], [], []
     with torch.no_grad():
         for i, s in enumerate(samples):
-            tb, behav = rank._token_batch(samples, [i])
+            tb, behav = token_batch(samples, [i])
             prox = sequence_logprobs(rank.engine, tb, rank.temperature)[0]
             k = kl_penalty(sequence_logprobs(rank.ref, tb, rank.temperature)[0] - prox, "k3")
             kl.append(k)

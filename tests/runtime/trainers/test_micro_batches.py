@@ -8,7 +8,14 @@ import pytest
 
 from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.types import Sample
-from polyrl_runtime.trainers.batching import micro_batches, pack_rows, pad_to
+from polyrl_runtime.trainers.batching import (
+    micro_batches,
+    pack_rows,
+    pad_to,
+    share_micro_batches,
+    split_to,
+    step_layout,
+)
 
 
 def _batch(response_lengths: list[int]) -> SampleBatch:
@@ -101,3 +108,57 @@ def test_limits_must_be_positive(micro: int, budget: int | None) -> None:
 
 def test_pad_to_adds_empty_micro_batches() -> None:
     assert pad_to([[0], [1]], 4) == [[0], [1], [], []]
+
+
+# -- mini-batches ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("groups", "count", "want"),
+    [
+        ([[0, 1, 2, 3]], 1, [[0, 1, 2, 3]]),
+        ([[0, 1, 2, 3]], 2, [[0, 1], [2, 3]]),
+        ([[0, 1, 2, 3, 4]], 4, [[0], [1], [2], [3, 4]]),
+        ([[0], [1, 2]], 3, [[0], [1], [2]]),
+        ([[0], [1]], 4, [[0], [1]]),  # a row is not split: fewer groups than asked
+        ([], 2, []),
+    ],
+)
+def test_a_share_is_split_until_each_mini_batch_has_rows(
+    groups: list[list[int]], count: int, want: list[list[int]]
+) -> None:
+    assert split_to(groups, count) == want
+
+
+@pytest.mark.parametrize(
+    ("local", "n_micro", "minis", "want_count", "want_minis"),
+    [
+        (3, 3, 1, 3, [[0, 1, 2]]),  # one optimizer step: every micro-batch accumulated
+        (3, 3, None, 3, [[0], [1], [2]]),  # ppo's default: one per micro-batch
+        (4, 4, 2, 4, [[0, 2], [1, 3]]),  # dealt in turn: each spans the lengths
+        (3, 3, 2, 4, [[0, 2], [1, 3]]),  # padded to a multiple of the mini-batches
+        (2, 1, 2, 2, [[0], [1]]),  # more mini-batches than the ranks' micro-batches: split rows
+    ],
+)
+def test_every_mini_batch_has_the_same_number_of_micro_batches(
+    local: int, n_micro: int, minis: int | None, want_count: int, want_minis: list[list[int]]
+) -> None:
+    groups = [[i] for i in range(local)]
+    layout = step_layout(groups, n_micro, minis)
+    assert len(layout.micro_rows) == want_count and layout.mini_batches() == want_minis
+    assert layout.per_mini * layout.minis == want_count
+    assert layout.micro_rows[:local] == groups and all(not r for r in layout.micro_rows[local:])
+
+
+def test_a_mini_batch_count_splits_a_share_of_one_micro_batch() -> None:
+    batch = _batch([5, 1, 3, 2])
+    assert share_micro_batches(batch, micro=4) == [[1, 3, 2, 0]]
+    assert share_micro_batches(batch, micro=4, minis=2) == [[1, 3], [2, 0]]
+    assert share_micro_batches(batch, micro=4, minis=1) == share_micro_batches(batch, micro=4)
+
+
+def test_a_layout_needs_a_micro_batch_and_a_mini_batch() -> None:
+    with pytest.raises(ValueError, match="micro-batches 0"):
+        step_layout([], 0, 1)
+    with pytest.raises(ValueError, match="mini 0"):
+        step_layout([], 1, 0)

@@ -23,6 +23,7 @@ from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.experience import Episode, SampleBatch, Turn
 from polyrl_runtime.experience.state import Lease
 from polyrl_runtime.trainers import deepspeed_trainer
+from polyrl_runtime.trainers.step_inputs import token_batch
 from polyrl_testenv.models import lively_qwen2
 from polyrl_testenv.trainer_rank import in_process_rank
 
@@ -117,7 +118,7 @@ def test_a_per_call_temperature_trains_on_policy(
     with torch.no_grad():
         for temperature, on_policy in ((CALL_TEMPERATURE, True), (POLICY_TEMPERATURE, False)):
             samples = _batch(gens, temperature).samples()
-            tb, behav = rank._token_batch(samples, rows)
+            tb, behav = token_batch(samples, rows)
             logp = sequence_logprobs(rank.engine, tb, rank.temperature)
             gap = float(((logp - behav).abs() * tb.response_mask).max())
             assert (gap < 1e-4) is on_policy, (temperature, gap)
@@ -143,7 +144,7 @@ def test_rows_at_different_temperatures_train_in_one_micro_batch(gloo: None, liv
     # The same rows relabelled as sampled at the policy's temperature, with the behaviour logprobs
     # that temperature gives (the rank's own scoring of them, checked against the engine above).
     with torch.no_grad():
-        tb, _ = rank._token_batch([replace(s, temperature=POLICY_TEMPERATURE) for s in call], [0, 1])
+        tb, _ = token_batch([replace(s, temperature=POLICY_TEMPERATURE) for s in call], [0, 1])
         at_policy = sequence_logprobs(rank.engine, tb, rank.temperature)
     policy_rows = [
         replace(s, temperature=POLICY_TEMPERATURE, logprobs=at_policy[i, : len(s.logprobs)].numpy())
@@ -152,7 +153,7 @@ def test_rows_at_different_temperatures_train_in_one_micro_batch(gloo: None, liv
     mixed = [*policy_rows, *call[2:]]
     assert sorted({s.temperature for s in mixed}) == [CALL_TEMPERATURE, POLICY_TEMPERATURE]
     with torch.no_grad():
-        tb, behav = rank._token_batch(mixed, list(range(len(mixed))))
+        tb, behav = token_batch(mixed, list(range(len(mixed))))
         assert tb.temperatures is not None and tb.temperatures.tolist() == [1.0, 1.0, 0.5, 0.5]
         _, stats = rank._forward_loss(tb, behav, torch.zeros(len(mixed)), None)
     assert stats.is_weight_mean == pytest.approx(1.0, abs=1e-4) and stats.is_truncated_frac == 0.0

@@ -206,6 +206,27 @@ def _shared_base_over_collective(doc: Doc) -> None:
     _sharing_a_base(doc)["spec"]["weightSync"]["transport"] = "collective"
 
 
+def frozen_on_a_shared_base(doc: Doc, gpus: int = 0) -> Doc:
+    """A LoRA speaker and a frozen listener of its base on one pool: the listener is served the base
+    by the speaker's engine."""
+    listener = _sharing_a_base(doc, gpus=gpus)["spec"]["policies"][1]
+    del listener["trainer"], listener["algorithm"]["lora"]
+    listener["frozen"] = True
+    return doc
+
+
+def _frozen_member_engine_differs(doc: Doc) -> None:
+    frozen_on_a_shared_base(doc, gpus=1)["spec"]["policies"][1]["rollout"]["engine"] = "vllm"
+
+
+def _frozen_member_remote_code_differs(doc: Doc) -> None:
+    frozen_on_a_shared_base(doc)["spec"]["policies"][1]["model"]["trustRemoteCode"] = True
+
+
+def _frozen_member_over_collective(doc: Doc) -> None:
+    frozen_on_a_shared_base(doc)["spec"]["weightSync"]["transport"] = "collective"
+
+
 POOL_CASES: tuple[BadCase, ...] = (
     BadCase(
         "pool-undefined", _pool_undefined, "spec.policies", ("spec.policies", "spec.pools does not define")
@@ -299,6 +320,24 @@ POOL_CASES: tuple[BadCase, ...] = (
     BadCase(
         "shared-base-over-collective",
         _shared_base_over_collective,
+        "spec.weightSync.transport",
+        ("spec.weightSync.transport", "receive adapter versions through objectstore or shm"),
+    ),
+    BadCase(
+        "frozen-member-of-a-shared-base-engine-differs",
+        _frozen_member_engine_differs,
+        "spec.policies",
+        ("spec.policies", "frozen policies served that base", "must agree on rollout.engine"),
+    ),
+    BadCase(
+        "frozen-member-of-a-shared-base-trust-remote-code-differs",
+        _frozen_member_remote_code_differs,
+        "spec.policies",
+        ("spec.policies", "must agree on model.trustRemoteCode"),
+    ),
+    BadCase(
+        "frozen-member-of-a-shared-base-over-collective",
+        _frozen_member_over_collective,
         "spec.weightSync.transport",
         ("spec.weightSync.transport", "receive adapter versions through objectstore or shm"),
     ),
@@ -414,6 +453,18 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].rollout.sampling.topP", "ignore a nucleus"),
     ),
     BadCase(
+        "distillation-teacher-not-frozen",
+        _set("spec.policies.0.algorithm", {"distillation": {"teacher": "listener"}}),
+        "spec.policies",
+        ("spec.policies", "must name a frozen policy"),
+    ),
+    BadCase(
+        "distillation-own-teacher",
+        _set("spec.policies.0.algorithm", {"distillation": {"teacher": "speaker"}}),
+        "spec.policies[0].algorithm.distillation.teacher",
+        ("spec.policies[0].algorithm.distillation.teacher", "cannot be its own teacher"),
+    ),
+    BadCase(
         "dynamic-sampling-without-groups",
         _set("spec.policies.0.algorithm", {"name": "reinforce_pp", "groupSize": 1, "dynamicSampling": {}}),
         "spec.policies[0].algorithm.dynamicSampling",
@@ -442,6 +493,39 @@ BAD_CASES: tuple[BadCase, ...] = (
         _set("spec.policies.0.algorithm", {"name": "grpo", "groupSize": 4, "klCoef": 0.1, "klIn": "reward"}),
         "spec.policies[0].algorithm.klIn",
         ("spec.policies[0].algorithm.klIn", "reward is for reinforce_pp and ppo"),
+    ),
+    BadCase(
+        "mini-batches-zero",
+        _set("spec.policies.0.algorithm.miniBatches", 0),
+        "spec.policies[0].algorithm.miniBatches",
+        ("spec.policies[0].algorithm.miniBatches",),
+    ),
+    BadCase(
+        "algorithm-epochs-zero",
+        _set("spec.policies.0.algorithm.epochs", 0),
+        "spec.policies[0].algorithm.epochs",
+        ("spec.policies[0].algorithm.epochs",),
+    ),
+    BadCase(
+        "critic-without-ppo",
+        _set("spec.policies.0.algorithm", {"name": "reinforce_pp", "groupSize": 1, "critic": {}}),
+        "spec.policies[0].algorithm.critic",
+        ("spec.policies[0].algorithm.critic", "is for ppo"),
+    ),
+    BadCase(
+        "critic-with-lora",
+        _set(
+            "spec.policies.0.algorithm",
+            {"name": "ppo", "groupSize": 1, "critic": {}, "lora": {"rank": 4}},
+        ),
+        "spec.policies[0].algorithm.critic",
+        ("spec.policies[0].algorithm.critic", "not supported with lora yet"),
+    ),
+    BadCase(
+        "critic-value-clip-negative",
+        _set("spec.policies.0.algorithm", {"name": "ppo", "groupSize": 1, "critic": {"valueClip": -0.1}}),
+        "spec.policies[0].algorithm.critic.valueClip",
+        ("spec.policies[0].algorithm.critic.valueClip",),
     ),
     BadCase(
         "unknown-algorithm",

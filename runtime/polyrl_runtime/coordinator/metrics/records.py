@@ -56,6 +56,13 @@ class StepRecord:
     nonfinite_grad_steps: int = 0
     # Trained tokens a mask isCorrection (token-mask, sequence-mask) rejected: weight 0.
     is_masked_frac: float = 0.0
+    # algorithm.critic: the critic's mean value loss over its optimizer steps, and the fraction of
+    # trained tokens whose clipped value term was the larger.
+    value_loss: float = 0.0
+    value_clip_frac: float = 0.0
+    # algorithm.distillation: the mean reverse KL to the teacher over trained tokens (log student -
+    # log teacher of each sampled token, scored before the step's first update).
+    distill_kl: float = 0.0
     # Samples of this policy the buffer dropped, by reason (experience.DropReason).
     dropped: dict[str, int] = field(default_factory=dict)
     dropped_total: dict[str, int] = field(default_factory=dict)
