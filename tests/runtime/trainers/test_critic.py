@@ -7,18 +7,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from polyrl_operator.api import Policy
 from polyrl_runtime.experience import SampleBatch
-from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.models.tiny import TinyCausalLM
 from polyrl_runtime.trainers.batching import share_micro_batches, step_layout
 from polyrl_runtime.trainers.build import deepspeed_config
 from polyrl_runtime.trainers.critic import CRITIC_DIR, Critic, ValueModel
 from polyrl_runtime.trainers.step_inputs import StepInputs, ValueTargets, token_batch
+from polyrl_testenv.trainer_rank import fixed_batch
 
 LENGTHS = [3, 1, 5, 2]
 CPU = torch.device("cpu")
@@ -40,25 +39,6 @@ def _critic(policy: Policy) -> Critic:
     return Critic.build(
         policy, deepspeed_config(policy, torch.float32), seed=0, cuda=False, device=CPU, world=1
     )
-
-
-def _batch() -> SampleBatch:
-    samples = [
-        Sample(
-            sample_id=f"s{i}",
-            episode_id=f"e{i}",
-            policy="agent",
-            agent="agent",
-            turn_index=0,
-            reward=1.0,
-            prompt_ids=np.array([1, 4, 7], dtype=np.int32),
-            response_ids=(np.arange(n, dtype=np.int32) % 5) + 2,
-            logprobs=np.full(n, -1.0, dtype=np.float32),
-            versions=np.zeros(n, dtype=np.int32),
-        )
-        for i, n in enumerate(LENGTHS)
-    ]
-    return SampleBatch.from_samples("agent", samples)
 
 
 def _inputs(critic: Critic, batch: SampleBatch, target: float) -> StepInputs:
@@ -102,7 +82,7 @@ def test_the_first_values_are_zero_and_a_constant_return_is_learnt(gloo: None, s
     module = critic.engine.module
     assert isinstance(module, ValueModel) and isinstance(module.backbone, TinyCausalLM)
     assert not module.backbone.head.weight.requires_grad  # its logits head (untied) takes no part
-    batch = _batch()
+    batch = fixed_batch(LENGTHS, [1.0] * len(LENGTHS), prompt=(1, 4, 7), token_period=5, logprob=-1.0)
     assert torch.equal(_values(critic, batch), torch.zeros(sum(LENGTHS)))
     losses = []
     for _ in range(40):
@@ -117,7 +97,10 @@ def test_the_first_values_are_zero_and_a_constant_return_is_learnt(gloo: None, s
 def test_a_token_whose_clipped_term_is_larger_carries_no_gradient(gloo: None) -> None:
     """V_old = V - 1 and R = V + 2 (at clip 0.2): the clipped value V_old + 0.2 is 2.8 from R, the
     value itself 2: the clipped term is the loss, and it does not depend on V."""
-    critic, batch = _critic(_policy(valueClip=0.2)), _batch()  # no momentum yet: no gradient, no update
+    critic, batch = (
+        _critic(_policy(valueClip=0.2)),
+        fixed_batch(LENGTHS, [1.0] * len(LENGTHS), prompt=(1, 4, 7), token_period=5, logprob=-1.0),
+    )  # no momentum yet: no gradient, no update
     before = _values(critic, batch)
     inputs = _inputs(critic, batch, 0.0)
     assert inputs.value_targets is not None
@@ -135,7 +118,10 @@ def test_a_token_whose_clipped_term_is_larger_carries_no_gradient(gloo: None) ->
 
 def test_a_saved_critic_loads_exactly(gloo: None, tmp_path: Path) -> None:
     policy = _policy(stage=1)
-    critic, batch = _critic(policy), _batch()
+    critic, batch = (
+        _critic(policy),
+        fixed_batch(LENGTHS, [1.0] * len(LENGTHS), prompt=(1, 4, 7), token_period=5, logprob=-1.0),
+    )
     for _ in range(3):
         critic.train(_inputs(critic, batch, 2.0), 1, _sum_allreduce)
     critic.save(tmp_path, "step")
@@ -162,16 +148,24 @@ def test_the_critic_has_a_model_of_its_own(gloo: None, tiny_qwen2_dir: Path, sta
     critic = _critic(policy)
     module = critic.engine.module
     assert not isinstance(module.backbone, TinyCausalLM)
-    assert torch.equal(_values(critic, _batch()), torch.zeros(sum(LENGTHS)))
+    assert torch.equal(
+        _values(
+            critic, fixed_batch(LENGTHS, [1.0] * len(LENGTHS), prompt=(1, 4, 7), token_period=5, logprob=-1.0)
+        ),
+        torch.zeros(sum(LENGTHS)),
+    )
     trained = {n for n, p in module.named_parameters() if p.requires_grad}
     assert {"head.weight", "head.bias"} <= trained
-    batch = _batch()
+    batch = fixed_batch(LENGTHS, [1.0] * len(LENGTHS), prompt=(1, 4, 7), token_period=5, logprob=-1.0)
     losses = [critic.train(_inputs(critic, batch, 1.0), 1, _sum_allreduce).loss for _ in range(5)]
     assert losses[-1] < losses[0]
 
 
 def test_a_checkpoint_without_a_critic_leaves_it_fresh(gloo: None, tmp_path: Path) -> None:
     """A policy checkpointed before it had a critic: the value model starts as built (values 0)."""
-    critic, batch = _critic(_policy()), _batch()
+    critic, batch = (
+        _critic(_policy()),
+        fixed_batch(LENGTHS, [1.0] * len(LENGTHS), prompt=(1, 4, 7), token_period=5, logprob=-1.0),
+    )
     critic.load(tmp_path, "step")
     assert torch.equal(_values(critic, batch), torch.zeros(sum(LENGTHS)))

@@ -10,7 +10,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,15 +17,12 @@ from polyrl_operator.api import Policy
 from polyrl_runtime.algorithms.advantages import EPS
 from polyrl_runtime.algorithms.gae import gae, token_rewards
 from polyrl_runtime.algorithms.losses import kl_penalty, policy_loss, sequence_logprobs
-from polyrl_runtime.experience import SampleBatch
-from polyrl_runtime.experience.state import Lease
-from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.trainers import deepspeed_trainer
 from polyrl_runtime.trainers.batching import micro_batches
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 from polyrl_runtime.trainers.offload import rank_storages
 from polyrl_runtime.trainers.step_inputs import token_batch
-from polyrl_testenv.trainer_rank import in_process_rank
+from polyrl_testenv.trainer_rank import OneLease, fixed_batch, in_process_rank
 
 RESPONSE_LENGTHS = [1, 2, 6, 3]
 REWARDS = [1.0, 0.0, 0.5, 1.0]
@@ -54,36 +50,8 @@ def _policy(kl_in: str | None = None, warmup: int = 0) -> Policy:
     )
 
 
-def _batch() -> SampleBatch:
-    samples = [
-        Sample(
-            sample_id=f"s{i}",
-            episode_id=f"e{i}",
-            policy="agent",
-            agent="agent",
-            turn_index=0,
-            reward=REWARDS[i],
-            prompt_ids=np.array([1, 5, 9], dtype=np.int32),
-            response_ids=(np.arange(n, dtype=np.int32) % 7) + 2,
-            logprobs=np.full(n, -2.0, dtype=np.float32),
-            versions=np.zeros(n, dtype=np.int32),
-        )
-        for i, n in enumerate(RESPONSE_LENGTHS)
-    ]
-    return SampleBatch.from_samples("agent", samples)
-
-
-class _OneLease:
-    def __init__(self, batch: SampleBatch) -> None:
-        self.lease: Lease | None = Lease(1, "agent", "agent-trainer-0", batch)
-
-    def pull(self, policy: str, consumer: str, max_samples: int, timeout: float) -> Lease | None:
-        lease, self.lease = self.lease, None
-        return lease
-
-
 def _step(rank: DeepSpeedTrainer, step: int) -> Any:
-    rank.buffer = _OneLease(_batch())  # type: ignore[assignment]
+    rank.buffer = OneLease(fixed_batch(RESPONSE_LENGTHS, REWARDS))  # type: ignore[assignment]
     return rank.train_step(step, len(RESPONSE_LENGTHS), 2)
 
 
@@ -106,7 +74,7 @@ def test_the_loss_receives_gae_advantages_and_the_critic_learns(
         )
         for p in rank.engine.module.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    batch = _batch()
+    batch = fixed_batch(RESPONSE_LENGTHS, REWARDS)
     samples = batch.samples()
     advs, masks = [], []
     with torch.no_grad():

@@ -8,52 +8,20 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from polyrl_operator.api import Policy
 from polyrl_runtime.algorithms.advantages import EPS
 from polyrl_runtime.algorithms.losses import importance_weights, kl_penalty, policy_loss, sequence_logprobs
-from polyrl_runtime.experience import SampleBatch
-from polyrl_runtime.experience.state import Lease
-from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.trainers import deepspeed_trainer
 from polyrl_runtime.trainers.batching import micro_batches
 from polyrl_runtime.trainers.step_inputs import token_batch
-from polyrl_testenv.trainer_rank import in_process_rank
+from polyrl_testenv.trainer_rank import OneLease, fixed_batch, in_process_rank
 
 RESPONSE_LENGTHS = [1, 2, 6, 3]
 REWARDS = [1.0, 0.0, 0.5, 1.0]
 KL_COEF = 0.5
-
-
-def _batch() -> SampleBatch:
-    samples = [
-        Sample(
-            sample_id=f"s{i}",
-            episode_id=f"e{i}",
-            policy="agent",
-            agent="agent",
-            turn_index=0,
-            reward=REWARDS[i],
-            prompt_ids=np.array([1, 5, 9], dtype=np.int32),
-            response_ids=(np.arange(n, dtype=np.int32) % 7) + 2,
-            logprobs=np.full(n, -2.0, dtype=np.float32),
-            versions=np.zeros(n, dtype=np.int32),
-        )
-        for i, n in enumerate(RESPONSE_LENGTHS)
-    ]
-    return SampleBatch.from_samples("agent", samples)
-
-
-class _OneLease:
-    def __init__(self, batch: SampleBatch) -> None:
-        self.lease: Lease | None = Lease(1, "agent", "agent-trainer-0", batch)
-
-    def pull(self, policy: str, consumer: str, max_samples: int, timeout: float) -> Lease | None:
-        lease, self.lease = self.lease, None
-        return lease
 
 
 @pytest.mark.parametrize(("name", "n_micro"), [("reinforce_pp", 1), ("reinforce_pp", 2), ("ppo", 2)])
@@ -75,7 +43,7 @@ def test_the_step_trains_on_whitened_returns_with_the_kl_to_go(
         gen = torch.Generator().manual_seed(0)
         for p in rank.engine.module.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    batch = _batch()
+    batch = fixed_batch(RESPONSE_LENGTHS, REWARDS)
     samples = batch.samples()
     kl, returns, weights = [], [], []
     with torch.no_grad():
@@ -103,7 +71,7 @@ def test_the_step_trains_on_whitened_returns_with_the_kl_to_go(
 
     monkeypatch.setattr(deepspeed_trainer, "policy_loss", recording)
     monkeypatch.setattr(deepspeed_trainer, "ray", SimpleNamespace(get=lambda ref: ref))
-    rank.buffer = _OneLease(batch)  # type: ignore[assignment]
+    rank.buffer = OneLease(batch)  # type: ignore[assignment]
     result = rank.train_step(1, len(RESPONSE_LENGTHS), n_micro)
 
     assert sorted(seen) == list(range(len(RESPONSE_LENGTHS)))

@@ -8,46 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from polyrl_operator.api import Policy
-from polyrl_runtime.experience import SampleBatch
-from polyrl_runtime.experience.state import Lease
-from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.trainers import deepspeed_trainer
-from polyrl_testenv.trainer_rank import in_process_rank
+from polyrl_testenv.trainer_rank import OneLease, fixed_batch, in_process_rank
 
 RESPONSE_LENGTHS = [1, 2, 6, 3]
 REWARDS = [1.0, 0.0, 0.0, 1.0]
-
-
-def _batch() -> SampleBatch:
-    samples = [
-        Sample(
-            sample_id=f"s{i}",
-            episode_id="e0",
-            policy="agent",
-            agent="agent",
-            turn_index=i,
-            reward=REWARDS[i],
-            prompt_ids=np.array([1, 5, 9], dtype=np.int32),
-            response_ids=(np.arange(n, dtype=np.int32) % 7) + 2,
-            logprobs=np.full(n, -2.0, dtype=np.float32),
-            versions=np.zeros(n, dtype=np.int32),
-        )
-        for i, n in enumerate(RESPONSE_LENGTHS)
-    ]
-    return SampleBatch.from_samples("agent", samples)
-
-
-class _OneLease:
-    def __init__(self, batch: SampleBatch) -> None:
-        self.lease: Lease | None = Lease(1, "agent", "agent-trainer-0", batch)
-
-    def pull(self, policy: str, consumer: str, max_samples: int, timeout: float) -> Lease | None:
-        lease, self.lease = self.lease, None
-        return lease
 
 
 def _step_loss(model_dir: Path, aggregation: str, micro: int, n_micro: int) -> float:
@@ -61,7 +29,7 @@ def _step_loss(model_dir: Path, aggregation: str, micro: int, n_micro: int) -> f
         }
     )
     rank = in_process_rank(policy)
-    rank.buffer = _OneLease(_batch())  # type: ignore[assignment]
+    rank.buffer = OneLease(fixed_batch(RESPONSE_LENGTHS, REWARDS, one_episode=True))  # type: ignore[assignment]
     result = rank.train_step(1, len(RESPONSE_LENGTHS), n_micro)
     assert result.tokens == sum(RESPONSE_LENGTHS)
     return result.loss
