@@ -20,6 +20,7 @@ import structlog
 from polyrl_operator.api import RLJob
 from polyrl_runtime.actors import Actor, actor_gone
 from polyrl_runtime.algorithms.estimators import normalisation
+from polyrl_runtime.algorithms.step_metrics import over_ranks
 from polyrl_runtime.coordinator import policy_restart
 from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.checkpoints.store import TRAINER_TAG, CheckpointRef
@@ -447,7 +448,6 @@ class PolicyTrainer:
         run = self.run
         reward, success, episodes = rewards
         run.last_reward = reward
-        world = len(results)
         samples = sum(r.samples for r in results)
         totals = self._read_totals(stats)
         step, self._totals = totals.since(self._totals), totals
@@ -460,18 +460,9 @@ class PolicyTrainer:
             episodes=episodes,
             samples=samples,
             tokens=sum(r.tokens for r in results),
-            loss=sum(r.loss for r in results),
             staleness_mean=sum(r.staleness_mean * r.samples for r in results) / max(samples, 1),
             staleness_max=max(r.staleness_max for r in results),
-            is_weight_mean=sum(r.is_weight_mean for r in results) / world,
-            is_truncated_frac=sum(r.is_truncated_frac for r in results) / world,
-            is_masked_frac=sum(r.is_masked_frac for r in results) / world,
-            value_loss=sum(r.value_loss for r in results),
-            value_clip_frac=sum(r.value_clip_frac for r in results) / world,
-            distill_kl=sum(r.distill_kl for r in results) / world,
-            clip_frac=sum(r.clip_frac for r in results) / world,
-            kl=sum(r.kl for r in results) / world,
-            entropy=sum(r.entropy for r in results) / world,
+            **over_ranks(results),
             **gradient_metrics(results),
             train_s=train_s,
             sync_s=sync_s,

@@ -16,6 +16,7 @@ import torch
 from polyrl_runtime.algorithms.advantages import AdvantageStats, advantages
 from polyrl_runtime.algorithms.kl_reward import AgentStats, shaped_returns, token_advantages, token_kl
 from polyrl_runtime.algorithms.losses import LossConfig, LossStats, TokenBatch, sequence_logprobs
+from polyrl_runtime.algorithms.step_metrics import TOKEN_WEIGHTED
 from polyrl_runtime.experience.batches import SampleBatch
 from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.trainers.batching import StepLayout
@@ -25,10 +26,6 @@ from polyrl_runtime.trainers.lora import reference_model
 PAD_ROW = TokenBatch.build([np.zeros(1, np.int32)], [np.zeros(1, np.int32)], [np.zeros(0, np.int32)])
 
 Allreduce = Callable[[list[float]], list[float]]  # sums over the policy's ranks
-
-# The loss statistics a step reports as means over its scored tokens (`LossStats` fields, which are
-# also `StepResult` fields of the same name).
-TOKEN_WEIGHTED = ("clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac", "kl", "entropy")
 
 
 @dataclass(frozen=True)
@@ -76,7 +73,8 @@ class LossTotals:
             self.weighted[key] += getattr(stats, key) * stats.tokens
         self.tokens += stats.tokens
 
-    def per_token(self) -> dict[str, float]:
+    def per_token(self) -> dict[str, Any]:
+        """The token-weighted loss metrics, as `StepResult` keyword arguments."""
         return {key: total / max(self.tokens, 1) for key, total in self.weighted.items()}
 
 

@@ -31,19 +31,13 @@ def step_result(
     Staleness: how many versions each sample's oldest token lags the weights it was trained from."""
     samples, n = inputs.samples, 0 if batch is None else len(batch)
     lag = np.array([max(0, (version - 1) - s.min_version) for s in samples], dtype=np.float64)
-    per_token = totals.per_token()
     return StepResult(
         rank=rank,
         lease_id=lease.lease_id if lease is not None else None,
         samples=n,
         tokens=0 if batch is None else batch.trained_tokens,  # context tokens are not trained
         loss=totals.loss / updates,
-        clip_frac=per_token["clip_frac"],
-        is_weight_mean=per_token["is_weight_mean"],
-        is_truncated_frac=per_token["is_truncated_frac"],
-        is_masked_frac=per_token["is_masked_frac"],
-        kl=per_token["kl"],
-        entropy=per_token["entropy"],
+        **totals.per_token(),  # the token-weighted loss metrics (algorithms/step_metrics.py)
         value_loss=value.loss if value is not None else 0.0,
         value_clip_frac=value.clip_frac if value is not None else 0.0,
         distill_kl=inputs.distill[0] / max(inputs.distill[1], 1),

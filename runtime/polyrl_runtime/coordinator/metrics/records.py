@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from polyrl_runtime.algorithms.step_metrics import zeros
+
 
 @dataclass(frozen=True)
 class Totals:
@@ -105,14 +107,9 @@ class StepRecord:
             episodes=0,
             samples=0,
             tokens=0,
-            loss=0.0,
             staleness_mean=0.0,
             staleness_max=0,
-            is_weight_mean=0.0,
-            is_truncated_frac=0.0,
-            clip_frac=0.0,
-            kl=0.0,
-            entropy=0.0,
+            **zeros(),  # every loss metric (algorithms/step_metrics.py)
             grad_norm=0.0,
             train_s=0.0,
             sync_s=0.0,
