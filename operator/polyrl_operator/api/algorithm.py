@@ -109,7 +109,7 @@ class Critic(ApiModel):
     model: Model | None = Field(
         None,
         description="The value model's backbone, loaded as a copy of its own with a linear value head "
-        "(initialised to zero) on its final hidden states. Unset: the policy's model.",
+        "(initialised to zero) on its final hidden states. Unset: the policy's model. Not with lora.",
     )
     lr: float = Field(1.0e-5, gt=0, le=1.0, description="Learning rate of the value model (constant).")
     value_clip: float | None = Field(
@@ -182,11 +182,11 @@ class Algorithm(ApiModel):
             field=".critic",
         ),
         Rule(
-            cel="!has(self.critic) || !has(self.lora)",
-            message="is not supported with lora yet (a value head and adapter on the policy's base): "
-            "remove algorithm.lora or algorithm.critic",
-            check=lambda a: a.critic is None or a.lora is None,
-            field=".critic",
+            cel="!has(self.critic) || !has(self.lora) || !has(self.critic.model)",
+            message="model is not for a LoRA policy: its critic is a second adapter and a value head on "
+            "the policy's own base; remove algorithm.critic.model",
+            check=lambda a: a.critic is None or a.lora is None or a.critic.model is None,
+            field=".critic.model",
         ),
     )
 
@@ -372,5 +372,6 @@ class Algorithm(ApiModel):
     critic: Critic | None = Field(
         None,
         description="A value model (ppo only): per-token advantages by GAE from its values, trained "
-        "on the returns in the same step as the policy. Unset: the batch mean is the baseline.",
+        "on the returns in the same step as the policy (with lora: a second adapter and a value head "
+        "on the policy's own base). Unset: the batch mean is the baseline.",
     )

@@ -259,6 +259,17 @@ class Policy(ApiModel):
             field=".algorithm.critic",
         ),
         Rule(
+            cel="!has(self.algorithm) || !has(self.algorithm.critic) || !has(self.algorithm.lora) || "
+            "!has(self.trainer) || !has(self.trainer.zeroStage) || self.trainer.zeroStage != 3",
+            message="a LoRA policy's critic is an adapter on the policy's base, which ZeRO-3 "
+            "partitions: use zeroStage 0-2 (only the adapters train, and they are small enough to "
+            "replicate)",
+            check=lambda p: (
+                p.algorithm.critic is None or p.algorithm.lora is None or p.trainer.zero_stage != 3
+            ),
+            field=".trainer.zeroStage",
+        ),
+        Rule(
             cel="!has(self.algorithm) || !has(self.algorithm.overlongPenalty) || "
             "self.algorithm.overlongPenalty.bufferTokens < (has(self.algorithm.overlongPenalty.maxLength) "
             "? self.algorithm.overlongPenalty.maxLength : (has(self.rollout) && has(self.rollout.sampling) "

@@ -27,10 +27,14 @@ clipped value loss averaged over the mini-batch's trained tokens of every rank.
 
 Checkpoint: DeepSpeed's, in `critic/` of the rank's trainer checkpoint directory, under the same tag
 (a policy checkpointed before it had a critic has none: the critic then starts as built).
+
+A LoRA policy's critic is instead a value adapter and head on the policy's own base, behind the same
+engine interface (trainers/value_adapter.py); the steps above are the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,10 +48,9 @@ from polyrl_operator.api import Policy
 from polyrl_operator.api.algorithm import Critic as CriticSpec
 from polyrl_runtime.algorithms.gae import gae, token_rewards, value_loss
 from polyrl_runtime.algorithms.kl_reward import AgentStats, token_advantages, token_kl
-from polyrl_runtime.algorithms.losses import LossConfig, TokenBatch, _hidden_states
+from polyrl_runtime.algorithms.losses import LossConfig, TokenBatch
 from polyrl_runtime.experience.types import Sample
 from polyrl_runtime.models import is_hf, resolve_dtype
-from polyrl_runtime.models.tiny import TinyCausalLM
 from polyrl_runtime.trainers.build import (
     enable_gradient_checkpointing,
     hf_zero3_config,
@@ -66,36 +69,12 @@ from polyrl_runtime.trainers.step_inputs import (
     mini_batch_counts,
     token_batch,
 )
+from polyrl_runtime.trainers.value_adapter import ValueAdapterEngine
+from polyrl_runtime.trainers.value_head import ValueHead, head_values, hidden_size
 
 log = structlog.get_logger(__name__)
 
 CRITIC_DIR = "critic"  # the critic's part of a rank's trainer checkpoint directory
-
-
-def hidden_size(backbone: torch.nn.Module) -> int:
-    """The width of the backbone's final hidden states (from its config: under ZeRO-3 a parameter's
-    own shape is that of an empty shard)."""
-    if isinstance(backbone, TinyCausalLM):
-        return backbone.cfg.d_model
-    size = getattr(getattr(backbone, "config", None), "hidden_size", None)
-    if not isinstance(size, int):
-        raise ValueError(
-            f"{type(backbone).__name__} has no config.hidden_size: cannot put a value head on it"
-        )
-    return size
-
-
-class ValueHead(torch.nn.Module):
-    """hidden -> 1, weight and bias 0. Its parameters are created as zeros (not zeroed after): a
-    module built inside `deepspeed.zero.Init` is partitioned as its constructor returns."""
-
-    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(h, self.weight, self.bias)[..., 0]
 
 
 class ValueModel(torch.nn.Module):
@@ -109,10 +88,9 @@ class ValueModel(torch.nn.Module):
     def forward(
         self, ids: torch.Tensor, mask: torch.Tensor, gather_index: torch.Tensor, response_mask: torch.Tensor
     ) -> torch.Tensor:
-        hidden = _hidden_states(self.backbone, ids, mask)  # [B, T, H]
-        index = gather_index[..., None].expand(-1, -1, hidden.shape[-1])
-        values = self.head(hidden.gather(1, index)).float()  # [B, R]
-        return torch.where(response_mask > 0, values, torch.zeros_like(values))
+        return head_values(
+            self.backbone, self.head, ids, mask, gather_index=gather_index, response_mask=response_mask
+        )
 
 
 def freeze_output_head(backbone: torch.nn.Module) -> None:
@@ -177,6 +155,10 @@ class Critic:
         self.world, self.micro_batch_size = world, micro_batch_size
         self.clip = spec.value_clip or None  # 0: unclipped
         self._gas = 1
+        # A value adapter computes only while it is the active one (trainers/value_adapter.py).
+        self._active: Callable[[], contextlib.AbstractContextManager[Any]] = getattr(
+            engine, "active", contextlib.nullcontext
+        )
 
     @classmethod
     def build(
@@ -188,11 +170,32 @@ class Critic:
         cuda: bool,
         device: torch.device,
         world: int,
+        rank: int = 0,
+        policy_model: torch.nn.Module | None = None,
     ) -> Critic:
-        """`config`: the policy's DeepSpeed config (trainers/build.py `deepspeed_config`)."""
+        """`config`: the policy's DeepSpeed config (trainers/build.py `deepspeed_config`);
+        `policy_model`: the policy's trained module, which a LoRA policy's critic is an adapter on
+        (trainers/value_adapter.py)."""
         spec = policy.algorithm.critic
         if spec is None:
             raise ValueError(f"policy {policy.name}: algorithm.critic is not set")
+        reduce = functools.partial(allreduce, world=world, cuda=cuda)
+        if policy.algorithm.lora is not None:
+            if policy_model is None:
+                raise ValueError(f"policy {policy.name}: a LoRA policy's critic needs the policy's model")
+            adapter = ValueAdapterEngine(
+                policy_model, policy, seed=seed, device=device, rank=rank, world=world
+            )
+            guard = StepGuard.of(adapter, adapter.optimizer, {}, watch_gradients=False, allreduce=reduce)
+            return cls(
+                spec,
+                adapter,
+                adapter.optimizer,
+                guard,
+                None,
+                world=world,
+                micro_batch_size=policy.trainer.micro_batch_size,
+            )
         deepspeed = import_deepspeed()
         source = critic_policy(policy)
         dtype = resolve_dtype(source.model.dtype, cuda=cuda)
@@ -212,7 +215,6 @@ class Critic:
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         set_learning_rate(engine.optimizer, spec.lr)
-        reduce = functools.partial(allreduce, world=world, cuda=cuda)
         guard = StepGuard.of(engine, optimizer, config, watch_gradients=True, allreduce=reduce)
         log.info("critic.ready", policy=policy.name, uri=source.model.uri, zero=policy.trainer.zero_stage)
         return cls(
@@ -237,9 +239,10 @@ class Critic:
     def values(self, tb: TokenBatch) -> torch.Tensor:
         """[B, R] the value before each response token (0 where not trained), with gradient."""
         d = self.device
-        out: torch.Tensor = self.engine(
-            tb.input_ids.to(d), tb.attention_mask.to(d), tb.gather_index.to(d), tb.response_mask.to(d)
-        )
+        with self._active():
+            out: torch.Tensor = self.engine(
+                tb.input_ids.to(d), tb.attention_mask.to(d), tb.gather_index.to(d), tb.response_mask.to(d)
+            )
         return out
 
     def advantages(
@@ -346,8 +349,9 @@ class Critic:
                 for pos, k in enumerate(mini):
                     if mark is not None:
                         mark(pos == len(mini) - 1)
-                    loss_sum, frac, t = self._loss(inputs, k)
-                    self.engine.backward(loss_sum * scale)
+                    with self._active():  # from the forward through the backward
+                        loss_sum, frac, t = self._loss(inputs, k)
+                        self.engine.backward(loss_sum * scale)
                     value = float(loss_sum.detach())
                     total += value / denom
                     clipped += frac * t

@@ -182,7 +182,14 @@ class DeepSpeedTrainer(TrainerWeights):
             )
         if self.algo.critic is not None:
             self.critic = Critic.build(
-                self.spec, built.config, seed=self.seed, cuda=self.cuda, device=self.device, world=self.world
+                self.spec,
+                built.config,
+                seed=self.seed,
+                cuda=self.cuda,
+                device=self.device,
+                world=self.world,
+                rank=self.rank,
+                policy_model=self.model,
             )
         log.info(
             "trainer.ready",

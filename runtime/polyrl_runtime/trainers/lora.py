@@ -120,20 +120,22 @@ def apply_lora(model: torch.nn.Module, policy: Policy, *, adapter_name: str = "d
     return wrapped
 
 
-def add_lora(model: torch.nn.Module, policy: Policy) -> None:
-    """Add the policy's adapter, named as the policy, to a peft model that `apply_lora` made (another
-    policy's adapter on the same base)."""
+def add_lora(model: torch.nn.Module, policy: Policy, *, adapter_name: str | None = None) -> None:
+    """Add an adapter with the policy's LoRA settings, named `adapter_name` (default: as the
+    policy), to a peft model that `apply_lora` made: another policy's adapter on the same base, or
+    the policy's value adapter (trainers/value_adapter.py)."""
     lora = policy.algorithm.lora
     if lora is None:
         raise LoraError(f"policy {policy.name}: sharing a base model needs algorithm.lora")
     check_target_modules(base_model(model), policy.name, lora.target_modules)
+    name = policy.name if adapter_name is None else adapter_name
     peft_model: Any = model
     try:
-        peft_model.add_adapter(policy.name, lora_config(policy))
+        peft_model.add_adapter(name, lora_config(policy))
     except ValueError as e:
         raise LoraError(f"policy {policy.name}: {FIELD}: {e}") from e
     _check_untied(model, policy.name)
-    log.info("lora.added", policy=policy.name, rank=lora.rank)
+    log.info("lora.added", policy=policy.name, adapter=name, rank=lora.rank)
 
 
 def _check_untied(model: torch.nn.Module, policy: str) -> None:

@@ -87,7 +87,7 @@ NO_TENSORS = frozenset(
 @dataclass(frozen=True)
 class BaseState:
     """What a shared rank offloads, shaped as `offload_rank` reads an engine: the model (the base and
-    every adapter) and every adapter's optimizer."""
+    every adapter) with the critics' value heads, and every adapter's and critic's optimizer."""
 
     module: torch.nn.Module
     optimizer: list[torch.optim.Optimizer]
@@ -167,7 +167,10 @@ class SharedBaseRank:
             for t in self._trainers.values():
                 t.begin_weight_update()  # a sender reading the tensors finishes first
             optimizers = [t.engine.optimizer for t in self._trainers.values() if t.engine is not None]
-            state = BaseState(self._shared.model, optimizers)
+            # A LoRA critic's value adapter is in the base; its head and optimizer are its own.
+            critics = [t.critic.engine for t in self._trainers.values() if t.critic is not None]
+            modules = torch.nn.ModuleList([self._shared.model, *(c.module for c in critics)])
+            state = BaseState(modules, optimizers + [c.optimizer for c in critics])
             self._parked = offload_rank(state, None, trainer.device, self._host_buffers)
             return self._parked
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from driver_harness import make_job, policy, run
 
+from polyrl_runtime.coordinator.placement import shared_trainers
+
 pytestmark = pytest.mark.slow
 
 
@@ -92,3 +94,50 @@ def test_ppo_with_a_critic_trains_over_two_ranks(ray_local: Any, tmp_path: Path)
         assert all(r.samples == 16 and r.value_loss > 0 for r in summary.records)
     finally:
         driver.close()
+
+
+def lora_critic_job(steps: int) -> Any:
+    """Two LoRA policies on one base whose trainers share one rank (trainers/shared_rank.py); the
+    speaker is ppo with a critic, which is then a value adapter on that base."""
+    lora = {"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]}
+    hf = {"uri": "builtin://tiny-qwen2", "dtype": "float32"}
+    on_pool = {"engine": "torch", "pool": "shared"}
+    speaker = policy("speaker", model=hf)
+    speaker["algorithm"] = {"name": "ppo", "groupSize": 1, "lr": 1e-2, "lora": lora, "critic": {"lr": 1e-2}}
+    listener = policy("listener", model=hf)
+    listener["algorithm"] = {"name": "grpo", "groupSize": 4, "lr": 1e-2, "lora": lora}
+    for p in (speaker, listener):
+        p["rollout"] = dict(on_pool)
+        p["trainer"] = {"backend": "deepspeed", "zeroStage": 1, "microBatchSize": 8, "pool": "shared"}
+    return make_job(
+        mode="sync",
+        maxStaleness=0,
+        training={"totalSteps": steps, "episodesPerStep": 8, "seed": 3},
+        workflow={
+            "entrypoint": "polyrl_runtime.workflows.guessing:Guessing",
+            "args": {"agents": ["speaker", "listener"], "symbols": 4, "shift": 1, "reply_tokens": 3},
+        },
+        policies=[speaker, listener],
+        pools=[{"name": "shared", "gpus": 0}],
+        checkpoint={"everySteps": 1, "keep": 5},
+    )
+
+
+def test_a_lora_policys_critic_trains_on_the_shared_base_and_resumes(ray_local: Any, tmp_path: Path) -> None:
+    job = lora_critic_job(2)
+    members = ("speaker", "listener")
+    assert shared_trainers(job.spec) == dict.fromkeys(members, members)
+    _, first = run(job, tmp_path)
+    assert first.state == "done", first.message
+    speaker = [r for r in first.records if r.policy == "speaker"]
+    assert [r.step for r in speaker] == [1, 2]
+    assert all(r.value_loss > 0 and math.isfinite(r.value_loss) for r in speaker)
+    assert all(r.value_loss == 0 for r in first.records if r.policy == "listener")
+    (saved,) = (tmp_path / "ckpt" / "step-000002").rglob("critic/*/adapter-rank0.pt")
+    state = torch.load(saved, map_location="cpu", weights_only=True)
+    assert state["policy"] == "speaker" and "value_head.weight" in state["adapter"]
+    assert any(".speaker_value." in name for name in state["adapter"])
+
+    _, resumed = run(lora_critic_job(3), tmp_path)  # from the step-2 checkpoint
+    assert resumed.state == "done" and resumed.steps == {"speaker": 3, "listener": 3}, resumed.message
+    assert [r.value_loss > 0 for r in resumed.records if r.policy == "speaker" and r.step == 3] == [True]

@@ -86,6 +86,13 @@ def _collective_deltas_for_vllm(doc: Doc) -> None:
     doc["spec"]["policies"][1]["rollout"].update(engine="vllm", gpus=1)
 
 
+def _lora_critic_on_zero3(doc: Doc) -> None:
+    """A LoRA policy's critic (an adapter on the policy's base) with the base partitioned by ZeRO-3."""
+    policy = doc["spec"]["policies"][0]
+    policy["algorithm"] = {"name": "ppo", "groupSize": 1, "critic": {}, "lora": {"rank": 4}}
+    policy.setdefault("trainer", {})["zeroStage"] = 3
+
+
 def _long_names(doc: Doc) -> None:
     doc["metadata"]["name"] = "j" * 30
     doc["spec"]["policies"][0]["name"] = "p" * 30
@@ -513,13 +520,24 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].algorithm.critic", "is for ppo"),
     ),
     BadCase(
-        "critic-with-lora",
+        "critic-model-with-lora",
         _set(
             "spec.policies.0.algorithm",
-            {"name": "ppo", "groupSize": 1, "critic": {}, "lora": {"rank": 4}},
+            {
+                "name": "ppo",
+                "groupSize": 1,
+                "critic": {"model": {"uri": "builtin://tiny"}},
+                "lora": {"rank": 4},
+            },
         ),
-        "spec.policies[0].algorithm.critic",
-        ("spec.policies[0].algorithm.critic", "not supported with lora yet"),
+        "spec.policies[0].algorithm.critic.model",
+        ("spec.policies[0].algorithm.critic.model", "second adapter"),
+    ),
+    BadCase(
+        "critic-lora-zero3",
+        _lora_critic_on_zero3,
+        "spec.policies[0].trainer.zeroStage",
+        ("spec.policies[0].trainer.zeroStage", "ZeRO-3"),
     ),
     BadCase(
         "critic-value-clip-negative",
