@@ -122,6 +122,7 @@ class ValueReport:
 
     loss: float
     clip_frac: float
+    skipped: int = 0  # its optimizer steps skipped for a non-finite loss or gradient
 
 
 @dataclass(frozen=True)
@@ -360,7 +361,7 @@ class Critic:
                     guard.step(trains=n > 0)
         guard.log_skips(model="critic")
         steps = max(epochs * len(inputs.minis), 1)
-        return ValueReport(loss=total / steps, clip_frac=clipped / max(seen, 1))
+        return ValueReport(loss=total / steps, clip_frac=clipped / max(seen, 1), skipped=guard.skipped)
 
     def save(self, local: Path, tag: str) -> None:
         """Into `critic/` of the rank's (local, staged) trainer checkpoint directory."""

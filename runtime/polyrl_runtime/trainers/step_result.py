@@ -45,7 +45,8 @@ def step_result(
         staleness_max=int(lag.max()) if len(lag) else 0,
         signal_mean=float(inputs.signals.mean()) if n else 0.0,
         grad_norm=guard.grad_norm(),
-        skipped_nonfinite=guard.skipped,
+        # The critic's skips count too: a value model that cannot train corrupts every advantage.
+        skipped_nonfinite=guard.skipped + (value.skipped if value is not None else 0),
         lr=lr,
         wall_s=wall_s,
     )

@@ -6,6 +6,7 @@ with the rank."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +18,7 @@ from polyrl_operator.api import Policy
 from polyrl_runtime.algorithms.advantages import EPS
 from polyrl_runtime.algorithms.gae import gae, token_rewards
 from polyrl_runtime.algorithms.losses import kl_penalty, policy_loss, sequence_logprobs
+from polyrl_runtime.trainers import critic as critic_module
 from polyrl_runtime.trainers import deepspeed_trainer
 from polyrl_runtime.trainers.batching import micro_batches
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
@@ -166,3 +168,23 @@ def test_the_critic_is_offloaded_and_restored_with_the_rank(gloo: None, no_ray: 
     after = critic.engine.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert _step(rank, 2).value_loss > 0
+
+
+def test_a_non_finite_value_loss_skips_the_critics_steps_and_is_counted(
+    gloo: None, no_ray: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rank = in_process_rank(_policy())
+    critic = rank.critic
+    assert critic is not None
+    head_before = critic.engine.module.head.weight.detach().clone()
+    real = critic_module.value_loss
+
+    def nan_loss(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, float]:
+        loss, frac = real(*args, **kwargs)
+        return loss * math.nan, frac
+
+    monkeypatch.setattr(critic_module, "value_loss", nan_loss)
+    result = _step(rank, 1)
+    assert critic.guard.skipped == critic.guard.steps > 0
+    assert result.skipped_nonfinite == critic.guard.skipped  # the policy's own steps were finite
+    assert torch.equal(head_before, critic.engine.module.head.weight)
