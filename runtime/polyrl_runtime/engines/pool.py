@@ -64,6 +64,7 @@ class EnginePool:
         # engine name -> (engine, ids of its requests to abort in this tick's call)
         self._aborts: dict[str, tuple[EngineClient, list[str]]] = {}
         self._abort_due = False
+        self._abort_sends: set[asyncio.Task[None]] = set()  # abort calls not yet answered
         if routes:
             self.set_routes(routes)
 
@@ -78,6 +79,14 @@ class EnginePool:
     def outstanding(self) -> dict[str, int]:
         """Engine name -> requests sent to it and not answered yet (drain needs every caller's view)."""
         return {name: n for name, n in self._in_flight.items() if n}
+
+    async def aborts_delivered(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until the engines have taken the aborts of the callers cancelled
+        so far, so that what a caller reports next (an episode's timeout) follows them: the engines'
+        stats then count those requests."""
+        await asyncio.sleep(0)  # the tick's `_flush_aborts`, scheduled by the cancellations, runs first
+        if self._abort_sends:
+            await asyncio.wait(set(self._abort_sends), timeout=timeout)
 
     def policies(self) -> list[str]:
         return sorted(self._routes)
@@ -149,8 +158,8 @@ class EnginePool:
         aborts, self._aborts = self._aborts, {}
         for name, (engine, ids) in aborts.items():
             task = asyncio.get_running_loop().create_task(self._send_abort(name, engine, ids))
-            self._streams.add(task)
-            task.add_done_callback(self._streams.discard)
+            self._abort_sends.add(task)
+            task.add_done_callback(self._abort_sends.discard)
 
     async def _send_abort(self, name: str, engine: EngineClient, request_ids: list[str]) -> None:
         try:

@@ -1,10 +1,10 @@
 """Aborts in the torch engine (`Engine.abort`), a mixin of `TorchEngine`.
 
-`abort` fails the requests' futures at once, so their `generate` calls raise `RequestAbortedError`; a
-`generate` call cancelled by its caller leaves its future cancelled. Either way the serving loop takes
-the request out of the queue or the running batch before its next step (`_drop_abandoned`): it gets
-no further token, its cache row is freed, and it is counted with the tokens it did not generate
-(`engines/aborts.py`).
+`abort` fails the requests' futures at once, so their `generate` calls raise `RequestAbortedError`,
+and counts them at once with the tokens they did not generate (`engines/aborts.py`); a `generate` call
+cancelled by its caller leaves its future cancelled and is counted when dropped. Either way the serving
+loop takes the request out of the queue or the running batch before its next step (`_drop_abandoned`):
+it gets no further token and its cache row is freed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 
 from polyrl_runtime.engines.aborts import Aborts
-from polyrl_runtime.engines.api import RequestAbortedError
 from polyrl_runtime.engines.torch_request import TorchRequest
 
 
@@ -40,10 +39,9 @@ class TorchEngineAborts:
             if r is None:
                 if rid:
                     self._aborts.unmatched(rid)
-            elif not r.future.done():
-                r.future.set_exception(
-                    RequestAbortedError(self.name, rid, len(r.tokens), r.params.max_new_tokens)
-                )
+            elif not r.future.done():  # counted now, so the engine's stats show it once this returns
+                r.future.set_exception(self._aborts.stopped(r.params, len(r.tokens)))
+                r.counted = True
         self._ensure_loop().set()
 
     def _drop_abandoned(self) -> None:
@@ -53,9 +51,10 @@ class TorchEngineAborts:
         for queue in (self._pending, self._held):
             if any(r.future.done() for r in queue):
                 for r in queue:
-                    if r.future.done():
+                    if r.future.done() and not r.counted:
                         self._aborts.stopped(r.params, len(r.tokens))
                 queue[:] = [r for r in queue if not r.future.done()]
         for r in [r for r in self._active if r.future.done()]:
-            self._aborts.stopped(r.params, len(r.tokens))
+            if not r.counted:
+                self._aborts.stopped(r.params, len(r.tokens))
             self._retire(r)

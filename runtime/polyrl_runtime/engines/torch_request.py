@@ -23,6 +23,8 @@ class TorchRequest:
     # current while they are unchanged.
     cached_weights: tuple[int, int] | None = None
     stop_str: str = ""
+    # Counted among the engine's aborted requests (by `abort`, at once): not counted again when dropped.
+    counted: bool = False
     _bias: torch.Tensor | None = None
 
     def bias(self, vocab: int) -> torch.Tensor:

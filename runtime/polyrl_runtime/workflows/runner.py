@@ -88,6 +88,9 @@ class WorkerStats:
 # The failures a policy causes, trained on with the failure reward; every other reason is the
 # machinery's or the workflow's, and its episode is dropped and played again.
 POLICY_FAILURES = frozenset({"timeout", "policy_failure"})
+# How long a timed-out episode waits for its requests' aborts to reach their engines before it is
+# reported (a dead engine's failed abort returns at once; a hung one costs this much, once).
+ABORTS_DELIVERED_S = 5.0
 
 
 def _settled(
@@ -235,6 +238,7 @@ class WorkflowWorker:
             if missing:
                 raise ValueError(f"no reward for agents {sorted(missing)}")
         except TimeoutError:
+            await self.pool.aborts_delivered(ABORTS_DELIVERED_S)  # counted before the report is
             report.reason = "timeout"
             report.error = f"episode exceeded workflow.episodeTimeoutSeconds ({self.timeout:g} s)"
         except PolicyFailure as e:

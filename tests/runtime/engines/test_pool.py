@@ -244,6 +244,37 @@ def test_a_cancelled_callers_sent_request_is_aborted_on_its_engine(streams: bool
         assert eng.single_calls == 4 and [len(a) for a in eng.aborted] == [1, 2]  # each call is sent
 
 
+class _SlowAbort(_Abort):
+    """An abort call the engine takes only after `delay` s (a loaded engine actor)."""
+
+    def __init__(self, engine: StreamEngine, delay: float) -> None:
+        super().__init__(engine)
+        self.delay = delay
+
+    async def remote(self, request_ids: list[str]) -> None:
+        await asyncio.sleep(self.delay)
+        await super().remote(request_ids)
+
+
+@pytest.mark.parametrize(("delay", "delivered"), [(0.2, True), (60.0, False)])
+def test_a_timed_out_caller_waits_until_its_aborts_are_delivered(delay: float, delivered: bool) -> None:
+    """What a timed-out episode reports follows its requests' aborts, however slow the engine is
+    to take them; an engine that never takes them costs the bound, not a hang."""
+    eng = StreamEngine("e", auto=False)
+    eng.abort = _SlowAbort(eng, delay)
+    pool = EnginePool(engine_routes({"p": {"e": eng}}))
+
+    async def go() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pool.generate("p", [1], P), 0.05)
+        assert eng.aborted == []  # sent, not yet taken
+        await pool.aborts_delivered(1.0)
+        assert (len(eng.aborted) == 1) is delivered
+        await pool.aborts_delivered(1.0)  # nothing new to wait for, or still the bound
+
+    asyncio.run(go())
+
+
 def test_engines_without_generate_many_get_one_call_per_request() -> None:
     class Plain:
         def __init__(self) -> None:

@@ -42,6 +42,7 @@ def test_an_aborted_request_stops_frees_its_slot_and_counts_the_freed_tokens(eng
         await _until_generated(engine, 3)
         assert engine.stats().queued == 1  # `after` waits for the one slot
         await engine.abort(["long"])
+        assert engine.stats().aborted == 1  # counted once the abort returns, before the loop drops it
         with pytest.raises(
             RequestAbortedError, match=r"engine e0: request long was aborted .* of at most 100"
         ) as e:
@@ -50,10 +51,11 @@ def test_an_aborted_request_stops_frees_its_slot_and_counts_the_freed_tokens(eng
         g = await asyncio.wait_for(after, 30)  # the freed slot serves the next request
         assert len(g.token_ids) == 5 and g.finish_reason == "length"
         st = engine.stats()
-        # It stopped at the step after the abort (one running in a thread when it came still counts).
+        # It stopped at the step after the abort (one running in a thread when it came still counts);
+        # the freed tokens are those it had not generated when aborted.
         generated = st.tokens - 5
         assert generated - e.value.generated in (0, 1)
-        assert (st.aborted, st.freed_tokens, st.in_flight) == (1, LONG - generated, 0)
+        assert (st.aborted, st.freed_tokens, st.in_flight) == (1, LONG - e.value.generated, 0)
         assert engine._by_id == {}
 
     asyncio.run(go())
