@@ -59,6 +59,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dr_grpo": {"name": "dr_grpo", "advantageNorm": None},  # unset: none (no division by a std)
     "rloo": {"name": "rloo"},
     "reinforce_pp": {"name": "reinforce_pp"},
+    "reinforce_pp_baseline": {"name": "reinforce_pp_baseline"},
     "ppo": {"name": "ppo"},
     # DAPO's final recipe shapes overlong replies (a soft penalty, its ramp over the last quarter
     # of maxNewTokens: variant_policy sets bufferTokens) rather than filtering them: SmolLM2 fills

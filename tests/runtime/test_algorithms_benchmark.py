@@ -79,7 +79,7 @@ def test_every_variant_is_a_valid_job_that_differs_from_grpo_only_in_its_algorit
     algorithms = {v: p.algorithm for v, p in policies.items()}
     assert {v: a.name for v, a in algorithms.items()} == {
         "grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp",
-        "ppo": "ppo", "dapo": "grpo", "gspo": "grpo",
+        "reinforce_pp_baseline": "reinforce_pp_baseline", "ppo": "ppo", "dapo": "grpo", "gspo": "grpo",
     }  # fmt: skip
     assert algorithms["grpo"].advantage_norm == "per-policy" and algorithms["dr_grpo"].advantage_norm is None
     dapo, gspo = algorithms["dapo"], algorithms["gspo"]

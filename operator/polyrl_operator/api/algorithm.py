@@ -35,11 +35,13 @@ class Lora(ApiModel):
     )
 
 
-AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
+AlgorithmName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
 """The advantage estimators (the runtime's algorithms/estimators.py holds one entry for each)."""
-GROUPED_ALGORITHMS = ("grpo", "dr_grpo", "rloo")
+GROUPED_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 """Estimators whose baseline is the other episodes of the same task: they need groupSize >= 2."""
 GROUPED_ALGORITHMS_CEL = "[" + ", ".join(f"'{n}'" for n in GROUPED_ALGORITHMS) + "]"
+GROUPED_ALGORITHMS_TEXT = ", ".join(GROUPED_ALGORITHMS[:-1]) + " and " + GROUPED_ALGORITHMS[-1]
+"""Their names in a message: "grpo, dr_grpo, ... and reinforce_pp_baseline"."""
 
 
 class DynamicSampling(ApiModel):
@@ -146,19 +148,19 @@ class Algorithm(ApiModel):
     __rules__ = (
         Rule(
             cel=f"!(self.name in {GROUPED_ALGORITHMS_CEL}) || self.groupSize >= 2",
-            message="must be at least 2 for grpo, dr_grpo and rloo (advantages are relative to the group)",
+            message=f"must be at least 2 for {GROUPED_ALGORITHMS_TEXT} (advantages are relative to the group)",
             check=lambda a: a.name not in GROUPED_ALGORITHMS or a.group_size >= 2,
             field=".groupSize",
         ),
         Rule(
             cel=f"!has(self.dynamicSampling) || self.name in {GROUPED_ALGORITHMS_CEL}",
-            message="needs groups: equal rewards are found within a group of grpo, dr_grpo or rloo",
+            message=f"needs groups: equal rewards are found within a group of {GROUPED_ALGORITHMS_TEXT}",
             check=lambda a: a.dynamic_sampling is None or a.name in GROUPED_ALGORITHMS,
             field=".dynamicSampling",
         ),
         Rule(
             cel=f"!has(self.advantageNorm) || self.advantageNorm != 'per-group' || self.name in {GROUPED_ALGORITHMS_CEL}",
-            message="per-group needs groups: it is for grpo, dr_grpo and rloo",
+            message=f"per-group needs groups: it is for {GROUPED_ALGORITHMS_TEXT}",
             check=lambda a: a.advantage_norm != "per-group" or a.name in GROUPED_ALGORITHMS,
             field=".advantageNorm",
         ),
@@ -171,7 +173,7 @@ class Algorithm(ApiModel):
         Rule(
             cel=f"self.klIn != 'reward' || !(self.name in {GROUPED_ALGORITHMS_CEL})",
             message="reward is for reinforce_pp and ppo: a per-token KL shaping would corrupt the "
-            "group-centred signals of grpo, dr_grpo and rloo",
+            f"group-centred signals of {GROUPED_ALGORITHMS_TEXT}",
             check=lambda a: a.kl_in != "reward" or a.name not in GROUPED_ALGORITHMS,
             field=".klIn",
         ),
@@ -195,7 +197,8 @@ class Algorithm(ApiModel):
         description="The advantage estimator: grpo (reward minus the group's mean, scaled per policy), "
         "dr_grpo (Dr. GRPO: the same baseline, no division by a standard deviation), rloo (reward "
         "minus the mean of the group's other members), reinforce_pp (REINFORCE++: no groups, the "
-        "reward normalised over the policy's batch) or ppo (the raw reward minus the batch mean, or "
+        "reward normalised over the policy's batch), reinforce_pp_baseline (REINFORCE++-baseline: the "
+        "reward minus its group's mean, then normalised over the policy's batch) or ppo (the raw reward minus the batch mean, or "
         "GAE on a value model's values with critic; by default one clipped optimizer step per "
         "micro-batch: see miniBatches).",
     )
@@ -203,7 +206,7 @@ class Algorithm(ApiModel):
         8,
         ge=1,
         le=1024,
-        description="Episodes of one task whose rewards are compared (grpo, dr_grpo, rloo). A group is as "
+        description="Episodes of one task whose rewards are compared (grpo, dr_grpo, rloo, reinforce_pp_baseline). A group is as "
         "many episodes as the largest groupSize of the job's policies trained with those; a policy with "
         "a smaller one compares its rewards within consecutive sub-groups of its own size.",
     )
@@ -212,7 +215,7 @@ class Algorithm(ApiModel):
         description="Normalise advantages per policy (recommended for multi-agent training), per agent "
         "(each agent's samples with that agent's own statistics, for agents that share a policy through "
         "workflow.args.policies), per group (GRPO's original: each group-centred signal divided by "
-        "the standard deviation of its group's rewards; grpo, dr_grpo and rloo only), over all "
+        "the standard deviation of its group's rewards; the grouped estimators only), over all "
         "policies, or not at all. Unset: none for dr_grpo, else per-policy.",
     )
     lr: float = Field(1.0e-6, gt=0, le=1.0, description="Learning rate.")
@@ -343,8 +346,8 @@ class Algorithm(ApiModel):
     )
     dynamic_sampling: DynamicSampling | None = Field(
         None,
-        description="Drop the groups whose rewards are all equal (DAPO's dynamic sampling; grpo, "
-        "dr_grpo and rloo): their samples are counted as dropped_zero_variance and more episodes "
+        description="Drop the groups whose rewards are all equal (DAPO's dynamic sampling; the "
+        "grouped estimators): their samples are counted as dropped_zero_variance and more episodes "
         "are played in their place. Unset: such groups are trained on (they add no gradient but "
         "count toward the step).",
     )

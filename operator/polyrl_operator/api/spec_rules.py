@@ -3,7 +3,7 @@ the API server enforces and the same check in Python (`api.base.Rule`), attached
 
 from __future__ import annotations
 
-from polyrl_operator.api.algorithm import GROUPED_ALGORITHMS, GROUPED_ALGORITHMS_CEL
+from polyrl_operator.api.algorithm import GROUPED_ALGORITHMS, GROUPED_ALGORITHMS_CEL, GROUPED_ALGORITHMS_TEXT
 from polyrl_operator.api.base import Rule
 
 SPEC_RULES: tuple[Rule, ...] = (
@@ -67,8 +67,8 @@ SPEC_RULES: tuple[Rule, ...] = (
     Rule(
         cel=f"self.policies.all(p, (has(p.frozen) && p.frozen) || !(p.algorithm.name in {GROUPED_ALGORITHMS_CEL}) || "
         "self.training.episodesPerStep % p.algorithm.groupSize == 0)",
-        message="must be a multiple of the groupSize of every policy trained with grpo, dr_grpo "
-        "or rloo (episodes start, and steps train, in whole groups)",
+        message=f"must be a multiple of the groupSize of every policy trained with {GROUPED_ALGORITHMS_TEXT} "
+        "(episodes start, and steps train, in whole groups)",
         check=lambda s: all(
             p.frozen
             or p.algorithm.name not in GROUPED_ALGORITHMS

@@ -1,8 +1,9 @@
 """Advantages from per-sample learning signals, normalised per policy (Dr. MAS, MARS) or globally.
 
 Input signals are what the samples carry (algorithms/estimators.py): for the grouped estimators
-(grpo, dr_grpo, rloo) already group-relative (reward minus the group's baseline for that agent), for
-reinforce_pp and ppo the raw reward.
+(grpo, dr_grpo, rloo, reinforce_pp_baseline) already group-relative (reward minus the group's
+baseline for that agent), for reinforce_pp and ppo the raw reward. reinforce_pp_baseline's are then
+treated as raw rewards are: centred and scaled by the batch's mean and std over every sample.
 
 Group-relative signals are centred within their group, so they are not centred again; their scale is the root
 mean square over the samples that carry a gradient (a non-zero signal). A group whose members all got

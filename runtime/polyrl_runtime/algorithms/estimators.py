@@ -10,6 +10,7 @@ the name.
 | dr_grpo | r - mean of the group | not scaled (default `none`: Dr. GRPO has no std) | one per batch |
 | rloo | r - mean of the group's other members | as grpo | one per batch |
 | reinforce_pp | r | centred and scaled by the batch's mean and std (REINFORCE++) | one per batch |
+| reinforce_pp_baseline | r - mean of the group | as reinforce_pp (REINFORCE++-baseline) | one per batch |
 | ppo | r | as reinforce_pp | one per micro-batch |
 
 A training step makes `epochs` passes over `miniBatches` mini-batches of the batch (each rank its
@@ -23,7 +24,10 @@ Dr. GRPO (Liu et al., 2025) also drops GRPO's per-sequence length normalisation;
 already a mean over all tokens of the step, so no sequence's tokens weigh more for it being short.
 RLOO's leave-one-out baseline is n/(n-1) times GRPO's group-centred signal: unbiased, where the
 group mean includes the sample itself. REINFORCE++ normalises over the batch rather than the group;
-its KL-in-the-reward is `algorithm.klIn: reward` (algorithms/kl_reward.py: per-token returns, the
+REINFORCE++-baseline (Hu et al., 2025) is its variant for group sampling: the group mean is
+subtracted first, so each question's difficulty leaves the signal, and the batch's mean and std over
+every sample (a tied group's zeros included, as published) then scale it. REINFORCE++'s
+KL-in-the-reward is `algorithm.klIn: reward` (algorithms/kl_reward.py: per-token returns, the
 reward less the KL to go, normalised over the batch's trained tokens), for the estimators whose
 signal is the raw reward (reinforce_pp, ppo); by default (`klIn: loss`) the KL penalty, `klCoef`, is
 a term of the loss, for every estimator.
@@ -55,6 +59,9 @@ class Estimator:
     # Mini-batches of a step when algorithm.miniBatches is unset (None: one per micro-batch).
     default_mini_batches: int | None
     default_epochs: int = 1  # passes over them when algorithm.epochs is unset
+    # The trainer centres and scales the signals by the batch's mean and std over every sample, even
+    # where the worker centred them within their group (REINFORCE++-baseline).
+    batch_normalised: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -63,9 +70,9 @@ class Estimator:
 
     @property
     def centred(self) -> bool:
-        """Its signals are centred by the worker already (the trainer does not subtract a mean, and
+        """The trainer takes its signals as centred by the worker (it does not subtract a mean, and
         scales by the spread of the signals that carry a gradient)."""
-        return self.grouped
+        return self.grouped and not self.batch_normalised
 
 
 ESTIMATORS: Mapping[str, Estimator] = {
@@ -75,6 +82,9 @@ ESTIMATORS: Mapping[str, Estimator] = {
         Estimator("dr_grpo", "group_mean", "none", default_mini_batches=1),
         Estimator("rloo", "leave_one_out", "per-policy", default_mini_batches=1),
         Estimator("reinforce_pp", "none", "per-policy", default_mini_batches=1),
+        Estimator(
+            "reinforce_pp_baseline", "group_mean", "per-policy", default_mini_batches=1, batch_normalised=True
+        ),
         Estimator("ppo", "none", "per-policy", default_mini_batches=None),
     )
 }

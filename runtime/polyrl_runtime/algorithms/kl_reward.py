@@ -86,7 +86,7 @@ def token_advantages(
     token of the step: `allreduce` sums [count, total, total_sq] over the ranks, and `agent_stats`
     (per-agent only) gives each agent's statistics over the ranks from this rank's token values and
     their agents. Every rank must call it, with no rows when it has none (the collectives align)."""
-    if estimator(algorithm).centred:
+    if estimator(algorithm).grouped:
         raise ValueError(
             f"klIn reward needs an estimator whose signal is the raw reward (reinforce_pp, ppo), not "
             f"{algorithm!r}: its group-centred signals would be shifted per token"

@@ -1,5 +1,5 @@
 """What a group of episodes of one task turns into, per agent of a grouped estimator (grpo, dr_grpo,
-rloo: algorithms/estimators.py): each member's learning signal relative to its sub-group, and which
+rloo, reinforce_pp_baseline: algorithms/estimators.py): each member's learning signal relative to its sub-group, and which
 sub-groups carry no signal at all (every reward equal: DAPO's dynamic sampling drops them).
 
 A group is as many episodes as the largest groupSize of its policies; an agent whose policy has a

@@ -2,7 +2,7 @@
 
 A group is `groupSize` episodes of the same task (same seed), played concurrently. When all are done,
 each agent's reward becomes its learning signal: for a policy of a grouped estimator (grpo, dr_grpo,
-rloo: algorithms/estimators.py), the reward minus the baseline of the same agent over its policy's
+rloo, reinforce_pp_baseline: algorithms/estimators.py), the reward minus the baseline of the same agent over its policy's
 `groupSize` of the group's finished episodes (group-relative; a group is the largest groupSize);
 otherwise the raw reward. That signal is what the episode's samples carry (`Sample.reward`); the raw rewards stay in
 `episode.metadata["rewards"]`. Finished episodes go to the buffer in one call; an episode that raised

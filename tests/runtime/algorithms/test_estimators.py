@@ -1,8 +1,8 @@
 """The advantage estimators against their published formulas on fixed rewards: the worker's
 group-relative signal (GRPO and Dr. GRPO: r - mean; RLOO: r - the mean of the others), then the
 trainer's advantage (GRPO, RLOO: scaled by the RMS of the signals that carry a gradient; Dr. GRPO:
-not scaled; REINFORCE++ and PPO: (r - batch mean) / batch std); and the table every other module
-asks instead of the name."""
+not scaled; REINFORCE++ and PPO: (r - batch mean) / batch std; REINFORCE++-baseline: the same of
+r - group mean); and the table every other module asks instead of the name."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def _by_hand(name: str) -> torch.Tensor:
     rewards = torch.tensor(GROUPS, dtype=torch.float64)
     n = rewards.shape[1]
     mean = rewards.mean(dim=1, keepdim=True)
+    if name == "reinforce_pp_baseline":  # (r - group mean), normalised over the whole batch
+        centred = (rewards - mean).flatten()
+        return (centred - centred.mean()) / (centred.std() + EPS)
     if name in ("grpo", "dr_grpo"):
         signal = (rewards - mean).flatten()
     elif name == "rloo":  # r_i - sum_{j != i} r_j / (n - 1)
@@ -57,6 +60,15 @@ def test_rloo_is_grpo_scaled_by_n_over_n_minus_one() -> None:
     torch.testing.assert_close(_signals("rloo"), _signals("grpo") * 4 / 3)
 
 
+def test_reinforce_pp_baselines_scale_counts_a_tied_groups_zeros() -> None:
+    """Unlike GRPO's scale (the RMS of the signals that carry a gradient), REINFORCE++-baseline's is
+    the std over every sample of the batch: the tied group's zeros shrink it, as published."""
+    signals = _signals("reinforce_pp_baseline")
+    assert torch.equal(signals, _signals("grpo"))  # the worker's signal is GRPO's
+    informative = signals[signals != 0]
+    assert scale_stats(signals, "reinforce_pp_baseline").std < float(informative.square().mean().sqrt())
+
+
 def test_a_member_alone_in_its_rloo_sub_group_has_no_signal() -> None:
     out = group_relative([{"a": 1.0}, {"a": 0.0}, {"a": 5.0}], {"a": 2}, None, frozenset({"a"}))
     assert [r["a"] for r in out] == [1.0, -1.0, 0.0]
@@ -71,6 +83,7 @@ def test_the_table_has_one_estimator_per_api_name_and_agrees_on_which_are_groupe
         "dr_grpo": 1,
         "rloo": 1,
         "reinforce_pp": 1,
+        "reinforce_pp_baseline": 1,
         "ppo": None,
     }
     assert {e.default_epochs for e in ESTIMATORS.values()} == {1}

@@ -136,14 +136,16 @@ def test_an_empty_share_still_takes_part_and_gets_nothing() -> None:
     assert calls == [[0.0, 0.0, 0.0]] and adv.shape == (0, 0)
 
 
-def test_a_grouped_estimator_is_refused() -> None:
+@pytest.mark.parametrize("name", ["grpo", "reinforce_pp_baseline"])
+def test_a_grouped_estimator_is_refused(name: str) -> None:
+    """reinforce_pp_baseline too: batch-normalised like reinforce_pp, but its signal is group-centred."""
     with pytest.raises(ValueError, match="klIn reward needs an estimator whose signal is the raw reward"):
         token_advantages(
             [KL],
             [MASK],
             [["a", "a"]],
             "per-policy",
-            algorithm="grpo",
+            algorithm=name,
             allreduce=_no_ranks,
             agent_stats=_agents,
         )
@@ -215,6 +217,11 @@ def test_the_api_field_reaches_the_loss_config() -> None:
     for bad, message in (
         ({"name": "reinforce_pp", "klIn": "reward"}, "reward needs klCoef > 0"),
         ({"name": "rloo", "klCoef": 0.1, "klIn": "reward"}, "reward is for reinforce_pp and ppo"),
+        (
+            {"name": "reinforce_pp_baseline", "klCoef": 0.1, "klIn": "reward"},
+            "reward is for reinforce_pp and",
+        ),
+        ({"name": "reinforce_pp_baseline", "groupSize": 1}, "must be at least 2 for grpo, dr_grpo, rloo and"),
     ):
         with pytest.raises(ValueError, match=message):
             Algorithm.model_validate(bad)

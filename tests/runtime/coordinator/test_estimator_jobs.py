@@ -17,7 +17,7 @@ from polyrl_runtime.coordinator.placement import shared_trainers
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("name", ["dr_grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
 def test_a_job_trains_with_each_estimator(ray_local: Any, tmp_path: Path, name: str) -> None:
     job = make_job(
         mode="sync",

@@ -502,6 +502,24 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].algorithm.klIn", "reward is for reinforce_pp and ppo"),
     ),
     BadCase(
+        "kl-in-reward-for-reinforce-pp-baseline",
+        _set(
+            "spec.policies.0.algorithm",
+            {"name": "reinforce_pp_baseline", "groupSize": 4, "klCoef": 0.1, "klIn": "reward"},
+        ),
+        "spec.policies[0].algorithm.klIn",
+        (
+            "spec.policies[0].algorithm.klIn",
+            "group-centred signals of grpo, dr_grpo, rloo and reinforce_pp_baseline",
+        ),
+    ),
+    BadCase(
+        "group-size-one-for-a-grouped-estimator",
+        _set("spec.policies.0.algorithm", {"name": "reinforce_pp_baseline", "groupSize": 1}),
+        "spec.policies[0].algorithm.groupSize",
+        ("spec.policies[0].algorithm.groupSize", "must be at least 2 for"),
+    ),
+    BadCase(
         "mini-batches-zero",
         _set("spec.policies.0.algorithm.miniBatches", 0),
         "spec.policies[0].algorithm.miniBatches",
