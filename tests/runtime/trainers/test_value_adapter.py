@@ -4,6 +4,7 @@ everything that reads the policy's adapter (CPU, gloo, world 1, a tiny Hugging F
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from polyrl_runtime.trainers.adapter_engine import SharedBase
 from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
 from polyrl_runtime.trainers.lora import adapter_tensors
 from polyrl_runtime.trainers.offload import rank_storages
-from polyrl_runtime.trainers.shared_rank import AdapterTrainer
+from polyrl_runtime.trainers.shared_rank import AdapterTrainer, SharedBaseRank
 from polyrl_runtime.trainers.value_adapter import ValueAdapterEngine
 from polyrl_testenv.trainer_rank import OneLease, fixed_batch, in_process_rank
 
@@ -158,3 +159,46 @@ def test_on_a_shared_base_the_critic_trains_only_its_own_adapter(
     assert _changed(before, value.adapter_state())
     assert _changed(solver_before, _state(shared.adapter_parameters("agent")))
     assert not _changed(others, _state(shared.adapter_parameters("other")))
+
+
+def test_a_shared_base_rank_offloads_a_critics_head_and_optimizer_with_the_base(
+    gloo: None, no_ray: None, tiny_qwen2_dir: Path
+) -> None:
+    """SharedBaseRank parks the base, every adapter's optimizer and the LoRA critic's own head and
+    optimizer in one offload; a restore gives them back bit for bit and the next step trains."""
+    solver, other = _policy(tiny_qwen2_dir), _policy(tiny_qwen2_dir, "other", critic=False)
+
+    def make(p: Policy) -> Any:
+        def build(base: Any) -> AdapterTrainer:
+            json = p.model_dump_json(by_alias=True)
+            return AdapterTrainer(f"{p.name}-trainer-0", json, 0, rank=0, world=1, buffer=None, base=base)  # type: ignore[arg-type]
+
+        return build
+
+    rank = SharedBaseRank({"agent": make(solver), "other": make(other)}, job_seed=0)
+    trainer = rank._trainer("agent")
+    dyn: Any = rank  # its per-policy methods are made from the trainer protocol
+
+    async def go() -> None:
+        for name in ("agent", "other"):
+            await dyn.setup(name, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        trainer.buffer = OneLease(fixed_batch(RESPONSE_LENGTHS, REWARDS))  # type: ignore[assignment]
+        assert (await dyn.train_step("agent", 1, len(RESPONSE_LENGTHS), 2)).value_loss > 0
+        value = _value_engine(trainer)
+        assert rank_storages(None, None, CPU, value)  # the head and the critic's optimizer state
+        before = value.adapter_state()
+        optimizer = [
+            v.clone() for s in value.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        ]
+        assert optimizer
+        report = await rank.offload("other")  # any policy's call parks the whole base
+        assert report.moved_bytes > 0 and not rank_storages(None, None, CPU, value)
+        assert (await rank.offload("agent")).moved_bytes == 0  # parked already: the other calls find it so
+        await rank.restore("agent")
+        assert not _changed(before, value.adapter_state())
+        restored = [v for s in value.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        assert all(torch.equal(a, b) for a, b in zip(optimizer, restored, strict=True))
+        trainer.buffer = OneLease(fixed_batch(RESPONSE_LENGTHS, REWARDS))  # type: ignore[assignment]
+        assert (await dyn.train_step("agent", 2, len(RESPONSE_LENGTHS), 2)).value_loss > 0
+
+    asyncio.run(go())
