@@ -171,7 +171,7 @@ def test_a_shared_base_rank_offloads_a_critics_head_and_optimizer_with_the_base(
     def make(p: Policy) -> Any:
         def build(base: Any) -> AdapterTrainer:
             json = p.model_dump_json(by_alias=True)
-            return AdapterTrainer(f"{p.name}-trainer-0", json, 0, rank=0, world=1, buffer=None, base=base)  # type: ignore[arg-type]
+            return AdapterTrainer(f"{p.name}-trainer-0", json, 0, rank=0, world=1, buffer=None, base=base)
 
         return build
 
