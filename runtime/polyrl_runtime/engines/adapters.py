@@ -12,6 +12,12 @@ after its own adapter changes (as a full-weight engine does after any update) an
 another adapter changes. Until its first version an adapter's B is zero, so it serves what the base
 model gives, as peft's freshly initialised adapter does.
 
+A policy's past versions are served as snapshots (`snapshot`: a league's opponents): a copy of its
+adapter's version in a slot of the bank, taken between two forward passes, which its next versions
+leave as it is. A request names one by `SamplingParams.snapshot`; at most `keep` are held per policy,
+and taking one more evicts the oldest, whose requests still in the engine then fail with
+`UnknownSnapshotError` (their cache rows would be served other weights).
+
 A frozen policy of the shared base (`base_policies`) has no adapter: its rows are routed to the base
 alone, with the base's version and update count (which adapter updates never change), and a weight
 update naming it is refused as one naming an unknown policy.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +50,33 @@ class UnknownAdapterError(ValueError):
 
     def __reduce__(self) -> tuple[type[UnknownAdapterError], tuple[str, str, tuple[str, ...]]]:
         return UnknownAdapterError, (self.engine, self.policy, self.known)  # through Ray
+
+
+class UnknownSnapshotError(ValueError):
+    """A request names a past version of a policy that the engine does not hold (never taken, or
+    evicted by a newer one)."""
+
+    def __init__(self, engine: str, policy: str, version: int, held: Sequence[int]) -> None:
+        have = ", ".join(map(str, held)) or "none"
+        super().__init__(
+            f"engine {engine} holds no snapshot of policy {policy!r} at version {version} (it holds: {have})"
+        )
+        self.engine, self.policy, self.version, self.held = engine, policy, version, tuple(held)
+
+    def __reduce__(self) -> tuple[type[UnknownSnapshotError], tuple[str, str, int, tuple[int, ...]]]:
+        return UnknownSnapshotError, (self.engine, self.policy, self.version, self.held)  # through Ray
+
+
+@dataclass(frozen=True)
+class SnapshotReport:
+    """What `EngineAdapters.snapshot` did: the version it holds now, the versions it evicted, and the
+    bytes the policy's snapshots occupy on the engine's device."""
+
+    policy: str
+    version: int
+    evicted: tuple[int, ...]
+    held: tuple[int, ...]
+    nbytes: int
 
 
 class AdapterTarget(TensorTarget):
@@ -109,6 +143,10 @@ class EngineAdapters:
         self.base = base
         self.base_policies = frozenset(base_policies)
         self.bank = LoraBank(model)
+        self._snapshots: dict[str, dict[int, str]] = {}  # policy -> version -> its bank slot
+        self._free_slots: dict[str, list[str]] = {}  # evicted slots, reused by the next snapshots
+        self._slots: dict[str, int] = {}  # slots made per policy
+        self._copies: dict[str, int] = {}  # slot -> versions copied into it
         weight = next(model.parameters())
         self.targets: dict[str, AdapterTarget] = {}
         layouts = {policy: adapter_layout(model, policy, lora) for policy, lora in loras.items()}
@@ -130,6 +168,50 @@ class EngineAdapters:
     def policies(self) -> list[str]:
         return list(self.targets)
 
+    def snapshot(self, policy: str, keep: int) -> SnapshotReport:
+        """Hold `policy`'s adapter at its current version as a snapshot (again: nothing to do),
+        evicting the oldest beyond `keep`. Call between forward passes (under the base's lock)."""
+        if keep < 1:
+            raise ValueError(f"engine {self.engine}: keep must be at least 1, got {keep}")
+        target = self.target(policy)
+        held = self._snapshots.setdefault(policy, {})
+        evicted: list[int] = []
+        if target.version not in held:
+            while len(held) >= keep:
+                oldest = min(held)
+                self._free_slots.setdefault(policy, []).append(held.pop(oldest))
+                evicted.append(oldest)
+            free = self._free_slots.get(policy)
+            if free:
+                slot = free.pop()
+            else:
+                n = self._slots.get(policy, 0)
+                slot, self._slots[policy] = f"{policy}#snapshot{n}", n + 1
+            self.bank.copy(policy, slot)
+            self._copies[slot] = self._copies.get(slot, 0) + 1
+            held[target.version] = slot
+        versions = tuple(sorted(held))
+        nbytes = sum(self.bank.nbytes(slot) for slot in held.values())
+        return SnapshotReport(policy, target.version, tuple(evicted), versions, nbytes)
+
+    def snapshots(self) -> dict[str, list[int]]:
+        """Per policy with snapshots, the versions held."""
+        return {p: sorted(held) for p, held in self._snapshots.items() if held}
+
+    def _slot(self, policy: str, snapshot: int | None) -> str | None:
+        """The bank adapter that serves `policy` (at past version `snapshot`); None: the base alone."""
+        if snapshot is None:
+            return None if policy in self.base_policies else policy
+        held = self._snapshots.get(policy, {})
+        if snapshot not in held:
+            raise UnknownSnapshotError(self.engine, policy, snapshot, sorted(held))
+        return held[snapshot]
+
+    def _evicted(self, policy: str, snapshot: int | None) -> bool:
+        """A row of an evicted snapshot: its request has failed already (`UnknownSnapshotError`), and a
+        step that took it before the eviction serves it the base alone, its tokens never returned."""
+        return snapshot is not None and snapshot not in self._snapshots.get(policy, {})
+
     def target(self, policy: str) -> AdapterTarget:
         """The weight target of `policy`'s adapter (a policy served the base alone has none)."""
         target = self.targets.get(policy)
@@ -137,26 +219,34 @@ class EngineAdapters:
             raise UnknownAdapterError(self.engine, policy, self.policies)
         return target
 
-    def check(self, policy: str) -> None:
-        """Raise `UnknownAdapterError` unless the engine serves `policy` (an adapter or the base)."""
+    def check(self, policy: str, snapshot: int | None = None) -> None:
+        """Raise `UnknownAdapterError` unless the engine serves `policy` (an adapter or the base), and
+        `UnknownSnapshotError` unless it holds `snapshot` of it."""
         if policy not in self.base_policies:
             self.target(policy)
+        self._slot(policy, snapshot)
 
-    def version(self, policy: str) -> int:
-        """The version `policy`'s tokens are sampled with: its adapter's, or the base's."""
+    def version(self, policy: str, snapshot: int | None = None) -> int:
+        """The version `policy`'s tokens are sampled with: the snapshot's, its adapter's, or the base's."""
+        if snapshot is not None:
+            return snapshot
         return self.base.version if policy in self.base_policies else self.target(policy).version
 
-    def updates(self, policy: str) -> int:
+    def updates(self, policy: str, snapshot: int | None = None) -> int:
+        """How often the weights serving `policy` (at `snapshot`) were written: a cache row computed
+        with them is current while this is unchanged."""
+        if snapshot is not None:
+            return -1 if self._evicted(policy, snapshot) else self._copies[str(self._slot(policy, snapshot))]
         return self.base.updates if policy in self.base_policies else self.target(policy).updates
 
     def versions(self) -> dict[str, int]:
         """Each adapter's version (the policies served the base alone have no adapter: not listed)."""
         return {p: t.version for p, t in self.targets.items()}
 
-    def route(self, policies: Sequence[str]) -> None:
-        """Row i of the next forward passes runs with the adapter of `policies[i]` (the base alone for
-        a policy in `base_policies`)."""
-        self.bank.route([None if p in self.base_policies else p for p in policies])
+    def route(self, rows: Sequence[tuple[str, int | None]]) -> None:
+        """Row i of the next forward passes runs with the adapter of `rows[i]`: (policy, snapshot), the
+        base alone for a policy in `base_policies`."""
+        self.bank.route([None if self._evicted(p, snap) else self._slot(p, snap) for p, snap in rows])
 
     def nbytes(self, policy: str) -> int:
         return self.bank.nbytes(policy)

@@ -38,6 +38,9 @@ class SamplingParams:
     # The policy the request samples for ("": the engine's own). An engine serving several policies
     # as LoRA adapters on one base runs the request with that policy's adapter.
     policy: str = ""
+    # A past version of the policy to sample with (a league's opponent), which the engine holds as a
+    # snapshot (`snapshot` of an engine of LoRA adapters); None: its current weights.
+    snapshot: int | None = None
     # The caller's name for the request ("": none), unique among the requests it sends: what
     # `Engine.abort` names to stop it (`EnginePool` sets one on every request).
     request_id: str = ""
@@ -47,6 +50,8 @@ class SamplingParams:
             raise ValueError("max_new_tokens must be >= 1")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.snapshot is not None and self.snapshot < 0:
+            raise ValueError(f"snapshot must be a weight version >= 0, got {self.snapshot}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature >= 0 and 0 < top_p <= 1 required")
 
@@ -82,6 +87,8 @@ class EngineStats:
     # away, and the tokens they did not generate: each one's max_new_tokens minus what it had.
     aborted: int = 0
     freed_tokens: int = 0
+    # Per policy with snapshots (an engine of LoRA adapters), the past versions it holds.
+    snapshots: dict[str, list[int]] = field(default_factory=dict)
 
 
 class PromptTooLongError(ValueError):

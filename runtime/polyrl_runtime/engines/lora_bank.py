@@ -91,6 +91,12 @@ class _Adapted:
         rows.mul_(scaling)  # in place: no second copy of the adapter, even for a moment
         self.b[:, cols.start : end].copy_(b)
 
+    def copy(self, source: str, target: str) -> None:
+        """`target`'s columns become a copy of `source`'s (same rank: the bank checked)."""
+        src, dst = self.columns[source], self.columns[target]
+        self.a[dst.start : dst.start + dst.rank].copy_(self.a[src.start : src.start + src.rank])
+        self.b[:, dst.start : dst.start + dst.rank].copy_(self.b[:, src.start : src.start + src.rank])
+
     def route(self, adapters: Sequence[str | None]) -> None:
         mask = torch.zeros(len(adapters), self.a.shape[0], dtype=self.a.dtype, device=self.a.device)
         for row, name in enumerate(adapters):
@@ -171,6 +177,22 @@ class LoraBank:
                 self.route(self._routed)
         for module, (a, b) in pairs.items():
             self._layers[module].write(adapter, a, b, scaling)
+
+    def copy(self, source: str, target: str) -> None:
+        """`target` becomes a copy of `source`'s current version (its scaling included): a frozen
+        snapshot the next versions of `source` leave as it is. `target` is declared with `source`'s
+        layout on its first copy; a resident `target` must have that layout."""
+        if source not in self._layouts:
+            raise KeyError(f"no adapter named {source} is loaded (loaded: {self.adapters})")
+        layout = self._layouts[source]
+        if target not in self._layouts:
+            self.declare({target: layout})
+        elif self._layouts[target] != layout:
+            raise AdapterLoadError(
+                f"adapter {target}: its layout differs from {source}'s, which it would copy"
+            )
+        for module in layout:
+            self._layers[module].copy(source, target)
 
     def route(self, adapters: Sequence[str | None]) -> None:
         """Row i of the following forward passes is served by `adapters[i]` (None: the base alone)."""

@@ -68,6 +68,7 @@ from polyrl_runtime.engines.stops import find_stop
 from polyrl_runtime.engines.torch_aborts import TorchEngineAborts
 from polyrl_runtime.engines.torch_request import TorchRequest
 from polyrl_runtime.engines.torch_sleep import TorchEngineSleep
+from polyrl_runtime.engines.torch_snapshots import NO_FULL_WEIGHT_SNAPSHOTS, TorchEngineSnapshots
 from polyrl_runtime.models import ModelLoadError, Tokenizer, context_limit, load_model, load_tokenizer
 from polyrl_runtime.models.tiny import KVCache, TinyCausalLM
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
@@ -82,7 +83,7 @@ log = structlog.get_logger(__name__)
 INLINE_STEP_S = 0.01
 
 
-class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
+class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts, TorchEngineSnapshots):
     """A rollout engine actor for `engine: torch` (methods are called through Ray)."""
 
     def __init__(
@@ -190,9 +191,11 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
         if not prompt_ids:
             raise ValueError("empty prompt")
         if self.adapters is not None:
-            self.adapters.check(params.policy)  # an unknown policy is refused here, not in a batch
+            self.adapters.check(params.policy, params.snapshot)  # refused here, not in a batch
         elif params.policy not in ("", self.policy):
             raise ValueError(f"engine {self.name} serves policy {self.policy}, not {params.policy}")
+        elif params.snapshot is not None:
+            raise ValueError(NO_FULL_WEIGHT_SNAPSHOTS.format(engine=self.name, policy=self.policy))
         if len(prompt_ids) >= self.max_len:  # refused here: in a forward pass it would fail the batch
             raise PromptTooLongError(self.policy, len(prompt_ids), self.max_len)
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab:
@@ -299,13 +302,15 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
     def _weights(self, r: TorchRequest) -> tuple[int, int]:
         """The update counts of the weights that serve `r` (the base's, its adapter's): its cache row
         is current while they are what it was computed with."""
-        adapter = self.adapters.updates(r.params.policy) if self.adapters is not None else 0
+        adapter = (
+            self.adapters.updates(r.params.policy, r.params.snapshot) if self.adapters is not None else 0
+        )
         return self.target.updates, adapter
 
     def _route(self, rows: list[TorchRequest]) -> None:
         """The next forward pass's row i serves `rows[i]` with its policy's adapter."""
         if self.adapters is not None:
-            self.adapters.route([r.params.policy for r in rows])
+            self.adapters.route([(r.params.policy, r.params.snapshot) for r in rows])
 
     def _retire(self, r: TorchRequest) -> None:
         """Drop a finished request; the last row takes its cache row, so live rows stay 0..n-1 (a
@@ -408,7 +413,10 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
             with self.target.serving() as version:
                 batch, logits = self._logits(batch)
                 adapters = self.adapters
-                versions = [version if adapters is None else adapters.version(r.params.policy) for r in batch]
+                versions = [
+                    version if adapters is None else adapters.version(r.params.policy, r.params.snapshot)
+                    for r in batch
+                ]
             # The step's own cost (CPU time: on a busy host the wall time includes waiting to run)
             self._last_step_s = time.thread_time() - cpu
             self._busy_s += time.perf_counter() - start
@@ -488,6 +496,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts):
                 "asleep": self._asleep,
             },
             adapters=self.adapters.versions() if self.adapters is not None else {},
+            snapshots=self.adapters.snapshots() if self.adapters is not None else {},
         )
 
     def ping(self) -> str:

@@ -182,6 +182,11 @@ class VllmEngine:
     # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if params.snapshot is not None:
+            raise ValueError(
+                f"engine {self.name}: a vLLM engine holds no snapshots of past versions (policy "
+                f"{params.policy or self.policy}, version {params.snapshot}); the torch engine does"
+            )
         if refused := self._aborts.arrived_aborted(params):
             raise refused
         live = _Live(asyncio.current_task())

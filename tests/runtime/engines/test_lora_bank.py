@@ -205,3 +205,34 @@ def test_declared_adapters_serve_the_base_until_loaded_and_then_what_loading_giv
         assert torch.equal(bank.model(input_ids=IDS).logits, before)
     with pytest.raises(AdapterLoadError, match="adapter solver is already resident"):
         bank.declare({"solver": layouts["solver"]})
+
+
+def test_a_copy_is_a_frozen_snapshot_of_its_sources_version(tiny_qwen2_dir: Path) -> None:
+    """A copy serves what its source served when copied, after the source's next version (its other
+    columns of the bank: equal up to the order of the sums); a second copy into it overwrites it; a
+    target of another layout is refused."""
+    bank, before = _routed_bank(tiny_qwen2_dir)
+    solver = ROWS.index("solver")
+    bank.copy("solver", "solver@1")
+    assert bank.layout("solver@1") == bank.layout("solver") and bank.nbytes("solver@1") == bank.nbytes(
+        "solver"
+    )
+    newer = _peft(tiny_qwen2_dir, seed=1)
+    bank.load("solver", _tensors(newer, "solver"), _scaling("solver"))
+    with torch.no_grad():
+        bank.route(["solver@1", "solver", None, "third"])
+        after = bank.model(input_ids=IDS).logits
+        bank.route(["solver@1"] * len(ROWS))
+        snapshot = bank.model(input_ids=IDS).logits
+    close = {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(snapshot[solver], before[solver], **close)  # the solver's first version
+    torch.testing.assert_close(after[1], _peft_logits(newer, IDS[1:2], "solver")[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after[1], before[solver], atol=1e-3)  # the solver moved on
+    bank.copy("solver", "solver@1")  # overwritten: now the solver's second version
+    with torch.no_grad():
+        again = bank.model(input_ids=IDS).logits
+    torch.testing.assert_close(again[1], after[1], **close)
+    with pytest.raises(AdapterLoadError, match="adapter third: its layout differs from solver's"):
+        bank.copy("solver", "third")
+    with pytest.raises(KeyError, match="no adapter named gone"):
+        bank.copy("gone", "solver@2")

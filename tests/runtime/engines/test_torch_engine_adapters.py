@@ -1,7 +1,10 @@
 """Several policies as LoRA adapters on one torch engine (`engines/adapters.py`), checked against peft
 holding the same adapters: a batch that mixes policies gives each request what peft gives with its
 policy's adapter; updating one adapter mid-generation changes that policy's requests only; requests
-and updates for a policy the engine does not serve are refused by name."""
+and updates for a policy the engine does not serve are refused by name. Snapshots of past versions
+(`engines/torch_snapshots.py`): a request naming one gets what peft gives with that version's adapter,
+beside requests of the current version in the same batches; at most `keep` are held, and an evicted
+one's requests fail by name."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from polyrl_operator.api import Lora
 from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.engines import hf_cache, torch_engine
-from polyrl_runtime.engines.adapters import UnknownAdapterError
+from polyrl_runtime.engines.adapters import UnknownAdapterError, UnknownSnapshotError
 from polyrl_runtime.engines.api import Generation, SamplingParams
 from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.models import ModelLoadError
@@ -327,3 +330,84 @@ def test_a_frozen_policy_of_the_base_is_served_the_base_alone_beside_the_adapter
         TorchEngine("e1", "solver", f"file://{model_dir}", adapters=LORAS, base_policies=("solver", "judge"))
     with pytest.raises(ValueError, match="served the base alone need a shared base's adapters"):
         TorchEngine("e2", "judge", f"file://{model_dir}", base_policies=("judge",))
+
+
+# -- snapshots of past versions (engines/torch_snapshots.py) -----------------------------------
+
+
+def _greedy(n: int, snapshot: int | None, policy: str = "solver") -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, policy=policy, snapshot=snapshot)
+
+
+def test_a_snapshot_serves_its_version_beside_the_current_one(model_dir: Path) -> None:
+    eng, first, second = _engine(model_dir), _peft(model_dir, seed=0), _peft(model_dir, seed=1)
+    snapshots = [None, 1, None, 1, 1, None]
+
+    async def go() -> list[object]:
+        await _load(eng, first, {"solver": 1, "verifier": 1})
+        report = await eng.snapshot("solver", 2)
+        assert (report.version, report.held, report.evicted) == (1, (1,), ())
+        assert report.nbytes == eng.adapters.bank.nbytes("solver")  # type: ignore[union-attr]
+        assert (await eng.snapshot("solver", 2)).held == (1,)  # the same version again: nothing to do
+        await _load(eng, second, {"solver": 2})
+        return await join_midway(eng, [(p, _greedy(12, s)) for p, s in zip(PROMPTS, snapshots, strict=True)])
+
+    gens = asyncio.run(go())
+    for p, s, g in zip(PROMPTS, snapshots, gens, strict=True):
+        version, model = (1, first) if s == 1 else (2, second)
+        assert g.token_ids.tolist() == greedy_reply(_as(model, "solver"), p, 12), s  # type: ignore[attr-defined]
+        assert (g.versions == version).all()  # type: ignore[attr-defined]
+    st = eng.stats()
+    assert st.adapters == {"solver": 2, "verifier": 1} and st.snapshots == {"solver": [1]}
+
+
+def test_keep_evicts_the_oldest_and_fails_its_requests_by_name(model_dir: Path) -> None:
+    eng, first, second = _engine(model_dir), _peft(model_dir, seed=0), _peft(model_dir, seed=1)
+
+    async def go() -> None:
+        await _load(eng, first, {"solver": 1, "verifier": 1})
+        await eng.snapshot("solver", 1)
+        await _load(eng, second, {"solver": 2})
+        playing = asyncio.create_task(eng.generate(PROMPTS[3], _greedy(200, 1)))
+        current = asyncio.create_task(eng.generate(PROMPTS[2], _greedy(30, None, "verifier")))
+        while not eng._active or min(len(r.tokens) for r in eng._active) < 3:
+            await asyncio.sleep(0.001)
+        report = await eng.snapshot("solver", 1)
+        assert (report.version, report.held, report.evicted) == (2, (2,), (1,))
+        with pytest.raises(
+            UnknownSnapshotError, match=r"no snapshot of policy 'solver' at version 1 \(it holds: 2\)"
+        ):
+            await playing
+        g = await asyncio.wait_for(current, 60)  # the other rows of the batch went on
+        assert g.token_ids.tolist() == greedy_reply(_as(first, "verifier"), PROMPTS[2], 30)
+        with pytest.raises(UnknownSnapshotError, match="at version 1"):
+            await eng.generate(PROMPTS[0], _greedy(4, 1))  # refused before it joins a batch
+        again = await eng.generate(PROMPTS[0], _greedy(6, 2))
+        assert again.token_ids.tolist() == greedy_reply(_as(second, "solver"), PROMPTS[0], 6)
+        await asyncio.sleep(0.01)
+        st = eng.stats()
+        assert st.snapshots == {"solver": [2]} and st.aborted == 0 and st.in_flight == 0
+
+    asyncio.run(go())
+
+
+def test_what_cannot_hold_a_snapshot_is_refused_by_name(model_dir: Path) -> None:
+    eng = _engine(model_dir)
+    plain = TorchEngine("e1", "solver", "builtin://tiny", transport="shm", seed=3)
+
+    async def go() -> None:
+        with pytest.raises(UnknownAdapterError, match="it holds none for policy 'judge'"):
+            await eng.snapshot("judge", 2)
+        with pytest.raises(ValueError, match="keep must be at least 1, got 0"):
+            await eng.snapshot("solver", 0)
+        with pytest.raises(UnknownSnapshotError, match=r"version 0 \(it holds: none\)"):
+            await eng.generate(PROMPTS[0], _greedy(4, 0))
+        with pytest.raises(ValueError, match="engine e1 serves policy solver's full weights"):
+            await plain.snapshot("solver", 2)
+        with pytest.raises(ValueError, match="snapshots of a LoRA adapter only"):
+            await plain.generate([1, 10], SamplingParams(max_new_tokens=2, snapshot=0))
+
+    asyncio.run(go())
+    with pytest.raises(ValueError, match="snapshot must be a weight version >= 0, got -1"):
+        SamplingParams(snapshot=-1)
+    assert set(LORAS) == {"solver", "verifier"}
