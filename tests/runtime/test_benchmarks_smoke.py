@@ -296,3 +296,13 @@ def test_verifier_check_benchmark_runs() -> None:
     assert all(0.0 <= float(x) <= 1.0 for r in rows for x in r[3:7])
     balanced = float(out.split("balanced accuracy ")[1].split()[0])
     assert balanced == pytest.approx((float(rows[0][6]) + float(rows[1][6])) / 2, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_league_benchmark_runs() -> None:
+    out = _run("league.py", "--model", "builtin://tiny-qwen2", "--snapshots", "0,2", "--batch", "4",
+               "--tokens", "4", "--rounds", "1")  # fmt: skip
+    rows = [r.split("|") for r in out.splitlines() if r.startswith("| ") and "MiB" in r]
+    assert [r[1].strip() for r in rows] == ["0", "2"], out
+    assert float(rows[1][2].split()[0]) > 0 and rows[1][3].strip().endswith("ms")  # bytes, snapshot time
+    assert all(float(r[5].strip().rstrip("x")) > 0 and float(r[7].strip().rstrip("x")) > 0 for r in rows)

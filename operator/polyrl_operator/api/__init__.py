@@ -10,6 +10,7 @@ from polyrl_operator.api.common import (
     ResourceRequirements,
     RoleOverrides,
 )
+from polyrl_operator.api.league import League
 from polyrl_operator.api.model import Model
 from polyrl_operator.api.operation import FailurePolicy, Scheduling
 from polyrl_operator.api.policy import Policy, Rollout, Sampling, Trainer
@@ -62,6 +63,7 @@ __all__ = [
     "Critic",
     "EnvVar",
     "FailurePolicy",
+    "League",
     "Lora",
     "Model",
     "Placement",

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from polyrl_operator.api.algorithm import Algorithm
 from polyrl_operator.api.base import ApiModel, Rule, RuleViolation
 from polyrl_operator.api.common import DNS_LABEL_PATTERN, Replicas, RoleOverrides
+from polyrl_operator.api.league import League
 from polyrl_operator.api.model import Model
 from polyrl_operator.api.patterns import GPU_TYPE_PATTERN
 
@@ -283,6 +284,27 @@ class Policy(ApiModel):
             field=".algorithm.overlongPenalty.bufferTokens",
         ),
         Rule(
+            cel="!has(self.league) || (has(self.algorithm) && has(self.algorithm.lora))",
+            message="needs algorithm.lora: past versions are served as frozen copies of the policy's "
+            "LoRA adapter on its engines (snapshots of full weights are not served)",
+            check=lambda p: p.league is None or p.algorithm.lora is not None,
+            field=".league",
+        ),
+        Rule(
+            cel="!has(self.league) || !(has(self.frozen) && self.frozen)",
+            message="a frozen policy has one version: it has no past versions to play (remove league)",
+            check=lambda p: p.league is None or not p.frozen,
+            field=".league",
+        ),
+        Rule(
+            cel="!has(self.league) || (has(self.rollout) && has(self.rollout.engine) && "
+            "self.rollout.engine == 'torch')",
+            message="needs rollout.engine torch: the torch engine holds snapshots of past adapter "
+            "versions, vLLM engines hold none",
+            check=lambda p: p.league is None or p.rollout.engine == "torch",
+            field=".league",
+        ),
+        Rule(
             cel="!has(self.rollout) || !has(self.rollout.sampling) || !has(self.rollout.sampling.topP) "
             "|| self.rollout.sampling.topP == 1.0 || (has(self.algorithm) && "
             "has(self.algorithm.isCorrection) && self.algorithm.isCorrection == 'none')",
@@ -316,6 +338,12 @@ class Policy(ApiModel):
     )
     failure_policy: PolicyFailurePolicy | None = Field(
         None, description="Overrides of the job's failurePolicy for this policy's trainer."
+    )
+    league: League | None = Field(
+        None,
+        description="Keep snapshots of this policy's past versions and play them as opponents "
+        "(ctx.opponent in the workflow): an opponent's turns at a snapshot are never trained on. "
+        "Needs algorithm.lora and rollout.engine torch.",
     )
 
     @model_validator(mode="after")

@@ -279,6 +279,12 @@ class RLJobSpec(ApiModel):
         """The group whose base `policy` shares, if any."""
         return next((b for b in self.shared_bases() if policy in b.policies), None)
 
+    def served_as_adapter(self, policy: str) -> bool:
+        """Whether `policy`'s engines hold its LoRA adapter beside the base rather than the merged
+        weights: it shares a base, or it has a league (its snapshots are copies of the adapter). Its
+        trainer then publishes the adapter alone."""
+        return self.shared_base(policy) is not None or self.policy(policy).league is not None
+
     def trainer_placement(self, policy: Policy) -> Placement:
         """The policy's trainer ranks' pods: `replicas` of its own, or its pool's first
         `replicas.min` pods; one rank per GPU (or ranksPerPod, 1 by default, on CPU). A frozen

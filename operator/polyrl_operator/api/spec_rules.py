@@ -221,6 +221,19 @@ SPEC_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         cel="!has(self.weightSync) || !has(self.weightSync.transport) || "
+        "!(self.weightSync.transport in ['collective', 'cudaipc', 'storage']) || "
+        "self.policies.all(p, !has(p.league))",
+        message="a policy with a league receives adapter versions through objectstore or shm (auto "
+        "picks one): its engines hold its LoRA adapter and past versions of it, and collective, "
+        "cudaipc and storage send merged weights",
+        check=lambda s: (
+            s.weight_sync.transport not in ("collective", "cudaipc", "storage")
+            or all(p.league is None for p in s.policies)
+        ),
+        field=".weightSync.transport",
+    ),
+    Rule(
+        cel="!has(self.weightSync) || !has(self.weightSync.transport) || "
         "self.weightSync.transport != 'storage' || "
         "self.policies.all(p, has(p.rollout.engine) && p.rollout.engine == 'torch')",
         message="transport storage is read by torch engines: every policy needs rollout.engine torch "

@@ -44,6 +44,7 @@ from polyrl_runtime.coordinator.failures import JobFailedError, root_cause
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.fleet_supervisor import FleetSupervisor
 from polyrl_runtime.coordinator.job_state import DriverOptions, JobControl, PolicyRun, State, version_offset
+from polyrl_runtime.coordinator.league import Leagues
 from polyrl_runtime.coordinator.metrics.log import MetricsLog
 from polyrl_runtime.coordinator.metrics.records import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.pool_scheduler import device_pools
@@ -63,7 +64,7 @@ from polyrl_runtime.data import DataError
 from polyrl_runtime.experience.buffer import BufferSnapshot, PolicyConfig
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.models import ModelLoadError
-from polyrl_runtime.weights import VersionRegistry, choose_transport
+from polyrl_runtime.weights import VersionRegistry, choose_transports
 from polyrl_runtime.workflows.preflight import PreflightError, check_entry_points
 
 __all__ = ["Driver", "DriverOptions", "JobFailedError"]
@@ -110,28 +111,7 @@ class Driver:
             job, self.store, self.control, self.runs, opts.checkpoint_requests, pools=self.pools
         )
         self.metrics = MetricsLog(job, opts)
-        # `auto` per policy: a policy whose engines and trainer share one pod (`on_one_pod`) has
-        # them on one host, as every policy has under `polyrl run`, and on GPUs its engines (torch
-        # or vLLM) read the trainer's device memory.
-        self.transports = {
-            p.name: choose_transport(
-                self.spec.weight_sync.transport,
-                cuda=self.spec.trainer_placement(p).gpus > 0,
-                same_host=opts.same_host or self.spec.on_one_pod(p),
-                colocated=self.spec.on_one_pod(p),
-            )
-            for p in self.spec.policies
-        }
-        # One engine receives the adapter versions of every trained policy of a shared base, through
-        # one receiver: they agree on a transport, and collective and cudaipc (which tie an engine to
-        # one trainer) are not among them (validation refuses them when asked for by name). Its frozen
-        # members receive nothing; they are given the group's transport, which their engine is.
-        for base in self.spec.shared_bases():
-            chosen = {self.transports[m] for m in base.trained}
-            agreed = next(iter(chosen)) if len(chosen) == 1 else "objectstore"
-            if agreed in ("collective", "cudaipc"):
-                agreed = "objectstore"
-            self.transports.update(dict.fromkeys(base.policies, agreed))
+        self.transports = choose_transports(self.spec, same_host=opts.same_host)
         # Starts no actor before `run`; then it starts (and `close` stops) every one.
         self.fleet = Fleet(
             job,
@@ -139,6 +119,9 @@ class Driver:
             place_by_resource=opts.place_by_resource,
             cpu_sets=opts.cpu_sets,
             colocate=opts.colocate,
+        )
+        self.leagues = Leagues(
+            self.spec, self.fleet, lambda m: self.control.fail(m, retryable=False), opts.unused_episodes
         )
         self.registry = VersionRegistry()
         self.parts: JobParts | None = None  # once `run` has started the job
@@ -324,6 +307,7 @@ class Driver:
             evaluator=evaluator,
             pools=self.pools,
             skew=SkewGate.of(spec, self.runs),
+            leagues=self.leagues,
         )
         limits = StepLimits(self.group_size, self.opts.stall_timeout_s)
         trainers = {
@@ -446,7 +430,7 @@ class Driver:
             limits=ProducerLimits(
                 o.max_in_flight_per_worker, o.groups_per_call, o.max_consecutive_failures, o.unused_episodes
             ),
-            events=ProducerEventSink(self.runs, self.total, self.control, self.fleet),
+            events=ProducerEventSink(self.runs, self.total, self.control, self.fleet, self.leagues),
             signals=8 * self.episodes_per_step,
             feed=feed,
         )

@@ -48,6 +48,7 @@ from polyrl_runtime.models import policy_seed
 from polyrl_runtime.trainers.api import RANK_CONCURRENCY, TrainerRank
 from polyrl_runtime.trainers.client import TrainerRankClient
 from polyrl_runtime.workflows.client import WorkflowWorkerClient
+from polyrl_runtime.workflows.opponents import OpponentTable
 
 if TYPE_CHECKING:
     from polyrl_runtime.trainers.deepspeed_trainer import DeepSpeedTrainer
@@ -94,6 +95,8 @@ class Fleet:
         self._started: list[Actor] = []  # every actor started, for `close`
         self._ids = itertools.count()
         self.routes_epoch = 0  # bumped by each push of routing tables to the workers
+        # Per league policy, what the workers draw opponents from (coordinator/league.py).
+        self.opponent_tables: dict[str, OpponentTable] = {}
         # Without placement resources (tests on a plain Ray), what Ray's resource accounting does
         # otherwise: a dead actor's unit is free again, for housekeeping to start a replacement on.
         self._vacated: Counter[tuple[str | None, str]] = Counter()
@@ -176,11 +179,13 @@ class Fleet:
         """An engine of the policy's rollout (or of its shared base), to be constructed (as an actor of
         its own, or in a `ColocatedRank`). Its seed: the job's, plus the fleet's count so far. On a
         shared base: an adapter per trained member, and the frozen members served the base alone
-        (`base_policies`)."""
+        (`base_policies`). A policy with a league has its adapter on an engine of its own."""
         shared = self.spec.shared_base(policy.name)
         adapters = (
             {m: self.spec.policy(m).algorithm.lora for m in shared.trained} if shared is not None else {}
         )
+        if shared is None and policy.league is not None and policy.algorithm.lora is not None:
+            adapters = {policy.name: policy.algorithm.lora}  # its snapshots are copies of its adapter
         base_policies = shared.frozen if shared is not None else ()
         kind = engine_kind(policy.rollout.engine)
         cls: Callable[..., Engine] = kind.load()  # every engine class takes these (engines/registry.py)
@@ -253,6 +258,7 @@ class Fleet:
             buffer,
             self.routes(),
             routes_epoch=self.routes_epoch,
+            opponent_tables=self.opponent_tables,
         )
         slot = Slot(name, self._track(WorkflowWorkerClient(handle)))
         self.workers[name] = slot
@@ -354,7 +360,7 @@ class Fleet:
             temperature=policy.rollout.sampling.temperature,
             total_steps=self.spec.training.total_steps,
             gpus=self.spec.trainer_placement(policy).gpus,
-            adapter_only=self.spec.shared_base(policy.name) is not None,
+            adapter_only=self.spec.served_as_adapter(policy.name),
             teacher_json=(
                 self.spec.policy(d.teacher).model_dump_json(by_alias=True)
                 if (d := policy.algorithm.distillation) is not None
@@ -379,6 +385,12 @@ class Fleet:
             p: {n: s.actor for n, s in slots.items() if not s.dead and not s.draining}
             for p, slots in self.engines.items()
         }
+
+    async def set_opponents(self, tables: dict[str, OpponentTable]) -> None:
+        """Install the league's opponent tables on every live worker (and the workers started later)."""
+        self.opponent_tables = tables
+        live = [w for w in self.workers.values() if not w.dead]
+        await asyncio.gather(*(w.actor.set_opponents(tables) for w in live), return_exceptions=True)
 
     async def push_routes(self) -> None:
         self.routes_epoch += 1

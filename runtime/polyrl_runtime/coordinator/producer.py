@@ -26,6 +26,7 @@ from polyrl_runtime.coordinator.slots import Slot, WorkerSlot
 from polyrl_runtime.experience.buffer import UnknownTicketError
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.wire import TicketBatch
+from polyrl_runtime.workflows.opponents import OpponentRecord
 from polyrl_runtime.workflows.runner import EpisodeGroup, GroupReport
 
 log = structlog.get_logger(__name__)
@@ -41,6 +42,12 @@ class ProducerEvents(Protocol):
     ) -> None:
         """A finished episode: the policy's agents' reward, its success metric if any, its samples,
         and how many versions the policy was apart from each other policy of the episode."""
+
+    def opponents(
+        self, asked: frozenset[str], played: Mapping[str, OpponentRecord], versions: Mapping[str, int]
+    ) -> None:
+        """A finished episode's league: the policies an opponent was asked of, the snapshots played,
+        the episode's version vector."""
 
     def fail(self, message: str, retryable: bool) -> None: ...
 
@@ -82,6 +89,7 @@ class EpisodeProducer:
         self.seed, self.entrypoint, self.limits = seed, entrypoint, limits
         self._still_training = events.still_training
         self._on_episode = events.episode
+        self._on_opponents = events.opponents
         self._fail = events.fail
         self._emit = events.emit
         self._lost = events.lost
@@ -228,6 +236,7 @@ class EpisodeProducer:
                 self._consecutive_failures = 0
             self.episodes_ok += 1
             self._check_used(ep.samples)
+            self._on_opponents(ep.opponent_policies, ep.opponents, ep.versions)
             success = ep.metadata.get("success")
             for policy, reward in ep.policy_rewards.items():
                 mine = ep.versions.get(policy)

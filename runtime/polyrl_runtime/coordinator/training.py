@@ -28,6 +28,7 @@ from polyrl_runtime.coordinator.evaluation import Evaluator
 from polyrl_runtime.coordinator.failures import root_cause
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
+from polyrl_runtime.coordinator.league import Leagues
 from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
 from polyrl_runtime.coordinator.nonfinite import NonFiniteStreak, gradient_metrics
 from polyrl_runtime.coordinator.pool_scheduler import DevicePools
@@ -40,6 +41,7 @@ from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.api import StepResult, node_local_ranks
 from polyrl_runtime.weights import VersionRegistry, sender_options
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
+from polyrl_runtime.workflows.opponents import OpponentRecord
 
 log = structlog.get_logger(__name__)
 
@@ -47,8 +49,10 @@ log = structlog.get_logger(__name__)
 class ProducerEventSink:
     """The episode producer's reports: rewards into each policy's window, the rest to the job."""
 
-    def __init__(self, runs: dict[str, PolicyRun], total: int, control: JobControl, fleet: Fleet) -> None:
-        self.runs, self.total, self.control, self.fleet = runs, total, control, fleet
+    def __init__(
+        self, runs: dict[str, PolicyRun], total: int, control: JobControl, fleet: Fleet, leagues: Leagues
+    ) -> None:
+        self.runs, self.total, self.control, self.fleet, self.leagues = runs, total, control, fleet, leagues
 
     def still_training(self, policy: str) -> bool:
         run = self.runs[policy]
@@ -60,6 +64,11 @@ class ProducerEventSink:
         run = self.runs[policy]
         run.window.add(reward, success, skew)
         run.samples_per_episode = samples
+
+    def opponents(
+        self, asked: frozenset[str], played: Mapping[str, OpponentRecord], versions: Mapping[str, int]
+    ) -> None:
+        self.leagues.episode(asked, played, versions)
 
     def fail(self, message: str, retryable: bool) -> None:
         self.control.fail(message, retryable=retryable)
@@ -85,6 +94,7 @@ class TrainingParts:
     evaluator: Evaluator | None
     pools: DevicePools  # turns on the device pools the policies' roles share
     skew: SkewGate  # holds a policy back that would get too far ahead (spec.maxVersionSkew, wait)
+    leagues: Leagues  # snapshots of the league policies after their syncs (coordinator/league.py)
 
 
 @dataclass(frozen=True)
@@ -104,7 +114,7 @@ class PolicyTrainer:
         self.policy = next(p for p in job.spec.policies if p.name == run.name)
         self.buffer, self.fleet, self.producer = parts.buffer, parts.fleet, parts.producer
         self.checkpointer, self.registry, self.record = parts.checkpointer, parts.registry, parts.record
-        self.pools, self.skew = parts.pools, parts.skew
+        self.pools, self.skew, self.leagues = parts.pools, parts.skew, parts.leagues
         self.stall_timeout_s, self.group_size = limits.stall_timeout_s, limits.group_size
         self.episodes_per_step = job.spec.training.episodes_per_step
         self.total = job.spec.training.total_steps
@@ -472,6 +482,7 @@ class PolicyTrainer:
             dropped_total=totals.dropped,
             failed_episodes=step.failed_episodes,
             failed_episodes_total=totals.failed_episodes,
+            **self.leagues.progress(run.name),
         )
 
     async def sync_weights(self, version: int) -> None:
@@ -492,3 +503,4 @@ class PolicyTrainer:
                     await asyncio.to_thread(run.sync.remove_engine, engine)
                 if lost:  # supervision will not see it in the sync, so the workers' routes change here
                     await self.fleet.push_routes()
+        await self.leagues.after_sync(run.name, version)  # a league's snapshot of this version, if due

@@ -28,11 +28,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from polyrl_operator.api import Lora
+from polyrl_runtime.engines.api import SnapshotReport, UnknownSnapshotError
 from polyrl_runtime.engines.lora_bank import LoraBank
 from polyrl_runtime.models.lora_layout import AdapterLayout, adapter_layout
 from polyrl_runtime.weights.api import TensorTarget
@@ -50,33 +50,6 @@ class UnknownAdapterError(ValueError):
 
     def __reduce__(self) -> tuple[type[UnknownAdapterError], tuple[str, str, tuple[str, ...]]]:
         return UnknownAdapterError, (self.engine, self.policy, self.known)  # through Ray
-
-
-class UnknownSnapshotError(ValueError):
-    """A request names a past version of a policy that the engine does not hold (never taken, or
-    evicted by a newer one)."""
-
-    def __init__(self, engine: str, policy: str, version: int, held: Sequence[int]) -> None:
-        have = ", ".join(map(str, held)) or "none"
-        super().__init__(
-            f"engine {engine} holds no snapshot of policy {policy!r} at version {version} (it holds: {have})"
-        )
-        self.engine, self.policy, self.version, self.held = engine, policy, version, tuple(held)
-
-    def __reduce__(self) -> tuple[type[UnknownSnapshotError], tuple[str, str, int, tuple[int, ...]]]:
-        return UnknownSnapshotError, (self.engine, self.policy, self.version, self.held)  # through Ray
-
-
-@dataclass(frozen=True)
-class SnapshotReport:
-    """What `EngineAdapters.snapshot` did: the version it holds now, the versions it evicted, and the
-    bytes the policy's snapshots occupy on the engine's device."""
-
-    policy: str
-    version: int
-    evicted: tuple[int, ...]
-    held: tuple[int, ...]
-    nbytes: int
 
 
 class AdapterTarget(TensorTarget):

@@ -14,7 +14,7 @@ aborted (`Engine.abort`, by its `request_id`) and its `generate` raises `Request
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -89,6 +89,33 @@ class EngineStats:
     freed_tokens: int = 0
     # Per policy with snapshots (an engine of LoRA adapters), the past versions it holds.
     snapshots: dict[str, list[int]] = field(default_factory=dict)
+
+
+class UnknownSnapshotError(ValueError):
+    """A request names a past version of a policy that the engine does not hold (never taken, or
+    evicted by a newer one)."""
+
+    def __init__(self, engine: str, policy: str, version: int, held: Sequence[int]) -> None:
+        have = ", ".join(map(str, held)) or "none"
+        super().__init__(
+            f"engine {engine} holds no snapshot of policy {policy!r} at version {version} (it holds: {have})"
+        )
+        self.engine, self.policy, self.version, self.held = engine, policy, version, tuple(held)
+
+    def __reduce__(self) -> tuple[type[UnknownSnapshotError], tuple[str, str, int, tuple[int, ...]]]:
+        return UnknownSnapshotError, (self.engine, self.policy, self.version, self.held)  # through Ray
+
+
+@dataclass(frozen=True)
+class SnapshotReport:
+    """What `EngineAdapters.snapshot` did: the version it holds now, the versions it evicted, and the
+    bytes the policy's snapshots occupy on the engine's device."""
+
+    policy: str
+    version: int
+    evicted: tuple[int, ...]
+    held: tuple[int, ...]
+    nbytes: int
 
 
 class PromptTooLongError(ValueError):
@@ -202,6 +229,13 @@ class Engine(Protocol):
     def weight_version(self) -> int: ...
 
     def stats(self) -> EngineStats: ...
+
+    async def snapshot(self, policy: str, keep: int) -> SnapshotReport:
+        """Hold `policy`'s current version as a snapshot that requests name by
+        `SamplingParams.snapshot` (a league's opponents), at most `keep` (the oldest evicted, its
+        requests still in the engine failed with `UnknownSnapshotError`). An engine that cannot hold
+        one raises a ValueError saying why."""
+        ...
 
     # Device pools: an engine sleeps while other roles use its device, vLLM's sleep-mode semantics.
     async def sleep(self, level: int = 1) -> SleepReport:

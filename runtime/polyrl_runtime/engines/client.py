@@ -17,6 +17,7 @@ from polyrl_runtime.engines.api import (
     Generation,
     SamplingParams,
     SleepReport,
+    SnapshotReport,
     WakeReport,
 )
 from polyrl_runtime.engines.batching import Answer, Request
@@ -55,6 +56,9 @@ class EngineClient(ActorClient[Engine]):
 
     def stats(self) -> ray.ObjectRef[EngineStats]:
         return call(self.handle, Engine.stats)
+
+    def snapshot(self, policy: str, keep: int) -> ray.ObjectRef[SnapshotReport]:
+        return call(self.handle, Engine.snapshot, policy, keep)
 
     def sleep(self, level: int = 1) -> ray.ObjectRef[SleepReport]:
         return call(self.handle, Engine.sleep, level)

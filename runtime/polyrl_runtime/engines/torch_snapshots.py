@@ -16,7 +16,8 @@ import asyncio
 
 import structlog
 
-from polyrl_runtime.engines.adapters import EngineAdapters, SnapshotReport, UnknownSnapshotError
+from polyrl_runtime.engines.adapters import EngineAdapters
+from polyrl_runtime.engines.api import SnapshotReport, UnknownSnapshotError
 from polyrl_runtime.engines.torch_request import TorchRequest
 from polyrl_runtime.weights.api import TensorTarget
 

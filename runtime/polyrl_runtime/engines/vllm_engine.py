@@ -67,6 +67,7 @@ from polyrl_runtime.engines.api import (
     Generation,
     SamplingParams,
     SleepReport,
+    SnapshotReport,
     WakeReport,
     check_sleep_level,
 )
@@ -85,6 +86,10 @@ log = structlog.get_logger(__name__)
 TRANSPORTS = (COLLECTIVE, CUDAIPC)
 # The transports adapter versions arrive through (into the engine actor's host memory).
 ADAPTER_TRANSPORTS = ("objectstore", "shm")
+NO_SNAPSHOTS = (
+    "engine {engine}: a vLLM engine holds no snapshots of past versions (policy {policy}); the torch "
+    "engine does (a league needs rollout.engine torch)"
+)
 
 
 class VllmEngine:
@@ -181,12 +186,12 @@ class VllmEngine:
 
     # -- generation ----------------------------------------------------------------------------
 
+    async def snapshot(self, policy: str, keep: int) -> SnapshotReport:
+        raise ValueError(NO_SNAPSHOTS.format(engine=self.name, policy=policy))
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if params.snapshot is not None:
-            raise ValueError(
-                f"engine {self.name}: a vLLM engine holds no snapshots of past versions (policy "
-                f"{params.policy or self.policy}, version {params.snapshot}); the torch engine does"
-            )
+            raise ValueError(NO_SNAPSHOTS.format(engine=self.name, policy=params.policy or self.policy))
         if refused := self._aborts.arrived_aborted(params):
             raise refused
         live = _Live(asyncio.current_task())

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, get_args
 
+from polyrl_operator.api import RLJobSpec
 from polyrl_operator.api.weight_sync import TransportName
 from polyrl_runtime.weights.api import WeightReceiver, WeightSender
 
@@ -93,6 +94,34 @@ def choose_transport(
     if same_host:
         return "shm"
     return "objectstore" if ray_available else "collective"
+
+
+def choose_transports(spec: RLJobSpec, *, same_host: bool) -> dict[str, str]:
+    """Each policy's transport: `spec.weightSync.transport`, its `auto` resolved per policy
+    (`choose_transport`; a policy whose engines and trainer share one pod has them on one host, as
+    every policy has under `polyrl run` (`same_host`), and on GPUs its engines read the trainer's
+    device memory). An engine of adapters (a shared base's, a league's) receives through a
+    transport that serves several trainers, never collective or cudaipc (which tie an engine to one
+    trainer; validation refuses them when asked for by name): the trained members of a shared base
+    agree on one, and its frozen members, which receive nothing, are given it."""
+    out = {
+        p.name: choose_transport(
+            spec.weight_sync.transport,
+            cuda=spec.trainer_placement(p).gpus > 0,
+            same_host=same_host or spec.on_one_pod(p),
+            colocated=spec.on_one_pod(p),
+        )
+        for p in spec.policies
+    }
+    one_trainer = ("collective", "cudaipc")
+    for base in spec.shared_bases():
+        chosen = {out[m] for m in base.trained}
+        agreed = next(iter(chosen)) if len(chosen) == 1 else DEFAULT_TRANSPORT
+        out.update(dict.fromkeys(base.policies, DEFAULT_TRANSPORT if agreed in one_trainer else agreed))
+    for p in spec.policies:
+        if p.league is not None and out[p.name] in one_trainer:
+            out[p.name] = DEFAULT_TRANSPORT
+    return out
 
 
 def sender_options(

@@ -36,6 +36,7 @@ from polyrl_runtime.experience.types import Turn
 from polyrl_runtime.models import Tokenizer
 from polyrl_runtime.rewards.load import ImportPathError, RewardError, import_object, score
 from polyrl_runtime.workflows.chat import ChatReply, Conversation, context_ids, extended, normalise
+from polyrl_runtime.workflows.opponents import OpponentTable, draw
 from polyrl_runtime.workflows.tools import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -144,12 +145,14 @@ class Reply:
 
 
 class Agent:
-    """An agent of one episode: generates with its policy's engines and records each turn."""
+    """An agent of one episode: generates with its policy's engines and records each turn. An
+    opponent at a past version (`snapshot`, from `ctx.opponent`) records none: it is never trained on."""
 
-    def __init__(self, ctx: EpisodeContext, name: str, policy: str) -> None:
+    def __init__(self, ctx: EpisodeContext, name: str, policy: str, snapshot: int | None = None) -> None:
         self.ctx = ctx
         self.name = name
         self.policy = policy
+        self.snapshot = snapshot
         self.tokenizer: Tokenizer = ctx.tokenizers[policy]
 
     async def generate(
@@ -182,6 +185,8 @@ class Agent:
             include_stop=include_stop,
             temperature=temp,
         )
+        if self.snapshot is not None:  # a past version's turn: never trained on
+            return Reply(self._text(gen, include_stop), gen.token_ids.tolist(), ids, gen.finish_reason)
         self.ctx.turns.append(
             Turn(
                 agent=self.name,
@@ -258,12 +263,13 @@ class Agent:
             temperature=temp,
         )
         extended(conv, context, gen, self.tokenizer.stop_ids)
-        turn = conv.turn()
-        if conv.turn_index == len(self.ctx.turns):
-            self.ctx.turns.append(turn)
-        else:
-            self.ctx.turns[conv.turn_index] = turn
-        self.ctx.calls.append(CallRecord.of(self.name, self.policy, conv.turn_index, gen))
+        if self.snapshot is None:  # a past version's conversation is never trained on
+            turn = conv.turn()
+            if conv.turn_index == len(self.ctx.turns):
+                self.ctx.turns.append(turn)
+            else:
+                self.ctx.turns[conv.turn_index] = turn
+            self.ctx.calls.append(CallRecord.of(self.name, self.policy, conv.turn_index, gen))
         raw = self._text(gen, False)
         prefix = f"call_{self.name}_{len(conv.versions)}"
         parsed = parse_tool_calls(raw, id_prefix=prefix, tools=tool_list) if tool_list else None
@@ -304,6 +310,7 @@ class Agent:
             stop=tuple(stop or ()),
             include_stop_str=include_stop,
             seed=self.ctx.sampling_seed(self.name),
+            snapshot=self.snapshot,
         )
         try:
             return await self.ctx.pool.generate(self.policy, ids, params)
@@ -347,6 +354,10 @@ class EpisodeContext:
     # The group's prompt data row (spec.data; the same row for every member of the group), read-only;
     # None for a job without data.
     sample: Mapping[str, Any] | None = None
+    # Per league policy, what its opponents are drawn from (workflows/opponents.py).
+    opponent_tables: Mapping[str, OpponentTable] = field(default_factory=dict)
+    # Agent -> (its policy, the snapshot version it plays; None: the latest), as `opponent` drew.
+    opponents: dict[str, tuple[str, int | None]] = field(default_factory=dict)
 
     def reward(self, name: str, completion: str, row: Mapping[str, Any] | None = None) -> float:
         """Score `completion` with reward function `name` (a built-in: exact_match, numeric, math; or
@@ -380,6 +391,22 @@ class EpisodeContext:
                 f"(policies: {sorted(self.tokenizers)}; map agents with workflow.args.policies)"
             )
         return Agent(self, name, policy)
+
+    def opponent(self, name: str) -> Agent:
+        """Agent `name` as an opponent from its policy's league (`spec.policies[].league`): the latest
+        version or a snapshot of a past one, drawn once per episode group (every episode of a group
+        meets the same version). A snapshot's turns are never trained on; the latest version's are,
+        as `agent(name)`'s. The episode records the version played (`EpisodeReport.opponents`)."""
+        agent = self.agent(name)
+        table = self.opponent_tables.get(agent.policy)
+        if table is None:
+            raise KeyError(
+                f"agent {name!r} acts with policy {agent.policy!r}, which has no league: set "
+                f"spec.policies[].league on it to play its past versions (or call ctx.agent)"
+            )
+        if name not in self.opponents:
+            self.opponents[name] = (agent.policy, draw(table, f"{self.group_id}/{name}"))
+        return Agent(self, name, agent.policy, snapshot=self.opponents[name][1])
 
     def tokenizer(self, agent: str) -> Tokenizer:
         return self.agent(agent).tokenizer

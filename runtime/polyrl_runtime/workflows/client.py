@@ -10,6 +10,7 @@ import ray
 from polyrl_runtime.actors import ActorClient, call
 from polyrl_runtime.data.row import RowRef
 from polyrl_runtime.engines.client import EngineClient
+from polyrl_runtime.workflows.opponents import OpponentTable
 from polyrl_runtime.workflows.runner import EpisodeGroup, GroupReport, WorkerStats, WorkflowWorker
 
 
@@ -26,6 +27,9 @@ class WorkflowWorkerClient(ActorClient[WorkflowWorker]):
 
     def set_routes(self, routes: Mapping[str, Mapping[str, EngineClient]], epoch: int) -> ray.ObjectRef[None]:
         return call(self.handle, WorkflowWorker.set_routes, routes, epoch)
+
+    def set_opponents(self, tables: Mapping[str, OpponentTable]) -> ray.ObjectRef[None]:
+        return call(self.handle, WorkflowWorker.set_opponents, tables)
 
     def stats(self) -> ray.ObjectRef[WorkerStats]:
         return call(self.handle, WorkflowWorker.stats)

@@ -27,7 +27,7 @@ from polyrl_operator.pod_contract import ENV_POD_NAME
 from polyrl_runtime.algorithms.estimators import estimator, normalisation
 from polyrl_runtime.cpusets import pin_from_env
 from polyrl_runtime.data.row import Row, RowRef
-from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams
+from polyrl_runtime.engines.api import EngineUnavailableError, SamplingParams, UnknownSnapshotError
 from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.client import BufferClient
@@ -40,6 +40,7 @@ from polyrl_runtime.workflows.api import EpisodeContext, Outcome, load_workflow
 from polyrl_runtime.workflows.failure import PolicyFailure
 from polyrl_runtime.workflows.groups import equal_reward_agents, group_relative
 from polyrl_runtime.workflows.judge import JudgeError
+from polyrl_runtime.workflows.opponents import OpponentRecord, OpponentTable, opponent_score
 from polyrl_runtime.workflows.overlong import Ramp, overlong_penalties, overlong_turns
 
 log = structlog.get_logger(__name__)
@@ -60,6 +61,10 @@ class EpisodeReport:
     error: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)  # the episode's version vector
+    # Agents that played a league snapshot (`ctx.opponent`): the version each played and the score of
+    # the current version's agents against it (workflows/opponents.py).
+    opponents: dict[str, OpponentRecord] = field(default_factory=dict)
+    opponent_policies: frozenset[str] = frozenset()  # the league policies `ctx.opponent` was asked for
 
 
 @dataclass
@@ -113,6 +118,16 @@ def _settled(
     return episode
 
 
+def _opponents(ctx: EpisodeContext, rewards: Mapping[str, float]) -> dict[str, OpponentRecord]:
+    """The snapshots the episode's opponents played, each with the trained agents' score against it."""
+    trained = {t.agent for t in ctx.turns}
+    return {
+        agent: OpponentRecord(policy, version, opponent_score(rewards, trained, agent))
+        for agent, (policy, version) in ctx.opponents.items()
+        if version is not None
+    }
+
+
 def marked(metadata: dict[str, Any], reason: DropReason, turns: Sequence[int]) -> dict[str, Any]:
     """`metadata` with `turns` marked for the buffer to drop for `reason` (`FILTERED_KEY`)."""
     if not turns:
@@ -150,6 +165,7 @@ class WorkflowWorker:
         routes: Mapping[str, Mapping[str, EngineClient]],
         *,
         routes_epoch: int = 0,
+        opponent_tables: Mapping[str, OpponentTable] | None = None,
     ) -> None:
         pin_from_env()
         self.name = name
@@ -185,6 +201,12 @@ class WorkflowWorker:
         self.dynamic_sampling = frozenset(p.name for p in spec.policies if p.algorithm.dynamic_sampling)
         self.overlong_filtered = frozenset(p.name for p in spec.policies if p.algorithm.overlong_filter)
         self.ramps = {p.name: r for p in spec.policies if (r := Ramp.of(p)) is not None}
+        # Per league policy, what `ctx.opponent` draws from (the driver's `set_opponents`); until the
+        # first table, the latest version.
+        self.opponent_tables: dict[str, OpponentTable] = {
+            p.name: OpponentTable(p.name) for p in spec.policies if p.league is not None
+        }
+        self.opponent_tables.update(opponent_tables or {})
         self.in_flight = 0
         self._busy_s = 0.0
         self._busy_since: float | None = None
@@ -196,6 +218,10 @@ class WorkflowWorker:
             return
         self.routes_epoch = max(epoch, self.routes_epoch)
         self.pool.set_routes(routes)
+
+    def set_opponents(self, tables: Mapping[str, OpponentTable]) -> None:
+        """Install the driver's opponent tables (coordinator/league.py): what `ctx.opponent` draws from."""
+        self.opponent_tables.update(tables)
 
     def stats(self) -> WorkerStats:
         busy = self._busy_s + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
@@ -245,6 +271,8 @@ class WorkflowWorker:
             report.reason, report.error = "policy_failure", str(e) or type(e).__name__
         except EngineUnavailableError as e:
             report.reason, report.error = "engine_error", str(e)
+        except UnknownSnapshotError as e:  # evicted, or on an engine that joined after it was taken
+            report.reason, report.error = "snapshot_unavailable", str(e)
         except RewardError as e:
             report.reason, report.error = "reward_error", str(e)
             log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
@@ -256,6 +284,8 @@ class WorkflowWorker:
             log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
         else:
             report.ok = True
+            report.opponents = _opponents(ctx, rewards)
+            report.opponent_policies = frozenset(policy for policy, _ in ctx.opponents.values())
             meta = marked(dict(outcome.metadata), DropReason.OVERLONG, self._overlong(ctx))
             return report, _settled(report, ctx.group_id, tuple(ctx.turns), rewards, meta)
         if report.reason in POLICY_FAILURES and ctx.turns:
@@ -374,6 +404,7 @@ class WorkflowWorker:
                 sampling=sampling,
                 agent_policies=self.agent_policies,
                 sample=sample,
+                opponent_tables=self.opponent_tables,
             )
             for i in range(n)
         ]

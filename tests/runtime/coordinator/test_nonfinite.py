@@ -128,6 +128,7 @@ async def test_a_policys_training_step_fails_its_trainer_at_the_limit(
         evaluator=None,
         pools=SimpleNamespace(training=lambda name: _no_turn()),  # type: ignore[arg-type]
         skew=MagicMock(),
+        leagues=MagicMock(),
     )
     trainer = PolicyTrainer(job, run, parts, StepLimits(group_size=2, stall_timeout_s=60.0))
     assert trainer.nonfinite.limit == 2

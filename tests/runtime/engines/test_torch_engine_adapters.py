@@ -22,8 +22,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from polyrl_operator.api import Lora
 from polyrl_runtime.algorithms.losses import TokenBatch, sequence_logprobs
 from polyrl_runtime.engines import hf_cache, torch_engine
-from polyrl_runtime.engines.adapters import UnknownAdapterError, UnknownSnapshotError
-from polyrl_runtime.engines.api import Generation, SamplingParams
+from polyrl_runtime.engines.adapters import UnknownAdapterError
+from polyrl_runtime.engines.api import Generation, SamplingParams, UnknownSnapshotError
 from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.models import ModelLoadError
 from polyrl_runtime.weights import make_sender

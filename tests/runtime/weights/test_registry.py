@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from polyrl_operator.api import RLJob, RLJobSpec
 from polyrl_runtime.weights import (
     TRANSPORTS,
     VersionRegistry,
     choose_transport,
+    choose_transports,
     get_transport,
     registered,
     sender_options,
@@ -19,6 +22,7 @@ from polyrl_runtime.weights.api import VersionError, WeightManifest
 from polyrl_runtime.weights.buckets import plan_buckets
 from polyrl_runtime.weights.registry import register_transport
 from polyrl_runtime.weights.shm import ShmReceiver, ShmSender
+from polyrl_testenv.bad_rljobs import base_job
 
 REPO = Path(__file__).parents[3]
 
@@ -96,3 +100,44 @@ def test_version_registry_monotone_and_readiness() -> None:
         reg.record("a", "e0", 0)
     reg.forget("a", "e0")
     assert reg.engines("a") == {}
+
+
+def _spec(mutate: Any) -> RLJobSpec:
+    doc = base_job()
+    mutate(doc["spec"])
+    return RLJob.model_validate(doc).spec
+
+
+def _gpu_trainers(spec: dict[str, Any]) -> None:
+    for p in spec["policies"]:
+        p["trainer"]["gpus"] = 1
+
+
+def _league_on_gpu(spec: dict[str, Any]) -> None:
+    _gpu_trainers(spec)
+    speaker = spec["policies"][0]
+    speaker["algorithm"]["lora"] = {"rank": 4}
+    speaker["league"] = {}
+
+
+def _shared_base_on_gpu(spec: dict[str, Any]) -> None:
+    _gpu_trainers(spec)
+    spec["pools"] = [{"name": "gpus", "gpus": 1}]
+    for p in spec["policies"]:
+        p["model"] = {"uri": "builtin://tiny-qwen2"}
+        p["algorithm"]["lora"] = {"rank": 4}
+        p["rollout"] = {"engine": "torch", "pool": "gpus"}
+
+
+@pytest.mark.parametrize(
+    ("mutate", "want"),
+    [
+        (lambda s: s["weightSync"].update(transport="auto"), {"speaker": "objectstore", "listener": "objectstore"}),
+        (lambda s: (s["weightSync"].update(transport="auto"), _gpu_trainers(s)), {"speaker": "collective", "listener": "collective"}),
+        # an engine of adapters serves several trainers' versions: never collective or cudaipc
+        (lambda s: (s["weightSync"].update(transport="auto"), _league_on_gpu(s)), {"speaker": "objectstore", "listener": "collective"}),
+        (lambda s: (s["weightSync"].update(transport="auto"), _shared_base_on_gpu(s)), {"speaker": "objectstore", "listener": "objectstore"}),
+    ],
+)  # fmt: skip
+def test_each_policy_gets_a_transport_its_engines_can_receive(mutate: Any, want: dict[str, str]) -> None:
+    assert choose_transports(_spec(mutate), same_host=False) == want

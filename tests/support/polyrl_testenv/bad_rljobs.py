@@ -93,6 +93,27 @@ def _lora_critic_on_zero3(doc: Doc) -> None:
     policy.setdefault("trainer", {})["zeroStage"] = 3
 
 
+def _league(**changes: Any) -> Callable[[Doc], None]:
+    """A league on the speaker, a LoRA policy of the torch engine, with `changes` to the policy
+    (a dotted key: a field below it) or to the spec (a key starting `spec.`)."""
+
+    def mutate(doc: Doc) -> None:
+        policy = doc["spec"]["policies"][0]
+        policy["algorithm"]["lora"] = {"rank": 4}
+        policy["league"] = {"snapshotEverySteps": 2, "keep": 2}
+        for key, value in changes.items():
+            node: Any = doc["spec"] if key.startswith("spec_") else policy
+            parts = key.removeprefix("spec_").split("__")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            if value is None:
+                node.pop(parts[-1], None)
+            else:
+                node[parts[-1]] = value
+
+    return mutate
+
+
 def _long_names(doc: Doc) -> None:
     doc["metadata"]["name"] = "j" * 30
     doc["spec"]["policies"][0]["name"] = "p" * 30
@@ -536,6 +557,36 @@ BAD_CASES: tuple[BadCase, ...] = (
         _set("spec.policies.0.algorithm", {"name": "reinforce_pp", "groupSize": 1, "critic": {}}),
         "spec.policies[0].algorithm.critic",
         ("spec.policies[0].algorithm.critic", "is for ppo"),
+    ),
+    BadCase(
+        "league-keep-zero",
+        _league(league__keep=0),
+        "spec.policies[0].league.keep",
+        ("spec.policies[0].league.keep",),
+    ),
+    BadCase(
+        "league-without-lora",
+        _league(algorithm__lora=None),
+        "spec.policies[0].league",
+        ("spec.policies[0].league", "needs algorithm.lora"),
+    ),
+    BadCase(
+        "league-on-vllm",
+        _league(rollout__engine="vllm", rollout__gpus=1),
+        "spec.policies[0].league",
+        ("spec.policies[0].league", "needs rollout.engine torch"),
+    ),
+    BadCase(
+        "league-latest-fraction-above-one",
+        _league(league__latestFraction=1.5),
+        "spec.policies[0].league.latestFraction",
+        ("spec.policies[0].league.latestFraction",),
+    ),
+    BadCase(
+        "league-through-collective",
+        _league(spec_weightSync__transport="collective"),
+        "spec.weightSync.transport",
+        ("spec.weightSync.transport", "a policy with a league receives adapter versions"),
     ),
     BadCase(
         "critic-model-with-lora",

@@ -86,6 +86,16 @@ class StepRecord:
     # apart they were (each policy's version in an episode: the oldest of its sampled tokens).
     version_skew_mean: dict[str, float] = field(default_factory=dict)
     version_skew_max: dict[str, int] = field(default_factory=dict)
+    # A league policy (coordinator/league.py): the snapshot versions its engines hold, the bytes they
+    # take on one engine, the current version's win rate against each held one (0.5 before any
+    # game) and the games played against every snapshot so far (keys: versions as strings).
+    league_held: list[int] | None = None
+    league_bytes: int | None = None
+    # Its newest version that played a snapshot, and that version's rating (coordinator/ratings.py).
+    league_rating: float | None = None
+    league_rated_version: int | None = None
+    league_win_rate: dict[str, float] = field(default_factory=dict)
+    league_games_total: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def before_training(
@@ -128,6 +138,9 @@ class StepRecord:
         for name in ("version_skew_mean", "version_skew_max"):
             for k, v in sorted(d.pop(name).items()):
                 d[f"{name}_{k}"] = v
+        for name in ("league_win_rate", "league_games_total"):
+            for k, v in sorted(d.pop(name).items(), key=lambda kv: int(kv[0])):
+                d[f"{name}_v{k}"] = v
         return d
 
 

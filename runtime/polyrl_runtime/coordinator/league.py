@@ -1,0 +1,174 @@
+"""The job's leagues (`spec.policies[].league`): snapshots of each league policy's past versions on its
+engines, and the tables the workflow workers draw opponents from (workflows/opponents.py).
+
+After a league policy's weight sync of a version that is a multiple of `snapshotEverySteps` (version
+0, the initial weights, included), every live engine of the policy takes a snapshot of it
+(`Engine.snapshot`, at most `keep`). A snapshot is drawable once every live engine holds it: the
+table lists the versions all of them report, so a request for one finds it on whichever engine the
+pool picks. An engine that joined later holds only the snapshots taken since; an episode whose
+opponent's snapshot is gone anyway (evicted meanwhile) fails as `snapshot_unavailable`, a counted
+drop, and the next tables leave that version out.
+
+Results: each finished episode that played a snapshot scores the current version's agents against
+it (1, 0.5, 0), accumulated per snapshot version; pfsp weighs the held snapshots by them
+(AlphaStar's prioritised fictitious self-play: hard, (1 - x)^2 of the win rate x; variance,
+x (1 - x)), 0.5 for a version not yet played. The same games rate the versions (coordinator/
+ratings.py: Bradley-Terry on the Elo scale, the league policy's version 0 anchored at 1000): an
+episode whose trained agents are of one policy is a game between that policy's version (the oldest
+of its sampled tokens) and the snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from polyrl_operator.api import League, RLJobSpec
+from polyrl_runtime.coordinator.fleet import Fleet
+from polyrl_runtime.coordinator.ratings import bradley_terry
+from polyrl_runtime.engines.api import SnapshotReport
+from polyrl_runtime.workflows.opponents import OpponentRecord, OpponentTable
+
+log = structlog.get_logger(__name__)
+
+PRIOR_WIN_RATE = 0.5  # a snapshot's win rate before any episode played it
+Node = tuple[str, int]  # a policy and one of its versions
+
+
+def pfsp_weight(win_rate: float, weighting: str) -> float:
+    """A snapshot's draw weight under pfsp, from the current version's win rate against it."""
+    if weighting == "hard":
+        return (1.0 - win_rate) ** 2
+    if weighting == "variance":
+        return win_rate * (1.0 - win_rate)
+    raise ValueError(f"unknown pfspWeighting {weighting!r}")
+
+
+@dataclass
+class LeagueBook:
+    """One league policy's snapshots and results."""
+
+    policy: str
+    cfg: League
+    held: tuple[int, ...] = ()  # the versions every live engine of the policy holds
+    nbytes: int = 0  # what the held snapshots occupy on one engine
+    scores: dict[int, list[float]] = field(default_factory=dict)  # version -> [score sum, games]
+    since_asked: int = 0  # finished episodes in a row that drew no opponent of the policy
+    # (trained policy, its version) against (this policy, a snapshot): [its total score, games]
+    games: dict[tuple[Node, Node], list[float]] = field(default_factory=dict)
+
+    def due(self, version: int) -> bool:
+        return version % self.cfg.snapshot_every_steps == 0
+
+    def win_rate(self, version: int) -> float:
+        total, games = self.scores.get(version, (0.0, 0.0))
+        return total / games if games else PRIOR_WIN_RATE
+
+    def weights(self) -> tuple[float, ...]:
+        if self.cfg.sampling == "pfsp":
+            return tuple(pfsp_weight(self.win_rate(v), self.cfg.pfsp_weighting) for v in self.held)
+        return (1.0,) * len(self.held)
+
+    def table(self) -> OpponentTable:
+        if self.cfg.sampling == "latest":
+            return OpponentTable(self.policy)
+        return OpponentTable(self.policy, self.held, self.weights(), self.cfg.latest_fraction)
+
+    def record(self, rec: OpponentRecord, trained: Node | None = None) -> None:
+        """A game against snapshot `rec.version`; `trained`: the one trained policy's version that
+        played it (None: several policies, or none, were trained in the episode: not rated)."""
+        if rec.score is None:
+            return
+        total = self.scores.setdefault(rec.version, [0.0, 0.0])
+        total[0] += rec.score
+        total[1] += 1
+        if trained is not None:
+            game = self.games.setdefault((trained, (self.policy, rec.version)), [0.0, 0.0])
+            game[0] += rec.score
+            game[1] += 1
+
+    def ratings(self) -> dict[Node, float]:
+        """Every rated version's rating (Bradley-Terry, Elo scale, version 0 at ANCHOR_RATING)."""
+        games = [(a, b, score, n) for (a, b), (score, n) in self.games.items()]
+        return bradley_terry(games, anchor=(self.policy, 0)) if games else {}
+
+    def progress(self) -> dict[str, Any]:
+        """The policy's league figures of a step record (docs/local-run.md#metrics)."""
+        mine = {v: r for (p, v), r in self.ratings().items() if p == self.policy}
+        newest = max((v for (a, _) in self.games for v in (a[1],) if a[0] == self.policy), default=None)
+        return {
+            "league_rating": round(mine[newest], 1) if newest is not None else None,
+            "league_rated_version": newest,
+            "league_held": list(self.held),
+            "league_bytes": self.nbytes,
+            "league_win_rate": {str(v): round(self.win_rate(v), 4) for v in self.held},
+            "league_games_total": {str(v): int(s[1]) for v, s in sorted(self.scores.items())},
+        }
+
+
+class Leagues:
+    """Every league of the job; a job without one has none, and every call does nothing."""
+
+    def __init__(
+        self,
+        spec: RLJobSpec,
+        fleet: Fleet,
+        fail: Callable[[str], None],
+        unused_episodes: int,
+    ) -> None:
+        self.fleet, self._fail, self.unused_episodes = fleet, fail, unused_episodes
+        self.books = {p.name: LeagueBook(p.name, p.league) for p in spec.policies if p.league is not None}
+        self.fields = {p.name: f"spec.policies[{i}].league" for i, p in enumerate(spec.policies)}
+        self.entrypoint = spec.workflow.entrypoint
+
+    def tables(self) -> dict[str, OpponentTable]:
+        return {name: book.table() for name, book in self.books.items()}
+
+    async def after_sync(self, policy: str, version: int) -> None:
+        """Snapshot `version` on the policy's live engines if it is due, then push the tables."""
+        book = self.books.get(policy)
+        if book is None or not book.due(version):
+            return
+        engines = self.fleet.live_engines(policy)
+        results = await asyncio.gather(
+            *(s.actor.snapshot(policy, book.cfg.keep) for s in engines.values()), return_exceptions=True
+        )
+        reports = [r for r in results if isinstance(r, SnapshotReport)]
+        for name, r in zip(engines, results, strict=True):
+            if not isinstance(r, SnapshotReport):
+                log.warning(
+                    "league.snapshot_failed", policy=policy, engine=name, version=version, error=str(r)
+                )
+        held = set.intersection(*(set(r.held) for r in reports)) if reports else set()
+        book.held = tuple(sorted(held))
+        book.nbytes = max((r.nbytes for r in reports), default=0)
+        log.info("league.snapshot", policy=policy, version=version, held=list(book.held), nbytes=book.nbytes)
+        await self.fleet.set_opponents(self.tables())
+
+    def episode(
+        self, asked: frozenset[str], opponents: Mapping[str, OpponentRecord], versions: Mapping[str, int]
+    ) -> None:
+        """A finished episode: the league policies `ctx.opponent` was asked for, the snapshots its
+        opponents played, and its version vector (the trained policies' versions). A league whose
+        policy no episode asks an opponent of, `unused_episodes` in a row, fails the job naming the
+        field: its snapshots would never play."""
+        trained = next(iter(versions.items())) if len(versions) == 1 else None
+        for rec in opponents.values():
+            if rec.policy in self.books:
+                self.books[rec.policy].record(rec, trained)
+        for name, book in self.books.items():
+            book.since_asked = 0 if name in asked else book.since_asked + 1
+            if book.since_asked == self.unused_episodes:
+                self._fail(
+                    f"{self.fields[name]}: workflow {self.entrypoint} asked for no opponent of policy "
+                    f"{name} (ctx.opponent) in {book.since_asked} episodes in a row: its league's "
+                    f"snapshots would never play (call ctx.opponent, or remove the league)"
+                )
+
+    def progress(self, policy: str) -> dict[str, Any]:
+        book = self.books.get(policy)
+        return book.progress() if book is not None else {}

@@ -1,0 +1,58 @@
+"""The driver's league books (coordinator/league.py), pure: which versions are snapshotted, the draw
+weights of each sampling (pfsp against the published weightings), the tables the workers get, and
+the results an episode adds."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyrl_operator.api import League
+from polyrl_runtime.coordinator.league import PRIOR_WIN_RATE, LeagueBook, pfsp_weight
+from polyrl_runtime.workflows.opponents import OpponentRecord, OpponentTable
+
+
+def _book(**cfg: object) -> LeagueBook:
+    return LeagueBook("agent", League.model_validate(cfg), held=(0, 2, 4))
+
+
+def test_every_nth_version_is_due_the_initial_one_included() -> None:
+    book = _book(snapshotEverySteps=2)
+    assert [v for v in range(7) if book.due(v)] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize(
+    ("weighting", "x", "want"), [("hard", 0.25, 0.5625), ("hard", 1.0, 0.0), ("variance", 0.25, 0.1875)]
+)
+def test_pfsp_weights_are_alphastars(weighting: str, x: float, want: float) -> None:
+    assert pfsp_weight(x, weighting) == pytest.approx(want)
+
+
+def test_pfsp_weighs_the_held_snapshots_by_the_results_against_them() -> None:
+    book = _book(sampling="pfsp", latestFraction=0.3)
+    for score in (1.0, 1.0, 0.0, 1.0):  # 0.75 against version 0
+        book.record(OpponentRecord("agent", 0, score))
+    book.record(OpponentRecord("agent", 2, 0.0))
+    book.record(OpponentRecord("agent", 2, None))  # no comparable rewards: not a game
+    assert book.win_rate(0) == 0.75 and book.win_rate(2) == 0.0 and book.win_rate(4) == PRIOR_WIN_RATE
+    table = book.table()
+    assert table.held == (0, 2, 4) and table.latest_fraction == 0.3
+    assert table.weights == pytest.approx((0.0625, 1.0, 0.25))
+    assert book.progress()["league_games_total"] == {"0": 4, "2": 1}
+
+
+def test_uniform_and_latest_tables() -> None:
+    assert _book(sampling="uniform").table().weights == (1.0, 1.0, 1.0)
+    assert _book(sampling="latest").table() == OpponentTable("agent")  # never a snapshot
+
+
+def test_the_books_rate_the_versions_from_their_games_against_snapshots() -> None:
+    book = _book()
+    for score in (1.0, 1.0, 1.0, 0.0):
+        book.record(OpponentRecord("agent", 0, score), trained=("agent", 3))
+    book.record(OpponentRecord("agent", 3, 1.0), trained=("agent", 3))  # itself: not a rated game
+    book.record(OpponentRecord("agent", 2, 1.0))  # several trained policies: counted, not rated
+    progress = book.progress()
+    assert progress["league_rated_version"] == 3
+    # 3 of 4 against the anchor, plus the prior's draw: 400 log10(3.5 / 1.5) above it.
+    assert progress["league_rating"] == pytest.approx(1000 + 147.2, abs=0.1)
+    assert progress["league_games_total"] == {"0": 4, "2": 1, "3": 1}

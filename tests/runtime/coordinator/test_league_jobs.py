@@ -1,0 +1,60 @@
+"""A league through the driver and real actors (`spec.policies[].league`): one LoRA policy plays itself,
+its rival drawn by `ctx.opponent` from snapshots of its past versions, which its engine holds as
+copies of its adapter; a snapshot's turns are never trained on, and each step's record reports the
+snapshots held, their bytes, and the current version's results against them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from driver_harness import make_job, policy, run
+
+pytestmark = pytest.mark.slow
+
+LORA = {"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]}
+
+
+def league_job(league: dict[str, Any], *, steps: int = 4, rival: bool = True) -> Any:
+    p = policy("agent", model={"uri": "builtin://tiny-qwen2", "dtype": "float32"})
+    p["algorithm"] = {"name": "grpo", "groupSize": 4, "lr": 1.0e-2, "lora": LORA}
+    p["league"] = league
+    return make_job(
+        mode="sync",
+        maxStaleness=0,
+        training={"totalSteps": steps, "episodesPerStep": 16, "seed": 3},
+        workflow={
+            "entrypoint": "league_workflows:HigherDigit",
+            "args": {"symbols": 4, "rival": rival, "policies": {"player": "agent", "rival": "agent"}},
+        },
+        policies=[p],
+    )
+
+
+def test_a_policy_plays_snapshots_of_its_past_versions(ray_local: Any, tmp_path: Path) -> None:
+    job = league_job({"snapshotEverySteps": 1, "keep": 2, "sampling": "uniform", "latestFraction": 0.25})
+    _, summary = run(job, tmp_path)
+    assert summary.state == "done", summary.message
+    records = [r for r in summary.records if r.step > 0]
+    # After each step's sync its version is a snapshot too; the oldest beyond keep is evicted.
+    assert [r.league_held for r in records] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    assert all(r.league_bytes and r.league_bytes > 0 for r in records)
+    games = records[-1].league_games_total
+    assert sum(games.values()) > 0 and set(games) <= {"0", "1", "2", "3"}
+    assert all(0.0 <= w <= 1.0 for r in records for w in r.league_win_rate.values())
+    # Rated from step 2 on (step 1's episodes, at version 0, met only version 0 itself).
+    assert records[0].league_rating is None and records[-1].league_rated_version in (2, 3)
+    assert records[-1].league_rating is not None
+    # A rival at a snapshot adds no sample: fewer than two samples an episode in all.
+    assert all(r.samples < 2 * r.episodes for r in records), [(r.samples, r.episodes) for r in records]
+
+
+def test_a_league_no_episode_plays_fails_the_job_naming_it(ray_local: Any, tmp_path: Path) -> None:
+    job = league_job({"snapshotEverySteps": 1, "keep": 2}, rival=False)
+    _, summary = run(job, tmp_path, unused_episodes=8)
+    assert summary.state == "failed"
+    assert (
+        "spec.policies[0].league: workflow league_workflows:HigherDigit asked for no opponent"
+        in summary.message
+    )

@@ -1,0 +1,53 @@
+"""Bradley-Terry ratings on the Elo scale (coordinator/ratings.py) against their closed forms and the
+model they fit."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from polyrl_runtime.coordinator.ratings import (
+    ANCHOR_RATING,
+    bradley_terry,
+    ratings_by_version,
+    win_probability,
+)
+
+
+def test_two_nodes_have_the_closed_form_ratio_with_the_prior() -> None:
+    # A beats the anchor 3 of 4, plus the prior's draw: 3.5 of 5, so strengths 3.5 : 1.5.
+    r = bradley_terry([("a", "b", 3.0, 4.0)], anchor="b")
+    assert r == pytest.approx(bradley_terry([("a", "b", 1.0, 1.0)] * 3 + [("b", "a", 1.0, 1.0)], anchor="b"))
+    assert r["b"] == ANCHOR_RATING
+    assert r["a"] - r["b"] == pytest.approx(400 * math.log10(3.5 / 1.5), abs=1e-6)
+
+
+def test_draws_count_half_and_a_version_against_itself_is_ignored() -> None:
+    r = bradley_terry([("a", "b", 5.0, 10.0), ("a", "a", 1.0, 1.0)], anchor="b")
+    assert r["a"] == pytest.approx(ANCHOR_RATING, abs=1e-6)
+
+
+def test_the_fit_recovers_the_ratings_that_generated_the_games() -> None:
+    true = {0: 1000.0, 1: 1100.0, 2: 1250.0, 3: 1200.0}
+    rng = random.Random(7)
+    games = []
+    for _ in range(6000):
+        a, b = rng.sample(sorted(true), 2)
+        games.append((a, b, float(rng.random() < win_probability(true[a], true[b])), 1.0))
+    r = bradley_terry(games, anchor=0)
+    for v, want in true.items():
+        assert r[v] == pytest.approx(want, abs=25), (v, r)
+
+
+def test_unbeaten_nodes_stay_finite_and_bad_scores_are_refused() -> None:
+    r = bradley_terry([("a", "b", 5.0, 5.0)], anchor="b")
+    assert math.isfinite(r["a"]) and r["a"] > ANCHOR_RATING
+    with pytest.raises(ValueError, match=r"a score of 2.0 in 1.0 games is not in \[0, games\]"):
+        bradley_terry([("a", "b", 2.0, 1.0)], anchor="b")
+
+
+def test_a_policys_ratings_by_version() -> None:
+    r = {("p", 2): 1010.0, ("q", 0): 990.0, ("p", 0): 1000.0}
+    assert ratings_by_version(r, "p") == {0: 1000.0, 2: 1010.0}

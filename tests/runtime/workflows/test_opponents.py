@@ -1,0 +1,99 @@
+"""A league's opponents in the workflow worker (workflows/opponents.py) and `ctx.opponent`: a group's
+draw is one function of its id, the latest version in `latest_fraction` of the draws, the snapshots by
+their weights; a snapshot's turns are never recorded; the score compares the trained agents' rewards
+with the opponent's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+from fakes import FakeEngine
+
+from polyrl_runtime.engines.api import SamplingParams
+from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.models import load_tokenizer
+from polyrl_runtime.workflows.api import EpisodeContext
+from polyrl_runtime.workflows.opponents import OpponentTable, draw, opponent_score
+from polyrl_testenv.inprocess import engine_routes
+
+
+def test_a_draw_is_a_function_of_its_key_with_the_latest_in_its_fraction() -> None:
+    table = OpponentTable("p", (0, 2, 4), (1.0, 1.0, 2.0), latest_fraction=0.25)
+    draws = [draw(table, f"g-{i}/rival") for i in range(4000)]
+    assert draws == [draw(table, f"g-{i}/rival") for i in range(4000)]  # the same on any worker
+    counts = Counter(draws)
+    assert set(counts) == {None, 0, 2, 4}
+    assert counts[None] / 4000 == pytest.approx(0.25, abs=0.03)
+    assert counts[4] / counts[0] == pytest.approx(2.0, rel=0.2)  # by weight among the snapshots
+
+
+def test_nothing_held_is_the_latest_and_zero_weights_are_uniform() -> None:
+    assert {draw(OpponentTable("p"), f"g{i}") for i in range(50)} == {None}
+    flat = Counter(draw(OpponentTable("p", (1, 2), (0.0, 0.0), 0.0), f"g{i}") for i in range(2000))
+    assert set(flat) == {1, 2} and flat[1] / 2000 == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_table_checks_its_fields() -> None:
+    with pytest.raises(ValueError, match="2 snapshots, 1 weights"):
+        OpponentTable("p", (1, 2), (1.0,))
+    with pytest.raises(ValueError, match="0 <= latest_fraction <= 1"):
+        OpponentTable("p", (), (), 1.5)
+
+
+@pytest.mark.parametrize(
+    ("rewards", "trained", "want"),
+    [
+        ({"me": 1.0, "rival": 0.0}, ["me"], 1.0),
+        ({"me": 0.2, "rival": 0.2}, ["me"], 0.5),
+        ({"a": 0.0, "b": 1.0, "rival": 0.4}, ["a", "b"], 1.0),  # the trained agents' mean
+        ({"me": 0.0, "rival": 1.0}, ["me", "rival"], 0.0),  # the opponent itself never counts
+        ({"me": 1.0}, ["me"], None),  # no reward for the opponent
+        ({"rival": 1.0}, [], None),
+    ],
+)
+def test_the_score_compares_the_trained_agents_with_the_opponent(
+    rewards: dict[str, float], trained: list[str], want: float | None
+) -> None:
+    assert opponent_score(rewards, trained, "rival") == want
+
+
+def test_an_opponent_at_a_snapshot_asks_for_it_and_records_no_turn() -> None:
+    seen: list[SamplingParams] = []
+
+    def reply(prompt: list[int], params: SamplingParams) -> list[int]:
+        seen.append(params)
+        return [5]
+
+    handle = FakeEngine(reply)
+    tok = load_tokenizer("builtin://tiny")
+    tables = {"agent": OpponentTable("agent", (3,), (1.0,), latest_fraction=0.0)}
+
+    def ctx(group: str) -> EpisodeContext:
+        return EpisodeContext(
+            f"{group}-0",
+            group,
+            0,
+            1,
+            EnginePool(engine_routes({"agent": {"e0": handle}})),
+            {"agent": tok},
+            {"agent": SamplingParams(max_new_tokens=1)},
+            agent_policies={"me": "agent", "rival": "agent"},
+            opponent_tables=tables,
+        )
+
+    async def go() -> None:
+        c = ctx("g-1")
+        await c.agent("me").generate("x")
+        rival = c.opponent("rival")
+        assert rival.snapshot == 3 and c.opponent("rival").snapshot == 3  # drawn once
+        await rival.generate("x")
+        assert [t.agent for t in c.turns] == ["me"] and [call.agent for call in c.calls] == ["me"]
+        assert [p.snapshot for p in seen] == [None, 3] and c.opponents == {"rival": ("agent", 3)}
+        with pytest.raises(KeyError, match=r"policy 'solver'.*has no league"):
+            EpisodeContext(
+                "e", "g", 0, 1, c.pool, {"solver": tok}, c.sampling, opponent_tables=tables
+            ).opponent("solver")
+
+    asyncio.run(go())
