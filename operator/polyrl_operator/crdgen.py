@@ -82,6 +82,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
     },
     {
+        "name": "Ratings",
+        "type": "string",
+        "jsonPath": ".status.ratingSummary",
+        "description": "Each league policy's newest rated version's rating (empty without a league).",
+        "priority": 1,
+    },
+    {
         "name": "Started",
         "type": "date",
         "jsonPath": ".status.startTime",

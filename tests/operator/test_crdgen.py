@@ -121,6 +121,7 @@ def test_names_printer_columns_and_subresources() -> None:
     ]
     assert columns["Policies"]["jsonPath"] == ".status.policySummary"
     assert columns["Pools"] == {**columns["Pools"], "jsonPath": ".status.poolSummary", "priority": 1}
+    assert columns["Ratings"] == {**columns["Ratings"], "jsonPath": ".status.ratingSummary", "priority": 1}
     for name, path in (("Started", ".status.startTime"), ("Completed", ".status.completionTime")):
         assert columns[name]["type"] == "date" and columns[name]["jsonPath"] == path
     # Every column reads a field the schema has: a column on a missing field stays empty forever.

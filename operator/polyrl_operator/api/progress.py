@@ -75,6 +75,12 @@ class PolicyProgress(_Wire):
         "engines serve its last version meanwhile); frozen: it ran out of restarts under "
         "onPolicyFailure freeze and trains no more; done: it took its last step.",
     )
+    rating: float | None = Field(
+        None,
+        description="A policy with a league: the rating of its newest version that played the "
+        "league's snapshots (Bradley-Terry on the Elo scale, its version 0 at 1000). Unset before "
+        "the first such game, and for a policy without a league.",
+    )
     version_skew: dict[str, int] | None = Field(
         None,
         description="Per other policy met in its episodes: the largest number of versions they were "

@@ -78,6 +78,11 @@ class PolicyStatus(ApiModel):
     trainer: RoleCounts = Field(default_factory=RoleCounts, description="Trainer pods.")
     last_checkpoint_step: int | None = Field(None, ge=0, description="Step of the newest checkpoint.")
     evaluation: EvalStatus | None = Field(None, description="The latest evaluation pass (spec.evaluation).")
+    rating: float | None = Field(
+        None,
+        description="A policy with a league: its newest rated version's rating (Bradley-Terry, Elo "
+        "scale, version 0 at 1000). Unset before its first game against a snapshot.",
+    )
     restarts: int = Field(
         0,
         ge=0,
@@ -160,6 +165,12 @@ class RLJobStatus(ApiModel):
         description="Compact per-policy progress for `kubectl get`: name:vVERSION per policy, "
         "space-separated, e.g. `speaker:v41 listener:v40` (printer columns can show only one "
         "element of a list).",
+    )
+    rating_summary: str | None = Field(
+        None,
+        max_length=4096,
+        description="Compact ratings for `kubectl get`: name:RATING per policy with a league that has "
+        "one, space-separated, e.g. `player:1147`; unset when none has.",
     )
     workflow: RoleCounts | None = Field(None, description="Workflow pods.")
     pools: list[PoolStatus] | None = Field(

@@ -53,6 +53,7 @@ def policy_statuses(
                         else entry.last_checkpoint_step
                     ),
                     "evaluation": eval_status(prog.evaluation) or entry.evaluation,
+                    "rating": prog.rating if prog.rating is not None else entry.rating,
                     "restarts": prog.restarts,
                     "trainer_state": prog.trainer_state,
                 }
@@ -124,6 +125,12 @@ def pool_statuses(
             )
         )
     return out
+
+
+def rating_summary(policies: list[PolicyStatus]) -> str | None:
+    """``player:1147``: what the ``Ratings`` printer column shows (league policies with a rating)."""
+    rated = [f"{p.name}:{p.rating:.0f}" for p in policies if p.rating is not None]
+    return clip(" ".join(rated), SUMMARY_LIMIT) if rated else None
 
 
 def pool_summary(pools: list[PoolStatus] | None) -> str | None:
@@ -203,6 +210,7 @@ def _with_policies(
         update={
             "policies": policies,
             "policy_summary": policy_summary(policies),
+            "rating_summary": rating_summary(policies),
             "step": step,
             "pools": pools,
             "pool_summary": pool_summary(pools),

@@ -84,6 +84,7 @@ class PolicyRun:
     last_reward: float | None = None
     last_ckpt_step: int | None = None
     last_eval: EvalProgress | None = None  # the latest evaluation pass (coordinator/evaluation.py)
+    rating: float | None = None  # a league policy's newest rated version's (coordinator/league.py)
     # Versions published beyond the steps taken: a trainer restarted from a checkpoint at step c
     # publishes past every version its engines served (coordinator/policy_restart.py), so a
     # version names one set of weights for the whole run.

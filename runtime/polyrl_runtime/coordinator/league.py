@@ -86,7 +86,7 @@ class LeagueBook:
         total = self.scores.setdefault(rec.version, [0.0, 0.0])
         total[0] += rec.score
         total[1] += 1
-        if trained is not None:
+        if trained is not None and trained != (self.policy, rec.version):  # a version never meets itself
             game = self.games.setdefault((trained, (self.policy, rec.version)), [0.0, 0.0])
             game[0] += rec.score
             game[1] += 1

@@ -52,6 +52,7 @@ class PolicySnapshot:
     # shared base counts every policy's).
     aborted_requests: int = 0
     freed_tokens: int = 0
+    rating: float | None = None  # a league policy's newest rated version's
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def policy_snapshot(run: PolicyRun, fleet: Fleet, total: int) -> PolicySnapshot:
         trainer_state="done" if run.trainer_state == "training" and run.step >= total else run.trainer_state,
         aborted_requests=sum(s.aborted for s in live),
         freed_tokens=sum(s.freed_tokens for s in live),
+        rating=run.rating,
     )
 
 
@@ -157,6 +159,7 @@ def progress_report(s: JobSnapshot) -> Progress:
                 last_checkpoint_step=p.last_ckpt_step,
                 evaluation=p.evaluation,
                 version_skew=p.version_skew or None,
+                rating=p.rating,
             )
             for p in s.policies
         ],

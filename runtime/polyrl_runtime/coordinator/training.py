@@ -416,6 +416,7 @@ class PolicyTrainer:
         stats = run.stats = (await self.buffer.stats())[run.name]
         run.staleness = (stats.staleness_mean, stats.staleness_max)
         rec = self._record(version, results, rewards, stats, train_s=t1 - t0, sync_s=sync_s, started=t0)
+        run.rating = rec.league_rating if rec.league_rating is not None else run.rating
         rec = replace(
             rec,
             version_skew_mean={k: mean for k, (mean, _) in skew.items()},

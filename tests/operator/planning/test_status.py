@@ -1,5 +1,6 @@
 """What the RLJob status (``polyrl_operator.planning.status``) takes from the coordinator's report:
-each policy's latest evaluation pass (spec.evaluation) and each scheduled pool's busy fraction and
+each policy's latest evaluation pass (spec.evaluation), a league policy's rating, and each scheduled
+pool's busy fraction and
 switches; taken from /progress when there, kept as last written when a report has none, unset on a
 pool that hosts no trainer."""
 
@@ -14,7 +15,7 @@ from polyrl_operator.api import RLJob, RLJobStatus
 from polyrl_operator.api.progress import EvalProgress, PolicyProgress, PoolProgress, Progress
 from polyrl_operator.api.status import EvalStatus, PolicyStatus, PoolStatus
 from polyrl_operator.planning.pods import empty_pod_plan
-from polyrl_operator.planning.status import policy_statuses, pool_statuses
+from polyrl_operator.planning.status import policy_statuses, pool_statuses, rating_summary
 from polyrl_testenv.bad_rljobs import REPO
 from polyrl_testenv.operator_fixtures import pooled_cpu_job
 
@@ -46,6 +47,24 @@ def test_policy_status_carries_the_latest_eval_pass(
     [status] = policy_statuses(JOB, old, progress, empty_pod_plan(JOB))
     wire = status.model_dump(by_alias=True, exclude_none=True, mode="json").get("evaluation")
     assert wire == expected
+
+
+@pytest.mark.parametrize(
+    ("old", "report", "rating", "summary"),
+    [
+        (None, 1147.2, 1147.2, "agent:1147"),
+        (1100.0, 1147.2, 1147.2, "agent:1147"),
+        (1100.0, None, 1100.0, "agent:1100"),  # no new rating: kept
+        (None, None, None, None),  # no league, or no game yet: no column value
+    ],
+)
+def test_a_league_policys_rating_reaches_its_status_and_the_ratings_column(
+    old: float | None, report: float | None, rating: float | None, summary: str | None
+) -> None:
+    before = RLJobStatus(policies=[PolicyStatus(name="agent", rating=old)])
+    progress = Progress(state="running", policies=[PolicyProgress(name="agent", step=6, rating=report)])
+    [status] = policy_statuses(JOB, before, progress, empty_pod_plan(JOB))
+    assert status.rating == rating and rating_summary([status]) == summary
 
 
 def _two_pools() -> RLJob:

@@ -155,6 +155,7 @@ def test_printer_columns(crd: Any, namespace: str) -> None:
             "startTime": "2026-01-01T12:00:00Z",
             "pools": [{"name": "shared", "desired": 2, "ready": 1, "roles": ["speaker/rollout"]}],
             "poolSummary": "shared:1/2",
+            "ratingSummary": "speaker:1147",
         }
     }
     patched = crd.kubectl(
@@ -182,11 +183,12 @@ def test_printer_columns(crd: Any, namespace: str) -> None:
         "MODE",
         "RESTARTS",
         "POOLS",
+        "RATINGS",
         "STARTED",
         "COMPLETED",
         "AGE",
     ]
-    assert "shared:1/2" in short[1].split()
+    assert "shared:1/2" in short[1].split() and "speaker:1147" in short[1].split()
     for category in ("polyrl", "all"):
         listed = crd.kubectl("get", category, "-n", namespace)
         assert listed.returncode == 0, listed.stderr

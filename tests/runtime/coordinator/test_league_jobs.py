@@ -34,7 +34,7 @@ def league_job(league: dict[str, Any], *, steps: int = 4, rival: bool = True) ->
 
 def test_a_policy_plays_snapshots_of_its_past_versions(ray_local: Any, tmp_path: Path) -> None:
     job = league_job({"snapshotEverySteps": 1, "keep": 2, "sampling": "uniform", "latestFraction": 0.25})
-    _, summary = run(job, tmp_path)
+    driver, summary = run(job, tmp_path)
     assert summary.state == "done", summary.message
     records = [r for r in summary.records if r.step > 0]
     # After each step's sync its version is a snapshot too; the oldest beyond keep is evicted.
@@ -46,6 +46,9 @@ def test_a_policy_plays_snapshots_of_its_past_versions(ray_local: Any, tmp_path:
     # Rated from step 2 on (step 1's episodes, at version 0, met only version 0 itself).
     assert records[0].league_rating is None and records[-1].league_rated_version in (2, 3)
     assert records[-1].league_rating is not None
+    # /progress (and so the RLJob's status and its Ratings column) carries the newest rating.
+    (agent,) = driver.progress().policies
+    assert agent.rating == records[-1].league_rating
     # A rival at a snapshot adds no sample: fewer than two samples an episode in all.
     assert all(r.samples < 2 * r.episodes for r in records), [(r.samples, r.episodes) for r in records]
 
