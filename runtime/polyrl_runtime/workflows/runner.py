@@ -378,11 +378,13 @@ class WorkflowWorker:
         self, eval_id: str, seed: int, row: RowRef, k: int, greedy: bool
     ) -> list[dict[str, float] | str]:
         """`k` episodes on the eval `row` with the engines' current weights, kept out of the buffer
-        (nothing is trained on them): per episode its mean raw reward per policy, or its error."""
+        (nothing is trained on them): per episode its mean raw reward per policy, or its error. A
+        league's `ctx.opponent` is the latest version here: the pass measures the current weights."""
         sampling = (
             {n: replace(p, temperature=0.0) for n, p in self.sampling.items()} if greedy else self.sampling
         )
-        ctxs = self._contexts(eval_id, k, seed, sampling, Row(row))
+        latest = {name: OpponentTable(name) for name in self.opponent_tables}
+        ctxs = self._contexts(eval_id, k, seed, sampling, Row(row), opponent_tables=latest)
         results = await asyncio.gather(*(self._one(c) for c in ctxs))
         return [
             r.policy_rewards if r.ok else f"episode {r.episode_id} ({r.reason}): {r.error}"
@@ -390,7 +392,14 @@ class WorkflowWorker:
         ]
 
     def _contexts(
-        self, group_id: str, n: int, seed: int, sampling: dict[str, SamplingParams], sample: Row | None
+        self,
+        group_id: str,
+        n: int,
+        seed: int,
+        sampling: dict[str, SamplingParams],
+        sample: Row | None,
+        *,
+        opponent_tables: Mapping[str, OpponentTable] | None = None,
     ) -> list[EpisodeContext]:
         """The contexts of a group's `n` episodes (`<group id>-<index>`), all playing `sample`."""
         return [
@@ -404,7 +413,7 @@ class WorkflowWorker:
                 sampling=sampling,
                 agent_policies=self.agent_policies,
                 sample=sample,
-                opponent_tables=self.opponent_tables,
+                opponent_tables=self.opponent_tables if opponent_tables is None else opponent_tables,
             )
             for i in range(n)
         ]

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from pathlib import Path
 
 import pytest
-from fakes import FakeEngine
+from fakes import FakeBuffer, FakeEngine
 
+from polyrl_operator.api import RLJob
+from polyrl_runtime.data.row import RowRef
 from polyrl_runtime.engines.api import SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
+from polyrl_runtime.experience.client import BufferClient
+from polyrl_runtime.experience.types import Ticket
 from polyrl_runtime.models import load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext
-from polyrl_runtime.workflows.opponents import OpponentTable, draw, opponent_score
+from polyrl_runtime.workflows.opponents import OpponentRecord, OpponentTable, draw, opponent_score
+from polyrl_runtime.workflows.runner import WorkflowWorker
 from polyrl_testenv.inprocess import engine_routes
 
 
@@ -97,3 +103,55 @@ def test_an_opponent_at_a_snapshot_asks_for_it_and_records_no_turn() -> None:
             ).opponent("solver")
 
     asyncio.run(go())
+
+
+def _league_job() -> str:
+    doc = {
+        "apiVersion": "polyrl.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "t"},
+        "spec": {
+            "training": {"totalSteps": 1},
+            "workflow": {
+                "entrypoint": "league_workflows:HigherDigit",
+                "args": {"policies": {"player": "agent", "rival": "agent"}},
+            },
+            "policies": [
+                {
+                    "name": "agent",
+                    "model": {"uri": "builtin://tiny-qwen2"},
+                    "algorithm": {"groupSize": 2, "lora": {"rank": 4}},
+                    "rollout": {"engine": "torch", "gpus": 0},
+                    "league": {"keep": 2},
+                }
+            ],
+        },
+    }
+    return RLJob.model_validate(doc).model_dump_json(by_alias=True)
+
+
+def test_the_worker_trains_the_player_alone_and_evaluates_against_the_latest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "data"))
+    tok = load_tokenizer("builtin://tiny-qwen2")
+    digits = {d: tok.token_id(d) for d in "0123"}
+    seen: list[int | None] = []
+
+    def reply(prompt: list[int], params: SamplingParams) -> list[int]:
+        seen.append(params.snapshot)
+        return [digits["3"] if params.snapshot is None else digits["1"]]  # the current version wins
+
+    buffer = FakeBuffer()
+    worker = WorkflowWorker(
+        "w", _league_job(), BufferClient(buffer), engine_routes({"agent": {"e": FakeEngine(reply)}})
+    )
+    worker.set_opponents({"agent": OpponentTable("agent", (4,), (1.0,), latest_fraction=0.0)})
+    report = asyncio.run(worker.run_group("g", 3, [Ticket(i, frozenset({"agent"})) for i in range(2)]))
+    assert sorted(seen, key=str) == [4, 4, None, None]  # each episode's rival at the snapshot
+    assert all([t.agent for t in e.turns] == ["player"] for e in buffer.episodes)
+    assert [ep.opponents for ep in report.episodes] == [{"rival": OpponentRecord("agent", 4, 1.0)}] * 2
+    assert all(ep.opponent_policies == frozenset({"agent"}) for ep in report.episodes)
+    seen.clear()
+    out = asyncio.run(worker.evaluate("ev", 1, RowRef("mem://", 0, {}), 2, True))
+    assert seen == [None] * 4 and all(isinstance(o, dict) for o in out)  # eval: the latest version
