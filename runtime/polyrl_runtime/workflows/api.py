@@ -392,12 +392,14 @@ class EpisodeContext:
             )
         return Agent(self, name, policy)
 
-    def opponent(self, name: str) -> Agent:
+    def opponent(self, name: str, policy: str | None = None) -> Agent:
         """Agent `name` as an opponent from its policy's league (`spec.policies[].league`): the latest
         version or a snapshot of a past one, drawn once per episode group (every episode of a group
         meets the same version). A snapshot's turns are never trained on; the latest version's are,
-        as `agent(name)`'s. The episode records the version played (`EpisodeReport.opponents`)."""
-        agent = self.agent(name)
+        as `agent(name)`'s. The episode records the version played (`EpisodeReport.opponents`).
+        `policy`: the agent's policy, for a workflow that names its agents' policies itself (as
+        `Agent(ctx, name, policy)` does); by default the one `agent(name)` acts with."""
+        agent = self.agent(name) if policy is None else Agent(self, name, policy)
         table = self.opponent_tables.get(agent.policy)
         if table is None:
             raise KeyError(

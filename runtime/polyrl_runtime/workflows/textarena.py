@@ -16,6 +16,11 @@ the moves of both players together (a game still going then is a draw: 0 each, m
 `ended: turn_cap`); `max_new_tokens` caps each move. The group's seed seeds the game, so a group's
 members play the same deal or board.
 
+With `league_player` (0 or 1) that player is drawn from its policy's league (`ctx.opponent`:
+`spec.policies[].league`): the latest version or a snapshot of a past one plays it, and a snapshot's
+moves are never trained on. Self-play against past versions is `players: [me, me]` with
+`league_player: 1` on a policy with a league.
+
 Two arguments shape the rules for models still learning a game's format: `error_allowance` (how
 many invalid moves in a row a player may make and move again; the game's own is 1) and
 `invalid_move_penalty`, subtracted from a player's reward per refused move (a format reward: a
@@ -121,6 +126,7 @@ class TextArenaGame(Workflow):
         *,
         error_allowance: int | None = None,
         invalid_move_penalty: float = 0.0,
+        league_player: int | None = None,
         **args: Any,
     ) -> None:
         super().__init__(**args)
@@ -137,6 +143,9 @@ class TextArenaGame(Workflow):
             raise ValueError(
                 f"workflow.args.invalid_move_penalty {invalid_move_penalty!r}: must be a number >= 0"
             )
+        if league_player is not None and (isinstance(league_player, bool) or league_player not in (0, 1)):
+            raise ValueError(f"workflow.args.league_player {league_player!r}: must be 0 or 1 (a player)")
+        self.league_player = league_player
         self.env = check_env(env)
         self.error_allowance, self.invalid_move_penalty = error_allowance, float(invalid_move_penalty)
         self.players, self.max_turns, self.max_new_tokens = list(players), max_turns, max_new_tokens
@@ -147,7 +156,12 @@ class TextArenaGame(Workflow):
                 raise KeyError(
                     f"workflow.args.players: {p!r} is not a policy of the job ({sorted(ctx.tokenizers)})"
                 )
-        agents = [Agent(ctx, f"player{i}", policy) for i, policy in enumerate(self.players)]
+        agents = [
+            ctx.opponent(f"player{i}", policy)
+            if i == self.league_player
+            else Agent(ctx, f"player{i}", policy)
+            for i, policy in enumerate(self.players)
+        ]
         history: list[list[dict[str, Any]]] = [[], []]
         ta = _textarena()
         game = ta.make(self.env)

@@ -18,6 +18,7 @@ from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.models import load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome
+from polyrl_runtime.workflows.opponents import OpponentTable
 from polyrl_runtime.workflows.textarena import TextArenaGame, _render
 from polyrl_testenv.inprocess import engine_routes
 
@@ -175,3 +176,34 @@ def test_a_game_that_cannot_run_here_is_refused_naming_the_argument(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         TextArenaGame(**{"players": ["me", "me"], **args})
+
+
+def test_a_league_player_is_drawn_from_its_policys_league_and_never_trained_on() -> None:
+    tok = load_tokenizer("builtin://tiny-qwen2")
+    moves = iter(["[0]", "[4]", "[1]", "[5]", "[2]", "[8]"] * 2)  # player 0 wins on the top row
+    snapshots: list[int | None] = []
+
+    def reply(prompt: list[int], params: SamplingParams) -> list[int]:
+        snapshots.append(params.snapshot)
+        return tok.encode(next(moves), bos=False)
+
+    async def go() -> tuple[Outcome, EpisodeContext]:
+        ctx = EpisodeContext(
+            "ep-1",
+            "g-1",
+            0,
+            3,
+            EnginePool(engine_routes({"me": {"e0": FakeEngine(reply)}})),
+            {"me": tok},
+            {"me": SamplingParams(temperature=1.0, max_new_tokens=6)},
+            opponent_tables={"me": OpponentTable("me", (7,), (1.0,), latest_fraction=0.0)},
+        )
+        game = TextArenaGame(env="TicTacToe-v0", players=["me", "me"], max_turns=9, league_player=1)
+        return await game.run_episode(ctx), ctx
+
+    outcome, ctx = asyncio.run(go())
+    assert snapshots == [None, 7, None, 7, None]  # player 1, the league's, at snapshot 7
+    assert {t.agent for t in ctx.turns} == {"player0"} and ctx.opponents == {"player1": ("me", 7)}
+    assert outcome.rewards == {"player0": 1.0, "player1": -1.0}
+    with pytest.raises(ValueError, match=r"workflow\.args\.league_player 2: must be 0 or 1"):
+        TextArenaGame(env="TicTacToe-v0", players=["me", "me"], league_player=2)
