@@ -49,6 +49,7 @@ from polyrl_runtime.coordinator.metrics.log import MetricsLog
 from polyrl_runtime.coordinator.metrics.records import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.pool_scheduler import device_pools
 from polyrl_runtime.coordinator.producer import EpisodeProducer, ProducerLimits
+from polyrl_runtime.coordinator.producer_events import ProducerEventSink
 from polyrl_runtime.coordinator.report import (
     JobSnapshot,
     RunSummary,
@@ -58,7 +59,7 @@ from polyrl_runtime.coordinator.report import (
     run_summary,
     worker_views,
 )
-from polyrl_runtime.coordinator.training import PolicyTrainer, ProducerEventSink, StepLimits, TrainingParts
+from polyrl_runtime.coordinator.training import PolicyTrainer, StepLimits, TrainingParts
 from polyrl_runtime.coordinator.version_skew import SkewGate
 from polyrl_runtime.data import DataError
 from polyrl_runtime.experience.buffer import BufferSnapshot, PolicyConfig

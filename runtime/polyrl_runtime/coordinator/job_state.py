@@ -8,7 +8,7 @@ explicit inputs and holding no reference back to the driver:
     PolicyTrainer     per policy: wait for a step of samples, train, sync weights (training.py)
     Checkpointer      checkpoints, exports and checkpoint requests (checkpoints/checkpointer.py)
     FleetSupervisor   health, drain, elasticity and routes, every poll (fleet_supervisor.py)
-    ProducerEventSink what the episode producer reports back (training.py)
+    ProducerEventSink what the episode producer reports back (producer_events.py)
     MetricsLog        where each step's record goes: memory, files, sinks (metrics/log.py)
 """
 

@@ -3,22 +3,21 @@ weights to the engines, then grant the buffer more credit (see driver.py for the
 
 `PolicyTrainer` holds one policy's `PolicyRun` and the job's parts its step uses (`TrainingParts`);
 `train_step` is one step, every cross-process hop in order, and each finished step becomes a
-`StepRecord` handed to `record`. `ProducerEventSink` is what the episode producer reports back
-to the policies (their reward windows) and to the job (failures, events, lost workers)."""
+`StepRecord` handed to `record`."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Literal
 
 import structlog
 
 from polyrl_operator.api import RLJob
-from polyrl_runtime.actors import Actor, actor_gone
+from polyrl_runtime.actors import actor_gone
 from polyrl_runtime.algorithms.estimators import normalisation
 from polyrl_runtime.algorithms.step_metrics import over_ranks
 from polyrl_runtime.coordinator import policy_restart
@@ -33,7 +32,6 @@ from polyrl_runtime.coordinator.metrics.records import StepRecord, Totals
 from polyrl_runtime.coordinator.nonfinite import NonFiniteStreak, gradient_metrics
 from polyrl_runtime.coordinator.pool_scheduler import DevicePools
 from polyrl_runtime.coordinator.producer import EpisodeProducer
-from polyrl_runtime.coordinator.slots import Slot
 from polyrl_runtime.coordinator.starvation import Starvation
 from polyrl_runtime.coordinator.version_skew import SkewGate
 from polyrl_runtime.experience.buffer import DropReason, PolicyStats
@@ -41,43 +39,8 @@ from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.trainers.api import StepResult, node_local_ranks
 from polyrl_runtime.weights import VersionRegistry, sender_options
 from polyrl_runtime.weights.endpoints import PolicyWeightSync
-from polyrl_runtime.workflows.opponents import OpponentRecord
 
 log = structlog.get_logger(__name__)
-
-
-class ProducerEventSink:
-    """The episode producer's reports: rewards into each policy's window, the rest to the job."""
-
-    def __init__(
-        self, runs: dict[str, PolicyRun], total: int, control: JobControl, fleet: Fleet, leagues: Leagues
-    ) -> None:
-        self.runs, self.total, self.control, self.fleet, self.leagues = runs, total, control, fleet, leagues
-
-    def still_training(self, policy: str) -> bool:
-        run = self.runs[policy]
-        return run.step < self.total and run.training
-
-    def episode(
-        self, policy: str, reward: float, success: float | None, samples: int, skew: Mapping[str, int]
-    ) -> None:
-        run = self.runs[policy]
-        run.window.add(reward, success, skew)
-        run.samples_per_episode = samples
-
-    def opponents(
-        self, asked: frozenset[str], played: Mapping[str, OpponentRecord], versions: Mapping[str, int]
-    ) -> None:
-        self.leagues.episode(asked, played, versions)
-
-    def fail(self, message: str, retryable: bool) -> None:
-        self.control.fail(message, retryable=retryable)
-
-    def emit(self, kind: str, **data: Any) -> None:
-        self.control.emit(kind, **data)
-
-    def lost(self, slots: Sequence[Slot[Actor]]) -> None:
-        self.control.report_lost(self.fleet, slots)
 
 
 @dataclass(frozen=True)
