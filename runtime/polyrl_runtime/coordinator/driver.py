@@ -323,6 +323,7 @@ class Driver:
             buffer=buffer,
             control=self.control,
             checkpointer=self.checkpointer,
+            leagues=self.leagues,
             poll_s=self.opts.poll_s,
         )
         transports = self.transports

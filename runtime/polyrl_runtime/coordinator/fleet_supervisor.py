@@ -11,6 +11,7 @@ from polyrl_operator.api import RLJob
 from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.coordinator.job_state import JobControl, PolicyRun
+from polyrl_runtime.coordinator.league import Leagues
 from polyrl_runtime.experience.client import BufferClient
 
 log = structlog.get_logger(__name__)
@@ -28,10 +29,11 @@ class FleetSupervisor:
         buffer: BufferClient,
         control: JobControl,
         checkpointer: Checkpointer,
+        leagues: Leagues,
         poll_s: float,
     ) -> None:
         self.job, self.spec, self.fleet, self.runs, self.buffer = job, job.spec, fleet, runs, buffer
-        self.control, self.checkpointer = control, checkpointer
+        self.control, self.checkpointer, self.leagues = control, checkpointer, leagues
         self.poll_s = poll_s
 
     async def loop(self) -> None:
@@ -50,6 +52,7 @@ class FleetSupervisor:
             await self.checkpointer.checkpoint("request", request)
         newly_dead = await self.fleet.poll()
         self.control.report_lost(self.fleet, newly_dead)
+        await self.leagues.refresh()  # the snapshots every live engine holds, engines joined or died
         changed = bool(newly_dead)
         for run in self.runs.values():
             if run.served_only:  # a frozen policy's engines serve the model they loaded: no sync

@@ -5,9 +5,10 @@ After a league policy's weight sync of a version that is a multiple of `snapshot
 0, the initial weights, included), every live engine of the policy takes a snapshot of it
 (`Engine.snapshot`, at most `keep`). A snapshot is drawable once every live engine holds it: the
 table lists the versions all of them report, so a request for one finds it on whichever engine the
-pool picks. An engine that joined later holds only the snapshots taken since; an episode whose
-opponent's snapshot is gone anyway (evicted meanwhile) fails as `snapshot_unavailable`, a counted
-drop, and the next tables leave that version out.
+pool picks. The tables follow the fleet (`refresh`, at every fleet poll): an engine holds what its
+snapshot calls reported (only they change it), so one that joins holds none until the next snapshot
+is taken, and until then the draws are the latest version; an engine that dies no longer counts. An episode whose opponent's snapshot is gone
+anyway (evicted meanwhile) fails as `snapshot_unavailable`, a counted drop.
 
 Results: each finished episode that played a snapshot scores the current version's agents against
 it (1, 0.5, 0), accumulated per snapshot version; pfsp weighs the held snapshots by them
@@ -124,6 +125,13 @@ class Leagues:
         self.books = {p.name: LeagueBook(p.name, p.league) for p in spec.policies if p.league is not None}
         self.fields = {p.name: f"spec.policies[{i}].league" for i, p in enumerate(spec.policies)}
         self.entrypoint = spec.workflow.entrypoint
+        # engine -> policy -> the snapshot versions its latest snapshot call reported it holds
+        self._reported: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    def _held(self, policy: str) -> tuple[int, ...]:
+        """The snapshots of `policy` every one of its live engines holds."""
+        sets = [set(self._reported.get(n, {}).get(policy, ())) for n in self.fleet.live_engines(policy)]
+        return tuple(sorted(set.intersection(*sets))) if sets else ()
 
     def tables(self) -> dict[str, OpponentTable]:
         return {name: book.table() for name, book in self.books.items()}
@@ -139,15 +147,28 @@ class Leagues:
         )
         reports = [r for r in results if isinstance(r, SnapshotReport)]
         for name, r in zip(engines, results, strict=True):
-            if not isinstance(r, SnapshotReport):
+            if isinstance(r, SnapshotReport):
+                self._reported.setdefault(name, {})[policy] = r.held
+            else:  # it holds what it held before; the draws leave out what it lacks
                 log.warning(
                     "league.snapshot_failed", policy=policy, engine=name, version=version, error=str(r)
                 )
-        held = set.intersection(*(set(r.held) for r in reports)) if reports else set()
-        book.held = tuple(sorted(held))
+        book.held = self._held(policy)
         book.nbytes = max((r.nbytes for r in reports), default=0)
         log.info("league.snapshot", policy=policy, version=version, held=list(book.held), nbytes=book.nbytes)
         await self.fleet.set_opponents(self.tables())
+
+    async def refresh(self) -> None:
+        """Each league's drawable snapshots, from what its live engines' snapshot calls reported (an
+        engine joined or died since); the tables are pushed when they change."""
+        changed = False
+        for name, book in self.books.items():
+            held = self._held(name)
+            if held != book.held:
+                log.info("league.held", policy=name, held=list(held), was=list(book.held))
+                book.held, changed = held, True
+        if changed:
+            await self.fleet.set_opponents(self.tables())
 
     def episode(
         self, asked: frozenset[str], opponents: Mapping[str, OpponentRecord], versions: Mapping[str, int]

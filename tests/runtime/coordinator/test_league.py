@@ -4,11 +4,17 @@ the results an episode adds."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
-from polyrl_operator.api import League
-from polyrl_runtime.coordinator.league import PRIOR_WIN_RATE, LeagueBook, pfsp_weight
+from polyrl_operator.api import League, RLJob
+from polyrl_runtime.coordinator.league import PRIOR_WIN_RATE, LeagueBook, Leagues, pfsp_weight
+from polyrl_runtime.engines.api import SnapshotReport
 from polyrl_runtime.workflows.opponents import OpponentRecord, OpponentTable
+from polyrl_testenv.bad_rljobs import base_job
 
 
 def _book(**cfg: object) -> LeagueBook:
@@ -56,3 +62,52 @@ def test_the_books_rate_the_versions_from_their_games_against_snapshots() -> Non
     # 3 of 4 against the anchor, plus the prior's draw: 400 log10(3.5 / 1.5) above it.
     assert progress["league_rating"] == pytest.approx(1000 + 147.2, abs=0.1)
     assert progress["league_games_total"] == {"0": 4, "2": 1, "3": 1}
+
+
+class _Engine:
+    """An engine actor's client whose `snapshot` holds the last `keep` versions it was asked for."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    async def snapshot(self, policy: str, keep: int) -> SnapshotReport:
+        self.held = [*self.held, len(self.held) * 2][-keep:]  # versions 0, 2, 4, ...
+        return SnapshotReport(policy, self.held[-1], (), tuple(self.held), 100 * len(self.held))
+
+
+class _Fleet:
+    def __init__(self) -> None:
+        self.engines: dict[str, Any] = {}
+        self.pushed: list[dict[str, OpponentTable]] = []
+
+    def live_engines(self, policy: str) -> dict[str, Any]:
+        return dict(self.engines)
+
+    async def set_opponents(self, tables: dict[str, OpponentTable]) -> None:
+        self.pushed.append(tables)
+
+
+def test_the_draws_follow_the_fleet_an_engine_that_joins_holds_nothing_until_the_next_snapshot() -> None:
+    spec = RLJob.model_validate(base_job()).spec
+    spec.policies[0].league = League(snapshotEverySteps=2, keep=2)
+    fleet = _Fleet()
+    fleet.engines["e1"] = SimpleNamespace(actor=_Engine())
+    leagues = Leagues(spec, fleet, lambda m: None, unused_episodes=100)  # type: ignore[arg-type]
+    name = spec.policies[0].name
+
+    async def go() -> None:
+        await leagues.after_sync(name, 0)
+        await leagues.after_sync(name, 1)  # not due
+        await leagues.after_sync(name, 2)
+        assert leagues.books[name].held == (0, 2) and fleet.pushed[-1][name].held == (0, 2)
+        fleet.engines["e2"] = SimpleNamespace(actor=_Engine())  # joins with no snapshot
+        await leagues.refresh()
+        assert leagues.books[name].held == () and fleet.pushed[-1][name].held == ()  # the latest only
+        pushes = len(fleet.pushed)
+        await leagues.refresh()
+        assert len(fleet.pushed) == pushes  # nothing changed: nothing pushed
+        del fleet.engines["e2"]  # dies
+        await leagues.refresh()
+        assert leagues.books[name].held == (0, 2)
+
+    asyncio.run(go())
