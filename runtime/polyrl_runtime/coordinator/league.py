@@ -100,7 +100,7 @@ class LeagueBook:
     def progress(self) -> dict[str, Any]:
         """The policy's league figures of a step record (docs/local-run.md#metrics)."""
         mine = {v: r for (p, v), r in self.ratings().items() if p == self.policy}
-        newest = max((v for (a, _) in self.games for v in (a[1],) if a[0] == self.policy), default=None)
+        newest = max((v for (p, v), _ in self.games if p == self.policy), default=None)  # its versions played
         return {
             "league_rating": round(mine[newest], 1) if newest is not None else None,
             "league_rated_version": newest,
