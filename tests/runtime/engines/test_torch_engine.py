@@ -149,15 +149,21 @@ def _generate_across_updates(
     updates: list[tuple[int, int, torch.nn.Module]],
 ) -> list[Generation]:
     """Generate `prompts` while applying each (tokens, version, model) update through `shm` once the
-    first request has that many tokens: the engine pauses, receives the version and resumes."""
+    first request has that many tokens, and at least one more than at the update before (however
+    late this loop wakes, every version serves a token): the engine pauses, receives the version and
+    resumes."""
     sender = make_sender("shm", "p", 1 << 20)
 
     async def go() -> list[Generation]:
         params = SamplingParams(max_new_tokens=max_new_tokens)
         tasks = [asyncio.create_task(eng.generate(p, params)) for p in prompts]
+        before = 0  # the first request's tokens at the previous update
         for tokens, version, model in updates:
-            while not eng._active or len(eng._active[0].tokens) < tokens:
+            while not eng._active or len(eng._active[0].tokens) < max(tokens, before + 1):
+                if all(t.done() for t in tasks):
+                    raise AssertionError(f"the requests finished before version {version} was sent")
                 await asyncio.sleep(0.001)
+            before = len(eng._active[0].tokens)
             await eng.pause()
             tensors = {k: p.detach().clone() for k, p in model.named_parameters()}
             assert (await eng.receive_weights(sender.publish(version, tensors))).applied
