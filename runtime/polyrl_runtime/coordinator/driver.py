@@ -143,6 +143,7 @@ class Driver:
             parts = self.parts = await self._start()
             await self._evaluate_before_training()
             self.state = "running"
+            log.info("job.running", policies=sorted(self.runs), resumed=self.resumed)
             guarded = self.control.guarded
             trainers = [guarded(t.loop(), f"policy {n}: training loop") for n, t in parts.trainers.items()]
             side = [

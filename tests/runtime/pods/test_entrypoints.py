@@ -139,9 +139,9 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
             agent["produced"]
             == agent["consumed"] + sum(result["dropped"]["agent"].values()) + agent["buffered"]
         )
-        # "checkpointing" is only entered from "running": either proves the actors were placed (a
-        # 3-step job may spend all of its running time between two polls, so "running" alone is luck)
-        assert "done" in seen and seen & {"running", "checkpointing"}, seen
+        # a 3-step job may spend all of its running time between two polls on a loaded machine: /progress
+        # is checked at the end (it lingers), and the coordinator's log proves the actors were placed
+        assert "done" in seen, seen
         assert last["checkpoint"]["lastRequestId"] == "evict-7" and last["policies"][0]["step"] == 3
         assert last["attempt"] == 2
         # the worker pods were ready (their /healthz) while they were part of the cluster: they ran the
@@ -155,6 +155,8 @@ def test_head_and_workers_as_processes_train_a_job(tmp_path: Path) -> None:
         events = [json.loads(line) for line in (logs / "coordinator.log").read_text().splitlines()
                   if line.startswith('{"event"')]  # fmt: skip
         waits = {e["waiting_for"]: e["event"] for e in events if e["event"].startswith("wait.")}
+        names = [e["event"] for e in events]
+        assert "job.running" in names, names[-5:]
         assert waits["the job's actors to start (worker pods joining, models loading)"] == "wait.done", waits
         ckpts = sorted(p.name for p in (tmp_path / "coord" / "checkpoints").iterdir())
         assert ckpts[-1] == "step-000003"
