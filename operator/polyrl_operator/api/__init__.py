@@ -10,6 +10,7 @@ from polyrl_operator.api.common import (
     ResourceRequirements,
     RoleOverrides,
 )
+from polyrl_operator.api.crossplay import CrossPlay, CrossPlayPair
 from polyrl_operator.api.league import League
 from polyrl_operator.api.model import Model
 from polyrl_operator.api.operation import FailurePolicy, Scheduling
@@ -61,6 +62,8 @@ __all__ = [
     "Condition",
     "Coordinator",
     "Critic",
+    "CrossPlay",
+    "CrossPlayPair",
     "EnvVar",
     "FailurePolicy",
     "League",

@@ -1,10 +1,12 @@
-"""`spec.data` (prompt rows by URI) and `spec.evaluation` (eval rows played every N steps)."""
+"""`spec.data` (prompt rows by URI) and `spec.evaluation` (eval rows played every N steps, and
+cross-play between versions)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
 from polyrl_operator.api.base import ApiModel, Rule
+from polyrl_operator.api.crossplay import CrossPlay
 from polyrl_operator.api.patterns import _S3_URI
 
 DATA_URI_PATTERN = (
@@ -69,4 +71,9 @@ class Evaluation(ApiModel):
     )
     pass_threshold: float = Field(
         1.0, description="An episode solves its row for a policy when that policy's reward is at least this."
+    )
+    cross_play: CrossPlay | None = Field(
+        None,
+        description="Also play recent versions of pairs of policies against each other (a matrix per "
+        "pair, and ratings of every version). With crossPlay, data.eval is optional: games need no rows.",
     )

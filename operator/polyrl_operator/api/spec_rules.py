@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from polyrl_operator.api.algorithm import GROUPED_ALGORITHMS, GROUPED_ALGORITHMS_CEL, GROUPED_ALGORITHMS_TEXT
 from polyrl_operator.api.base import Rule
+from polyrl_operator.api.crossplay_rules import CROSSPLAY_RULES
 
 SPEC_RULES: tuple[Rule, ...] = (
     Rule(
@@ -59,11 +60,16 @@ SPEC_RULES: tuple[Rule, ...] = (
         field=".policies",
     ),
     Rule(
-        cel="!has(self.evaluation) || (has(self.data) && has(self.data.eval))",
-        message="needs eval rows: set data.eval",
-        check=lambda s: s.evaluation is None or (s.data is not None and s.data.eval is not None),
+        cel="!has(self.evaluation) || has(self.evaluation.crossPlay) || (has(self.data) && has(self.data.eval))",
+        message="needs eval rows: set data.eval (or evaluation.crossPlay alone, for games without rows)",
+        check=lambda s: (
+            s.evaluation is None
+            or s.evaluation.cross_play is not None
+            or (s.data is not None and s.data.eval is not None)
+        ),
         field=".evaluation",
     ),
+    *CROSSPLAY_RULES,
     Rule(
         cel=f"self.policies.all(p, (has(p.frozen) && p.frozen) || !(p.algorithm.name in {GROUPED_ALGORITHMS_CEL}) || "
         "self.training.episodesPerStep % p.algorithm.groupSize == 0)",

@@ -38,6 +38,7 @@ from polyrl_runtime.actors import Actor
 from polyrl_runtime.algorithms.estimators import estimator
 from polyrl_runtime.coordinator.checkpoints.checkpointer import Checkpointer
 from polyrl_runtime.coordinator.checkpoints.store import CheckpointRef, CheckpointStore
+from polyrl_runtime.coordinator.crossplay import CrossPlayer, recent_versions
 from polyrl_runtime.coordinator.datafeed import DataFeed, buffered_groups, open_train_feed
 from polyrl_runtime.coordinator.evaluation import Evaluator, load_eval_rows
 from polyrl_runtime.coordinator.failures import JobFailedError, root_cause
@@ -50,9 +51,11 @@ from polyrl_runtime.coordinator.metrics.records import RewardWindow, StepRecord
 from polyrl_runtime.coordinator.pool_scheduler import device_pools
 from polyrl_runtime.coordinator.producer import EpisodeProducer, ProducerLimits
 from polyrl_runtime.coordinator.producer_events import ProducerEventSink
+from polyrl_runtime.coordinator.ratings import job_ratings
 from polyrl_runtime.coordinator.report import (
     JobSnapshot,
     RunSummary,
+    actor_counts,
     policy_snapshot,
     pool_snapshots,
     progress_report,
@@ -121,8 +124,13 @@ class Driver:
             cpu_sets=opts.cpu_sets,
             colocate=opts.colocate,
         )
+        self.ratings = job_ratings(self.spec)
         self.leagues = Leagues(
-            self.spec, self.fleet, lambda m: self.control.fail(m, retryable=False), opts.unused_episodes
+            self.spec,
+            self.fleet,
+            lambda m: self.control.fail(m, retryable=False),
+            opts.unused_episodes,
+            self.ratings,
         )
         self.registry = VersionRegistry()
         self.parts: JobParts | None = None  # once `run` has started the job
@@ -186,7 +194,7 @@ class Driver:
         """The eval pass of the initial weights (step 0), recorded as each policy's step-0 metrics
         row and its latest evaluation; a resumed job has its checkpoint's latest pass instead."""
         ev, cfg = self.evaluator, self.spec.evaluation
-        if ev is None or cfg is None or not cfg.before_training or self.resumed:
+        if ev is None or cfg is None or not cfg.before_training or self.resumed or not ev.rows:
             return
         with self.control.phase(
             "eval_before_training", f"evaluating the initial weights on {len(ev.rows)} eval rows"
@@ -272,7 +280,7 @@ class Driver:
         capacity = (s + 2) * self.episodes_per_step * len(configs) + 4 * self.group_size
         snapshot = ref.buffer() if ref is not None else None
         phase = self.control.phase
-        with phase("actors", "starting actors (" + self._actor_counts() + ")"):
+        with phase("actors", f"starting actors ({actor_counts(self.spec, len(self.fleet.colocated))})"):
             buffer = fleet.new_buffer(configs, capacity, snapshot)
             for p in spec.policies:
                 ranks = fleet.start_policy(p, buffer)
@@ -296,7 +304,22 @@ class Driver:
         producer = self._new_producer(feed, buffer)
         # What a checkpoint records beside the trainers and the buffer (`_restore_counters` reads it).
         self.checkpointer.attach(buffer, producer.state, self.metrics.flush)
-        evaluator = self.evaluator = Evaluator(spec, eval_rows, fleet) if eval_rows is not None else None
+        cp = spec.evaluation.cross_play if spec.evaluation is not None else None
+        xp = (
+            None
+            if cp is None
+            else CrossPlayer(
+                spec,
+                cp,
+                rows=eval_rows or [],
+                fleet=fleet,
+                versions=lambda p: recent_versions(self.runs[p].version, self.leagues.held(p), cp.versions),
+                ratings=self.ratings,
+                out_dir=self.opts.out_dir,
+                fail=lambda m: self.control.fail(m, retryable=False),
+            )
+        )
+        evaluator = self.evaluator = Evaluator(spec, eval_rows, fleet, xp) if eval_rows is not None else None
         self.resumed = ref is not None
         shared = TrainingParts(
             control=self.control,
@@ -378,26 +401,6 @@ class Driver:
         doing = "initialising the trainers (process groups, models, DeepSpeed"
         with self.control.phase("trainer_init", doing + (", checkpoint)" if ref is not None else ")")):
             await asyncio.gather(*(self._reported(n, t.setup(ref)) for n, t in trainers.items()))
-
-    def _actor_counts(self) -> str:
-        spec = self.spec
-        engines = sum(
-            spec.rollout_placement(p).min_replicas for p in spec.policies if not spec.shared_base(p.name)
-        )
-        engines += sum(spec.pool(b.pool).replicas.min for b in spec.shared_bases())
-        ranks = sum(spec.trainer_placement(p).trainer_world for p in spec.policies)
-        workers = spec.workflow.replicas.min
-        colocated = len(self.fleet.colocated)
-
-        def n(count: int, what: str) -> str:
-            return f"{count} {what}{'' if count == 1 else 's'}"
-
-        together = (
-            f" ({colocated} in {'its' if colocated == 1 else 'their'} trainer's process)" if colocated else ""
-        )
-        return (
-            f"{n(engines, 'engine')}{together}, {n(ranks, 'trainer rank')}, {n(workers, 'workflow worker')}"
-        )
 
     @staticmethod
     async def _ready(actors: Sequence[Actor]) -> None:

@@ -7,7 +7,7 @@ Per policy a pass gives the mean raw reward over the eval episodes and pass@k, t
 where at least one of the k episodes reached `passThreshold`. Each policy's trainer asks for the
 pass of its step (`at_step`) and puts its own result in that step's record; policies that reach the
 same step share one pass. A failed eval episode is counted, never fatal: evaluation must not end a
-run that trains.
+run that trains. The cross-play passes of a step (coordinator/crossplay.py) run first.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import structlog
 
 from polyrl_operator.api.progress import EvalProgress
 from polyrl_operator.api.spec import RLJobSpec
+from polyrl_runtime.coordinator.crossplay import CrossPlayer
 from polyrl_runtime.coordinator.fleet import Fleet
 from polyrl_runtime.data import DataError, RowRef, load_rows
 
@@ -71,16 +72,28 @@ def summarize(
 
 
 class Evaluator:
-    def __init__(self, spec: RLJobSpec, rows: list[dict[str, Any]], fleet: Fleet) -> None:
-        assert spec.evaluation is not None and spec.data is not None and spec.data.eval is not None
-        self.cfg, self.source, self.seed = spec.evaluation, spec.data.eval, spec.training.seed
+    """The eval passes on `data.eval` (none without eval rows) and the cross-play passes
+    (`evaluation.crossPlay`, coordinator/crossplay.py) of one job."""
+
+    def __init__(
+        self,
+        spec: RLJobSpec,
+        rows: list[dict[str, Any]],
+        fleet: Fleet,
+        cross_play: CrossPlayer | None = None,
+    ) -> None:
+        assert spec.evaluation is not None
+        self.cfg, self.seed = spec.evaluation, spec.training.seed
+        self.source = spec.data.eval if spec.data is not None else None
         self.rows = rows[: self.cfg.max_rows] if self.cfg.max_rows else rows
         self.fleet, self.policies = fleet, [p.name for p in spec.policies]
+        self.cross_play = cross_play
         self.latest: dict[str, EvalResult] = {}
         self._passes: dict[int, asyncio.Task[dict[str, EvalResult]]] = {}
 
     def due(self, step: int, last: bool) -> bool:
-        return last or step % self.cfg.every_steps == 0
+        """Whether an eval pass on the rows is due at `step` (never without eval rows)."""
+        return bool(self.rows) and (last or step % self.cfg.every_steps == 0)
 
     async def before_training(self) -> dict[str, EvalResult]:
         """The pass at step 0 (the initial weights), for every policy."""
@@ -89,7 +102,10 @@ class Evaluator:
         return await asyncio.shield(self._passes[0])
 
     async def at_step(self, policy: str, step: int, last: bool) -> EvalResult | None:
-        """The policy's result of the pass at `step` when one is due (None otherwise)."""
+        """The policy's result of the pass at `step` when one is due (None otherwise), once the
+        cross-play passes this step of the policy plays are done too."""
+        if self.cross_play is not None:
+            await self.cross_play.at_step(policy, step, last)
         if not self.due(step, last):
             return None
         if step not in self._passes:
@@ -122,6 +138,7 @@ class Evaluator:
         if not workers:
             return [f"eval row {index}: no workflow worker"] * self.cfg.k
         worker = workers[index % len(workers)]
+        assert self.source is not None  # rows come from data.eval
         ref = RowRef(self.source, index, self.rows[index])
         seed = (self.seed * 1_000_003 + index) % 2**31  # the same draws at every pass: comparable
         try:
@@ -132,10 +149,12 @@ class Evaluator:
 
 
 def load_eval_rows(spec: RLJobSpec) -> list[dict[str, Any]] | None:
-    """The eval rows when the job evaluates (None otherwise); an unreadable file is a DataError naming
-    `spec.data.eval` and the URI."""
-    if spec.evaluation is None or spec.data is None or spec.data.eval is None:
+    """The eval rows when the job evaluates (None otherwise; none, [], for cross-play alone without
+    data.eval); an unreadable file is a DataError naming `spec.data.eval` and the URI."""
+    if spec.evaluation is None:
         return None
+    if spec.data is None or spec.data.eval is None:
+        return []
     try:
         return load_rows(spec.data.eval)
     except DataError as e:

@@ -13,10 +13,9 @@ anyway (evicted meanwhile) fails as `snapshot_unavailable`, a counted drop.
 Results: each finished episode that played a snapshot scores the current version's agents against
 it (1, 0.5, 0), accumulated per snapshot version; pfsp weighs the held snapshots by them
 (AlphaStar's prioritised fictitious self-play: hard, (1 - x)^2 of the win rate x; variance,
-x (1 - x)), 0.5 for a version not yet played. The same games rate the versions (coordinator/
-ratings.py: Bradley-Terry on the Elo scale, the league policy's version 0 anchored at 1000): an
-episode whose trained agents are of one policy is a game between that policy's version (the oldest
-of its sampled tokens) and the snapshot.
+x (1 - x)), 0.5 for a version not yet played. The same games go to the job's ratings (coordinator/
+ratings.py `RatingBook`): an episode whose trained agents are of one policy is a game between that
+policy's version (the oldest of its sampled tokens) and the snapshot.
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ import structlog
 
 from polyrl_operator.api import League, RLJobSpec
 from polyrl_runtime.coordinator.fleet import Fleet
-from polyrl_runtime.coordinator.ratings import bradley_terry
+from polyrl_runtime.coordinator.ratings import RatingBook
 from polyrl_runtime.engines.api import SnapshotReport
 from polyrl_runtime.workflows.opponents import OpponentRecord, OpponentTable
 
 log = structlog.get_logger(__name__)
 
 PRIOR_WIN_RATE = 0.5  # a snapshot's win rate before any episode played it
-Node = tuple[str, int]  # a policy and one of its versions
 
 
 def pfsp_weight(win_rate: float, weighting: str) -> float:
@@ -59,8 +57,6 @@ class LeagueBook:
     nbytes: int = 0  # what the held snapshots occupy on one engine
     scores: dict[int, list[float]] = field(default_factory=dict)  # version -> [score sum, games]
     since_asked: int = 0  # finished episodes in a row that drew no opponent of the policy
-    # (trained policy, its version) against (this policy, a snapshot): [its total score, games]
-    games: dict[tuple[Node, Node], list[float]] = field(default_factory=dict)
 
     def due(self, version: int) -> bool:
         return version % self.cfg.snapshot_every_steps == 0
@@ -79,31 +75,17 @@ class LeagueBook:
             return OpponentTable(self.policy)
         return OpponentTable(self.policy, self.held, self.weights(), self.cfg.latest_fraction)
 
-    def record(self, rec: OpponentRecord, trained: Node | None = None) -> None:
-        """A game against snapshot `rec.version`; `trained`: the one trained policy's version that
-        played it (None: several policies, or none, were trained in the episode: not rated)."""
+    def record(self, rec: OpponentRecord) -> None:
+        """A game of the current version's agents against snapshot `rec.version`."""
         if rec.score is None:
             return
         total = self.scores.setdefault(rec.version, [0.0, 0.0])
         total[0] += rec.score
         total[1] += 1
-        if trained is not None and trained != (self.policy, rec.version):  # a version never meets itself
-            game = self.games.setdefault((trained, (self.policy, rec.version)), [0.0, 0.0])
-            game[0] += rec.score
-            game[1] += 1
-
-    def ratings(self) -> dict[Node, float]:
-        """Every rated version's rating (Bradley-Terry, Elo scale, version 0 at ANCHOR_RATING)."""
-        games = [(a, b, score, n) for (a, b), (score, n) in self.games.items()]
-        return bradley_terry(games, anchor=(self.policy, 0)) if games else {}
 
     def progress(self) -> dict[str, Any]:
         """The policy's league figures of a step record (docs/local-run.md#metrics)."""
-        mine = {v: r for (p, v), r in self.ratings().items() if p == self.policy}
-        newest = max((v for (p, v), _ in self.games if p == self.policy), default=None)  # its versions played
         return {
-            "league_rating": round(mine[newest], 1) if newest is not None else None,
-            "league_rated_version": newest,
             "league_held": list(self.held),
             "league_bytes": self.nbytes,
             "league_win_rate": {str(v): round(self.win_rate(v), 4) for v in self.held},
@@ -120,8 +102,10 @@ class Leagues:
         fleet: Fleet,
         fail: Callable[[str], None],
         unused_episodes: int,
+        ratings: RatingBook,
     ) -> None:
         self.fleet, self._fail, self.unused_episodes = fleet, fail, unused_episodes
+        self.ratings = ratings
         self.books = {p.name: LeagueBook(p.name, p.league) for p in spec.policies if p.league is not None}
         self.fields = {p.name: f"spec.policies[{i}].league" for i, p in enumerate(spec.policies)}
         self.entrypoint = spec.workflow.entrypoint
@@ -132,6 +116,11 @@ class Leagues:
         """The snapshots of `policy` every one of its live engines holds."""
         sets = [set(self._reported.get(n, {}).get(policy, ())) for n in self.fleet.live_engines(policy)]
         return tuple(sorted(set.intersection(*sets))) if sets else ()
+
+    def held(self, policy: str) -> tuple[int, ...]:
+        """The drawable snapshots of `policy` (none without a league)."""
+        book = self.books.get(policy)
+        return book.held if book is not None else ()
 
     def tables(self) -> dict[str, OpponentTable]:
         return {name: book.table() for name, book in self.books.items()}
@@ -180,7 +169,9 @@ class Leagues:
         trained = next(iter(versions.items())) if len(versions) == 1 else None
         for rec in opponents.values():
             if rec.policy in self.books:
-                self.books[rec.policy].record(rec, trained)
+                self.books[rec.policy].record(rec)
+                if trained is not None and rec.score is not None:  # one trained policy: a rated game
+                    self.ratings.add(trained, (rec.policy, rec.version), rec.score)
         for name, book in self.books.items():
             book.since_asked = 0 if name in asked else book.since_asked + 1
             if book.since_asked == self.unused_episodes:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from polyrl_operator.api import RLJobSpec
 from polyrl_operator.api.progress import (
     CheckpointProgress,
     EvalProgress,
@@ -252,3 +253,20 @@ async def run_summary(
             p.name: {"requests": p.aborted_requests, "freed_tokens": p.freed_tokens} for p in s.policies
         },
     )
+
+
+def actor_counts(spec: RLJobSpec, colocated: int) -> str:
+    """The actors a job starts, in words (its engines, `colocated` of them in a trainer's process)."""
+    engines = sum(
+        spec.rollout_placement(p).min_replicas for p in spec.policies if not spec.shared_base(p.name)
+    )
+    engines += sum(spec.pool(b.pool).replicas.min for b in spec.shared_bases())
+    ranks = sum(spec.trainer_placement(p).trainer_world for p in spec.policies)
+
+    def n(count: int, what: str) -> str:
+        return f"{count} {what}{'' if count == 1 else 's'}"
+
+    together = (
+        f" ({colocated} in {'its' if colocated == 1 else 'their'} trainer's process)" if colocated else ""
+    )
+    return f"{n(engines, 'engine')}{together}, {n(ranks, 'trainer rank')}, {n(spec.workflow.replicas.min, 'workflow worker')}"

@@ -261,6 +261,8 @@ class PolicyTrainer:
             return rec
         last = rec.step >= self.total or self.producer.data_finished
         res = await self.evaluator.at_step(self.run.name, rec.step, last)
+        rec = replace(rec, **self.leagues.ratings.progress(self.run.name))  # with this step's cross-play
+        self.run.rating = rec.rating if rec.rating is not None else self.run.rating
         if res is None:
             return rec
         self.run.last_eval = res.progress()
@@ -379,7 +381,7 @@ class PolicyTrainer:
         stats = run.stats = (await self.buffer.stats())[run.name]
         run.staleness = (stats.staleness_mean, stats.staleness_max)
         rec = self._record(version, results, rewards, stats, train_s=t1 - t0, sync_s=sync_s, started=t0)
-        run.rating = rec.league_rating if rec.league_rating is not None else run.rating
+        run.rating = rec.rating if rec.rating is not None else run.rating
         rec = replace(
             rec,
             version_skew_mean={k: mean for k, (mean, _) in skew.items()},
@@ -447,6 +449,7 @@ class PolicyTrainer:
             failed_episodes=step.failed_episodes,
             failed_episodes_total=totals.failed_episodes,
             **self.leagues.progress(run.name),
+            **self.leagues.ratings.progress(run.name),
         )
 
     async def sync_weights(self, version: int) -> None:

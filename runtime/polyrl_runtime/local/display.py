@@ -78,8 +78,8 @@ class ProgressDisplay:
         succ = f" success {_fmt(r.success_mean, 2)}" if r.success_mean is not None else ""
         if r.eval_pass_at_k is not None:
             succ += f" eval pass@k {_fmt(r.eval_pass_at_k, 2)}"
-        if r.league_rating is not None:
-            succ += f" rating {r.league_rating:.0f} (v{r.league_rated_version})"
+        if r.rating is not None:
+            succ += f" rating {r.rating:.0f} (v{r.rated_version})"
         return (
             f"[{r.elapsed_s:6.1f}s] {r.policy:>12} step {r.step:4d}/{self.total} reward {_fmt(r.reward_mean)}"
             f"{succ} staleness {r.staleness_mean:.2f}/{r.staleness_max} {r.samples_per_s:7.1f} samples/s"
@@ -87,7 +87,7 @@ class ProgressDisplay:
 
     def _table(self) -> Table:
         t = Table(title=f"polyrl run - {time.monotonic() - self.started:.0f}s", expand=False)
-        rated = any(r.league_held is not None for r in self.latest.values())  # a league: its ratings
+        rated = any(r.rating is not None for r in self.latest.values())  # a league or cross-play
         columns = ["policy", "step", "progress", "reward", "success", "staleness", "samples/s", "dropped"]
         for col in [*columns, *(["rating"] if rated else [])]:
             t.add_column(col, justify="right" if col != "policy" else "left")
@@ -106,7 +106,7 @@ class ProgressDisplay:
                 f"{r.staleness_mean:.2f}/{r.staleness_max}" if r else "-",
                 f"{r.samples_per_s:.0f}" if r else "-",
                 str(sum(r.dropped_total.values())) if r else "-",
-                *([f"{r.league_rating:.0f}" if r and r.league_rating is not None else "-"] if rated else []),
+                *([f"{r.rating:.0f}" if r and r.rating is not None else "-"] if rated else []),
             )
         return t
 

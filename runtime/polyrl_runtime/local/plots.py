@@ -82,3 +82,41 @@ def reward_curves(out_dir: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def crossplay_heatmaps(out_dir: Path, cells: Sequence[dict[str, Any]]) -> list[Path]:
+    """One PNG per cross-play pair (`crossplay_<row>_<column>.png`): the row version's score against
+    each column version, the latest pass that played the two (crossplay.jsonl's lines, in order)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for pair in sorted({(c["row"], c["column"]) for c in cells}):
+        latest = {
+            (c["row_version"], c["column_version"]): c["score"]
+            for c in cells
+            if (c["row"], c["column"]) == pair
+        }
+        rows = sorted({r for r, _ in latest})
+        cols = sorted({c for _, c in latest})
+        grid = [[latest.get((r, c)) for c in cols] for r in rows]
+        values = [[float("nan") if v is None else float(v) for v in line] for line in grid]
+        fig, ax = plt.subplots(figsize=(1.2 + 0.7 * len(cols), 1.0 + 0.6 * len(rows)), dpi=100)
+        image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        for i, line in enumerate(grid):
+            for j, v in enumerate(line):
+                ax.text(j, i, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(cols)), [f"v{c}" for c in cols])
+        ax.set_yticks(range(len(rows)), [f"v{r}" for r in rows])
+        ax.set_xlabel(f"{pair[1]} version" + (" (as opponent)" if pair[0] == pair[1] else ""))
+        ax.set_ylabel(f"{pair[0]} version")
+        ax.set_title(f"cross-play: {pair[0]}'s score")
+        fig.colorbar(image, ax=ax)
+        fig.tight_layout()
+        path = out_dir / f"crossplay_{pair[0]}_{pair[1]}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written

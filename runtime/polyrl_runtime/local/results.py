@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from polyrl_runtime.coordinator.crossplay import CROSSPLAY_FILE, read_cells
 from polyrl_runtime.coordinator.metrics.files import LOCAL_NAME, read_metrics
 from polyrl_runtime.coordinator.metrics.startup import StartupPhases
 from polyrl_runtime.coordinator.report import RunSummary
-from polyrl_runtime.local.plots import reward_curves, write_csv
+from polyrl_runtime.local.plots import crossplay_heatmaps, reward_curves, write_csv
 
 SUMMARY = "summary.json"
 FAILED_START = "summary.failed.json"
@@ -33,9 +34,9 @@ def clear_previous(out: Path, root: Path | str, *, fresh: bool) -> None:
     (out / FAILED_START).unlink(missing_ok=True)
     if not fresh:
         return
-    for name in (CSV, SUMMARY):
+    for name in (CSV, SUMMARY, CROSSPLAY_FILE):
         (out / name).unlink(missing_ok=True)
-    for png in out.glob("reward_*.png"):
+    for png in [*out.glob("reward_*.png"), *out.glob("crossplay_*.png")]:
         png.unlink()
     if root == out / "checkpoints" and root.exists():
         shutil.rmtree(root)
@@ -56,7 +57,7 @@ class Results:
     """What `write_results` wrote: the summary's file and the result files that exist."""
 
     summary_file: Path
-    files: list[Path]  # metrics.jsonl, metrics.csv: only those there are
+    files: list[Path]  # metrics.jsonl, metrics.csv, crossplay.jsonl: only those there are
     plots: list[Path]
     tails: dict[str, dict[str, Any]]
 
@@ -73,9 +74,10 @@ def write_results(out: Path, summary: RunSummary, *, started: bool) -> Results:
     rows = read_metrics(out)
     if rows:
         write_csv(out / CSV, rows)
-    plots = reward_curves(out, rows)
+    cells = read_cells(out / CROSSPLAY_FILE)
+    plots = [*reward_curves(out, rows), *crossplay_heatmaps(out, cells)]
     tails = {p: tail_means(rows, p) for p in summary.steps}
-    files = [out / name for name in (LOCAL_NAME, CSV) if (out / name).is_file()]
+    files = [out / name for name in (LOCAL_NAME, CSV, CROSSPLAY_FILE) if (out / name).is_file()]
     doc["last_steps_mean"] = tails
     doc["files"] = [f.name for f in [*files, *plots]]
     path = out / SUMMARY

@@ -144,15 +144,27 @@ class Reply:
     finish_reason: str
 
 
+class _Current:
+    """The default version of an `Agent`: what the episode plays the policy at (module `Agent`)."""
+
+
+CURRENT = _Current()
+
+
 class Agent:
     """An agent of one episode: generates with its policy's engines and records each turn. An
     opponent at a past version (`snapshot`, from `ctx.opponent`) records none: it is never trained on."""
 
-    def __init__(self, ctx: EpisodeContext, name: str, policy: str, snapshot: int | None = None) -> None:
+    def __init__(
+        self, ctx: EpisodeContext, name: str, policy: str, snapshot: int | _Current | None = CURRENT
+    ) -> None:
         self.ctx = ctx
         self.name = name
         self.policy = policy
-        self.snapshot = snapshot
+        # By default the current weights, or in a cross-play episode the version the cell holds the
+        # policy to (workflows/crossplay.py); `ctx.opponent` passes the version it drew.
+        self.snapshot = ctx.versions.get(policy) if isinstance(snapshot, _Current) else snapshot
+        ctx.roster[name] = policy
         self.tokenizer: Tokenizer = ctx.tokenizers[policy]
 
     async def generate(
@@ -358,6 +370,9 @@ class EpisodeContext:
     opponent_tables: Mapping[str, OpponentTable] = field(default_factory=dict)
     # Agent -> (its policy, the snapshot version it plays; None: the latest), as `opponent` drew.
     opponents: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    # A cross-play episode's versions: policy -> the snapshot its agents play (workflows/crossplay.py).
+    versions: Mapping[str, int] = field(default_factory=dict)
+    roster: dict[str, str] = field(default_factory=dict)  # every agent made so far -> its policy
 
     def reward(self, name: str, completion: str, row: Mapping[str, Any] | None = None) -> float:
         """Score `completion` with reward function `name` (a built-in: exact_match, numeric, math; or

@@ -37,6 +37,7 @@ from polyrl_runtime.experience.wire import EpisodeBatch
 from polyrl_runtime.models import Tokenizer, load_tokenizer
 from polyrl_runtime.rewards.load import RewardError
 from polyrl_runtime.workflows.api import EpisodeContext, Outcome, load_workflow
+from polyrl_runtime.workflows.crossplay import CrossPlayGame, CrossPlayResult, sides
 from polyrl_runtime.workflows.failure import PolicyFailure
 from polyrl_runtime.workflows.groups import equal_reward_agents, group_relative
 from polyrl_runtime.workflows.judge import JudgeError
@@ -390,6 +391,40 @@ class WorkflowWorker:
             r.policy_rewards if r.ok else f"episode {r.episode_id} ({r.reason}): {r.error}"
             for r, _ in results
         ]
+
+    async def cross_play(
+        self, play_id: str, seed: int, rows: Sequence[RowRef | None], greedy: bool, game: CrossPlayGame
+    ) -> list[CrossPlayResult | str]:
+        """One cross-play cell (workflows/crossplay.py): an episode per entry of `rows` (its eval row,
+        or None), `game`'s versions playing, kept out of the buffer. Per episode its side rewards, or
+        its error."""
+        sampling = (
+            {n: replace(p, temperature=0.0) for n, p in self.sampling.items()} if greedy else self.sampling
+        )
+        tables = game.opponent_tables(self.opponent_tables)
+        ctxs = [
+            self._contexts(
+                f"{play_id}e{e}", 1, seed + e, sampling, Row(ref) if ref else None, opponent_tables=tables
+            )[0]
+            for e, ref in enumerate(rows)
+        ]
+        for ctx in ctxs:
+            ctx.versions = game.agent_versions()
+        return list(await asyncio.gather(*(self._cross_play_one(ctx, game) for ctx in ctxs)))
+
+    async def _cross_play_one(self, ctx: EpisodeContext, game: CrossPlayGame) -> CrossPlayResult | str:
+        try:
+            result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
+            rewards = (result if isinstance(result, Outcome) else Outcome(dict(result))).returns()
+        except TimeoutError:
+            await self.pool.aborts_delivered(ABORTS_DELIVERED_S)
+            return f"episode {ctx.episode_id} (timeout): exceeded workflow.episodeTimeoutSeconds ({self.timeout:g} s)"
+        except Exception as e:
+            return f"episode {ctx.episode_id}: {''.join(traceback.format_exception_only(e)).strip()}"
+        bad = {a: v for a, v in rewards.items() if not math.isfinite(v)}
+        if bad:
+            return f"episode {ctx.episode_id}: rewards that are not finite numbers: {bad}"
+        return sides(game, rewards, ctx.roster, ctx.opponents)
 
     def _contexts(
         self,

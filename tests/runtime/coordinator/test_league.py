@@ -12,6 +12,7 @@ import pytest
 
 from polyrl_operator.api import League, RLJob
 from polyrl_runtime.coordinator.league import PRIOR_WIN_RATE, LeagueBook, Leagues, pfsp_weight
+from polyrl_runtime.coordinator.ratings import RatingBook
 from polyrl_runtime.engines.api import SnapshotReport
 from polyrl_runtime.workflows.opponents import OpponentRecord, OpponentTable
 from polyrl_testenv.bad_rljobs import base_job
@@ -51,17 +52,23 @@ def test_uniform_and_latest_tables() -> None:
     assert _book(sampling="latest").table() == OpponentTable("agent")  # never a snapshot
 
 
-def test_the_books_rate_the_versions_from_their_games_against_snapshots() -> None:
-    book = _book()
+def test_the_leagues_rate_the_versions_from_their_games_against_snapshots() -> None:
+    spec = RLJob.model_validate(base_job()).spec
+    spec.policies[0].league = League()
+    name = spec.policies[0].name
+    ratings = RatingBook([p.name for p in spec.policies])
+    leagues = Leagues(spec, _Fleet(), lambda m: None, 100, ratings)  # type: ignore[arg-type]
+    asked = frozenset({name})
     for score in (1.0, 1.0, 1.0, 0.0):
-        book.record(OpponentRecord("agent", 0, score), trained=("agent", 3))
-    book.record(OpponentRecord("agent", 3, 1.0), trained=("agent", 3))  # itself: not a rated game
-    book.record(OpponentRecord("agent", 2, 1.0))  # several trained policies: counted, not rated
-    progress = book.progress()
-    assert progress["league_rated_version"] == 3
+        leagues.episode(asked, {"p1": OpponentRecord(name, 0, score)}, {name: 3})
+    leagues.episode(asked, {"p1": OpponentRecord(name, 3, 1.0)}, {name: 3})  # itself: not a rated game
+    # several trained policies: counted for pfsp, not rated
+    leagues.episode(asked, {"p1": OpponentRecord(name, 2, 1.0)}, {name: 3, "other": 1})
+    progress = ratings.progress(name)
+    assert progress["rated_version"] == 3
     # 3 of 4 against the anchor, plus the prior's draw: 400 log10(3.5 / 1.5) above it.
-    assert progress["league_rating"] == pytest.approx(1000 + 147.2, abs=0.1)
-    assert progress["league_games_total"] == {"0": 4, "2": 1, "3": 1}
+    assert progress["rating"] == pytest.approx(1000 + 147.2, abs=0.1)
+    assert leagues.books[name].progress()["league_games_total"] == {"0": 4, "2": 1, "3": 1}
 
 
 class _Engine:
@@ -92,7 +99,8 @@ def test_the_draws_follow_the_fleet_an_engine_that_joins_holds_nothing_until_the
     spec.policies[0].league = League(snapshotEverySteps=2, keep=2)
     fleet = _Fleet()
     fleet.engines["e1"] = SimpleNamespace(actor=_Engine())
-    leagues = Leagues(spec, fleet, lambda m: None, unused_episodes=100)  # type: ignore[arg-type]
+    ratings = RatingBook([p.name for p in spec.policies])
+    leagues = Leagues(spec, fleet, lambda m: None, 100, ratings)  # type: ignore[arg-type]
     name = spec.policies[0].name
 
     async def go() -> None:

@@ -44,11 +44,11 @@ def test_a_policy_plays_snapshots_of_its_past_versions(ray_local: Any, tmp_path:
     assert sum(games.values()) > 0 and set(games) <= {"0", "1", "2", "3"}
     assert all(0.0 <= w <= 1.0 for r in records for w in r.league_win_rate.values())
     # Rated from step 2 on (step 1's episodes, at version 0, met only version 0 itself).
-    assert records[0].league_rating is None and records[-1].league_rated_version in (2, 3)
-    assert records[-1].league_rating is not None
+    assert records[0].rating is None and records[-1].rated_version in (2, 3)
+    assert records[-1].rating is not None
     # /progress (and so the RLJob's status and its Ratings column) carries the newest rating.
     (agent,) = driver.progress().policies
-    assert agent.rating == records[-1].league_rating
+    assert agent.rating == records[-1].rating
     # A rival at a snapshot adds no sample: fewer than two samples an episode in all.
     assert all(r.samples < 2 * r.episodes for r in records), [(r.samples, r.episodes) for r in records]
 

@@ -10,6 +10,7 @@ import pytest
 
 from polyrl_runtime.coordinator.ratings import (
     ANCHOR_RATING,
+    RatingBook,
     bradley_terry,
     ratings_by_version,
     win_probability,
@@ -51,3 +52,26 @@ def test_unbeaten_nodes_stay_finite_and_bad_scores_are_refused() -> None:
 def test_a_policys_ratings_by_version() -> None:
     r = {("p", 2): 1010.0, ("q", 0): 990.0, ("p", 0): 1000.0}
     assert ratings_by_version(r, "p") == {0: 1000.0, 2: 1010.0}
+
+
+def test_a_book_rates_each_group_of_policies_that_met_from_its_own_anchor() -> None:
+    book = RatingBook(["solver", "judge", "player"])
+    for _ in range(3):
+        book.add(("player", 2), ("player", 0), 1.0)  # a league's games: the player's group alone
+    book.add(("player", 2), ("player", 2), 1.0)  # a version against itself: no game
+    book.add(("judge", 1), ("solver", 0), 0.0, games=2)  # a cross-play cell of two games
+    ratings = book.ratings()
+    # the player's group is anchored at its own version 0; the other at the solver's (first in order)
+    assert ratings[("player", 0)] == ANCHOR_RATING and ratings[("solver", 0)] == ANCHOR_RATING
+    assert ratings[("player", 2)] > ANCHOR_RATING > ratings[("judge", 1)]
+    assert book.newest("player") == (2, ratings[("player", 2)]) and book.newest("nobody") is None
+    assert book.progress("judge") == {"rating": round(ratings[("judge", 1)], 1), "rated_version": 1}
+
+
+def test_a_named_anchor_fixes_its_group_at_the_given_rating() -> None:
+    book = RatingBook(["me", "base"], anchor="base", anchor_rating=1500.0)
+    book.add(("me", 4), ("base", 0), 3.0, games=4)
+    book.add(("me", 0), ("base", 0), 1.0, games=4)
+    ratings = book.ratings()
+    assert ratings[("base", 0)] == 1500.0
+    assert ratings[("me", 4)] > 1500.0 > ratings[("me", 0)]

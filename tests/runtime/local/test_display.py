@@ -26,7 +26,7 @@ def test_a_league_policys_rating_shows_in_its_line_and_the_table() -> None:
     display = ProgressDisplay(["player", "judge"], 10, live=False, quiet=True)
     display.record(_record("judge"))
     assert "rating" not in _table_text(display) and "rating" not in display._line(display.latest["judge"])
-    display.record(_record("player", league_held=[0, 2], league_rating=1147.2, league_rated_version=2))
+    display.record(_record("player", league_held=[0, 2], rating=1147.2, rated_version=2))
     assert "rating 1147 (v2)" in display._line(display.latest["player"])
     lines = _table_text(display).splitlines()
     header = next(line for line in lines if "policy" in line)

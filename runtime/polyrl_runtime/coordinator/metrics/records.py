@@ -91,11 +91,12 @@ class StepRecord:
     # game) and the games played against every snapshot so far (keys: versions as strings).
     league_held: list[int] | None = None
     league_bytes: int | None = None
-    # Its newest version that played a snapshot, and that version's rating (coordinator/ratings.py).
-    league_rating: float | None = None
-    league_rated_version: int | None = None
     league_win_rate: dict[str, float] = field(default_factory=dict)
     league_games_total: dict[str, int] = field(default_factory=dict)
+    # The policy's newest version that played a rated game (a league's episode against a snapshot, a
+    # cross-play cell), and that version's rating (coordinator/ratings.py).
+    rating: float | None = None
+    rated_version: int | None = None
 
     @classmethod
     def before_training(
