@@ -114,6 +114,18 @@ def _league(**changes: Any) -> Callable[[Doc], None]:
     return mutate
 
 
+def _cross_play(pairs: list[tuple[str, str]], league: bool = True, **cfg: Any) -> Callable[[Doc], None]:
+    """Cross-play of `pairs` (row, column), with a league on the speaker unless `league` is False."""
+
+    def mutate(doc: Doc) -> None:
+        if league:
+            _league()(doc)
+        rows = [{"row": r, "column": c} for r, c in pairs]
+        doc["spec"]["evaluation"] = {"crossPlay": {"pairs": rows, **cfg}}
+
+    return mutate
+
+
 def _long_names(doc: Doc) -> None:
     doc["metadata"]["name"] = "j" * 30
     doc["spec"]["policies"][0]["name"] = "p" * 30
@@ -587,6 +599,36 @@ BAD_CASES: tuple[BadCase, ...] = (
         _league(spec_weightSync__transport="collective"),
         "spec.weightSync.transport",
         ("spec.weightSync.transport", "a policy with a league receives adapter versions"),
+    ),
+    BadCase(
+        "crossplay-unknown-policy",
+        _cross_play([("speaker", "nobody")]),
+        "spec.evaluation.crossPlay.pairs",
+        ("spec.evaluation.crossPlay.pairs", "must name a policy of spec.policies"),
+    ),
+    BadCase(
+        "crossplay-self-without-league",
+        _cross_play([("listener", "listener")]),
+        "spec.evaluation.crossPlay.pairs",
+        ("spec.evaluation.crossPlay.pairs", "a policy against itself needs its league"),
+    ),
+    BadCase(
+        "crossplay-without-reference",
+        _cross_play([("speaker", "listener")], league=False),
+        "spec.evaluation.crossPlay.pairs",
+        ("spec.evaluation.crossPlay.pairs", "must have a league"),
+    ),
+    BadCase(
+        "crossplay-anchor-not-frozen",
+        _cross_play([("speaker", "listener")], anchor="listener"),
+        "spec.evaluation.crossPlay.anchor",
+        ("spec.evaluation.crossPlay.anchor", "must name a frozen policy"),
+    ),
+    BadCase(
+        "crossplay-no-pairs",
+        _cross_play([]),
+        "spec.evaluation.crossPlay.pairs",
+        ("spec.evaluation.crossPlay.pairs",),
     ),
     BadCase(
         "critic-model-with-lora",
