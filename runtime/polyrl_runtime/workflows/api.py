@@ -372,6 +372,8 @@ class EpisodeContext:
     opponents: dict[str, tuple[str, int | None]] = field(default_factory=dict)
     # A cross-play episode's versions: policy -> the snapshot its agents play (workflows/crossplay.py).
     versions: Mapping[str, int] = field(default_factory=dict)
+    # ... and policy -> (the policy, its version) that plays its `ctx.opponent` agents instead.
+    stand_ins: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
     roster: dict[str, str] = field(default_factory=dict)  # every agent made so far -> its policy
 
     def reward(self, name: str, completion: str, row: Mapping[str, Any] | None = None) -> float:
@@ -415,6 +417,10 @@ class EpisodeContext:
         `policy`: the agent's policy, for a workflow that names its agents' policies itself (as
         `Agent(ctx, name, policy)` does); by default the one `agent(name)` acts with."""
         agent = self.agent(name) if policy is None else Agent(self, name, policy)
+        stand_in = self.stand_ins.get(agent.policy)
+        if stand_in is not None:  # a cross-play cell's column plays it (workflows/crossplay.py)
+            self.opponents.setdefault(name, stand_in)
+            return Agent(self, name, *self.opponents[name])
         table = self.opponent_tables.get(agent.policy)
         if table is None:
             raise KeyError(

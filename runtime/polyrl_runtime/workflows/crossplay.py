@@ -3,22 +3,23 @@ program, with every agent of the pair's policies held to one version, and its re
 row side's and the column side's.
 
 Which version plays: `ctx.agent` (and an `Agent` a workflow builds itself) of a policy of the pair
-plays that policy's version of the cell; `ctx.opponent` of a league policy plays it too, except in a
-pair of one policy with itself, where `ctx.agent` plays the row's version and `ctx.opponent` the
-column's. A version is a snapshot (its adapter on every engine of the policy) or the current weights
-(None). Nothing is trained on these episodes: they never reach the buffer.
+plays that policy's version of the cell. `ctx.opponent` of the row's policy is played by the column
+at its version: in a pair of one policy with itself, the column's past version; in a pair of two, the
+column policy itself, so that a self-play workflow meets a fixed opponent (a frozen base model) in
+its opponent's seat. `ctx.opponent` of the column's policy plays the column's version; of any other
+league policy, its current weights. A version is a snapshot (its adapter on every engine of the
+policy) or the current weights (None). Nothing is trained on these episodes: they never reach the
+buffer.
 
-The sides: in a pair of two policies, each policy's agents; in a pair of one policy, its agents from
-`ctx.agent` (row) and from `ctx.opponent` (column). A side's reward is its agents' mean; a side with
-no rewarded agent is None (the policies never met in the episode).
+The sides: the agents of each policy, and in a pair of one policy, its agents from `ctx.agent` (row)
+and from `ctx.opponent` (column). A side's reward is its agents' mean; a side with no rewarded agent
+is None (the policies never met in the episode).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-from polyrl_runtime.workflows.opponents import OpponentTable
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,11 @@ class CrossPlayGame:
             out[self.column] = self.column_version
         return out
 
-    def opponent_tables(self, leagues: Iterable[str]) -> dict[str, OpponentTable]:
-        """What `ctx.opponent` draws from, per league policy: always the cell's version of a policy of
-        the pair (the column's for a pair of one policy), the current weights of any other."""
-        versions = {self.row: self.row_version, self.column: self.column_version}
-        return {p: _always(p, versions.get(p)) for p in leagues}
-
-
-def _always(policy: str, version: int | None) -> OpponentTable:
-    if version is None:
-        return OpponentTable(policy)  # latest_fraction 1: the current weights
-    return OpponentTable(policy, (version,), (1.0,), latest_fraction=0.0)
+    def stand_ins(self) -> dict[str, tuple[str, int | None]]:
+        """Policy -> who plays its `ctx.opponent` agents: the column at its version, for the row's
+        opponents (the row's own past version in a pair of one policy, another policy in a pair of
+        two) and for the column's own."""
+        return {self.row: (self.column, self.column_version), self.column: (self.column, self.column_version)}
 
 
 @dataclass(frozen=True)

@@ -401,15 +401,15 @@ class WorkflowWorker:
         sampling = (
             {n: replace(p, temperature=0.0) for n, p in self.sampling.items()} if greedy else self.sampling
         )
-        tables = game.opponent_tables(self.opponent_tables)
+        latest = {name: OpponentTable(name) for name in self.opponent_tables}  # a league outside the pair
         ctxs = [
             self._contexts(
-                f"{play_id}e{e}", 1, seed + e, sampling, Row(ref) if ref else None, opponent_tables=tables
+                f"{play_id}e{e}", 1, seed + e, sampling, Row(ref) if ref else None, opponent_tables=latest
             )[0]
             for e, ref in enumerate(rows)
         ]
         for ctx in ctxs:
-            ctx.versions = game.agent_versions()
+            ctx.versions, ctx.stand_ins = game.agent_versions(), game.stand_ins()
         return list(await asyncio.gather(*(self._cross_play_one(ctx, game) for ctx in ctxs)))
 
     async def _cross_play_one(self, ctx: EpisodeContext, game: CrossPlayGame) -> CrossPlayResult | str:

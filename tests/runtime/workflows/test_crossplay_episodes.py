@@ -17,7 +17,6 @@ from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.models import load_tokenizer
 from polyrl_runtime.workflows.api import Agent, EpisodeContext
 from polyrl_runtime.workflows.crossplay import CrossPlayGame, CrossPlayResult, sides
-from polyrl_runtime.workflows.opponents import OpponentTable, draw
 from polyrl_runtime.workflows.runner import WorkflowWorker
 from polyrl_testenv.inprocess import engine_routes
 
@@ -25,15 +24,13 @@ from polyrl_testenv.inprocess import engine_routes
 def test_a_pair_of_two_policies_holds_each_to_its_version_everywhere() -> None:
     game = CrossPlayGame("solver", "judge", 4, None)
     assert game.agent_versions() == {"solver": 4}  # the judge's current weights: no snapshot
-    tables = game.opponent_tables(["solver", "judge", "other"])
-    assert [draw(tables["solver"], f"g{i}") for i in range(20)] == [4] * 20
-    assert tables["judge"] == OpponentTable("judge") and tables["other"] == OpponentTable("other")
+    # the row's opponents are played by the column: a self-play workflow meets it in that seat
+    assert game.stand_ins() == {"solver": ("judge", None), "judge": ("judge", None)}
 
 
 def test_a_policy_against_itself_plays_the_row_as_agent_and_the_column_as_opponent() -> None:
     game = CrossPlayGame("me", "me", 2, 5)
-    assert game.agent_versions() == {"me": 2}
-    assert {draw(game.opponent_tables(["me"])["me"], f"g{i}") for i in range(20)} == {5}
+    assert game.agent_versions() == {"me": 2} and game.stand_ins() == {"me": ("me", 5)}
     assert CrossPlayGame("me", "me", None, 5).agent_versions() == {}
 
 
@@ -76,8 +73,8 @@ def test_every_agent_a_cell_makes_plays_its_policys_version() -> None:
         EnginePool(engine_routes({p: {f"e-{p}": FakeEngine(reply)} for p in ("solver", "judge")})),
         {"solver": tok, "judge": tok},
         {p: SamplingParams(max_new_tokens=1) for p in ("solver", "judge")},
-        opponent_tables=game.opponent_tables([]),
         versions=game.agent_versions(),
+        stand_ins=game.stand_ins(),
     )
 
     async def go() -> None:
@@ -109,9 +106,14 @@ def _job() -> str:
                     "algorithm": {"groupSize": 2, "lora": {"rank": 4}},
                     "rollout": {"engine": "torch", "gpus": 0},
                     "league": {"keep": 2},
-                }
+                },
+                {"name": "base", "model": {"uri": "builtin://tiny-qwen2"}, "frozen": True},
             ],
-            "evaluation": {"crossPlay": {"pairs": [{"row": "agent", "column": "agent"}]}},
+            "evaluation": {
+                "crossPlay": {
+                    "pairs": [{"row": "agent", "column": "agent"}, {"row": "agent", "column": "base"}]
+                }
+            },
         },
     }
     return RLJob.model_validate(doc).model_dump_json(by_alias=True)
@@ -127,16 +129,26 @@ def test_the_worker_plays_a_cell_outside_the_buffer(monkeypatch: pytest.MonkeyPa
         seen.append(params.snapshot)
         return [digits[str(params.snapshot or 0)]]  # a later version names a higher digit: it wins
 
+    based = 0
+
+    def base(prompt: list[int], params: SamplingParams) -> list[int]:
+        nonlocal based
+        based += 1
+        return [digits["0"]]
+
     buffer = FakeBuffer()
-    worker = WorkflowWorker(
-        "w", _job(), BufferClient(buffer), engine_routes({"agent": {"e": FakeEngine(reply)}})
-    )
+    routes = engine_routes({"agent": {"e": FakeEngine(reply)}, "base": {"b": FakeEngine(base)}})
+    worker = WorkflowWorker("w", _job(), BufferClient(buffer), routes)
     out = asyncio.run(worker.cross_play("xp", 7, [None] * 3, True, CrossPlayGame("agent", "agent", 2, 1)))
     assert out == [CrossPlayResult(1.0, 0.0)] * 3 and sorted(seen) == [1, 1, 1, 2, 2, 2]
     seen.clear()
     out = asyncio.run(worker.cross_play("xp", 7, [None] * 2, True, CrossPlayGame("agent", "agent", None, 3)))
     assert [o.score for o in out if isinstance(o, CrossPlayResult)] == [0.0, 0.0]
     assert sorted(seen, key=str) == [3, 3, None, None]
+    seen.clear()
+    # a self-play workflow against a fixed opponent: the frozen base plays in the rival's seat
+    out = asyncio.run(worker.cross_play("xp", 7, [None] * 2, True, CrossPlayGame("agent", "base", 2, None)))
+    assert out == [CrossPlayResult(1.0, 0.0)] * 2 and seen == [2, 2] and based == 2
     assert buffer.episodes == []  # nothing is trained on cross-play
 
 
@@ -146,9 +158,8 @@ def test_a_failed_cell_episode_is_its_error(monkeypatch: pytest.MonkeyPatch) -> 
     def reply(prompt: list[int], params: SamplingParams) -> list[int]:
         raise RuntimeError("engine on fire")
 
-    worker = WorkflowWorker(
-        "w", _job(), BufferClient(FakeBuffer()), engine_routes({"agent": {"e": FakeEngine(reply)}})
-    )
+    routes = engine_routes({"agent": {"e": FakeEngine(reply)}, "base": {"b": FakeEngine(reply)}})
+    worker = WorkflowWorker("w", _job(), BufferClient(FakeBuffer()), routes)
     out = asyncio.run(worker.cross_play("xp", 7, [None], True, CrossPlayGame("agent", "agent", None, None)))
     assert (
         len(out) == 1 and isinstance(out[0], str) and out[0].startswith("episode xpe0-0") and "fire" in out[0]
