@@ -109,6 +109,9 @@ class Leagues:
         self.books = {p.name: LeagueBook(p.name, p.league) for p in spec.policies if p.league is not None}
         self.fields = {p.name: f"spec.policies[{i}].league" for i, p in enumerate(spec.policies)}
         self.entrypoint = spec.workflow.entrypoint
+        # A league policy in a cross-play pair may meet no opponent: its snapshots play in cross-play.
+        cp = spec.evaluation.cross_play if spec.evaluation is not None else None
+        self.cross_played = {p for x in cp.pairs for p in (x.row, x.column)} if cp is not None else set()
         # engine -> policy -> the snapshot versions its latest snapshot call reported it holds
         self._reported: dict[str, dict[str, tuple[int, ...]]] = {}
 
@@ -165,7 +168,7 @@ class Leagues:
         """A finished episode: the league policies `ctx.opponent` was asked for, the snapshots its
         opponents played, and its version vector (the trained policies' versions). A league whose
         policy no episode asks an opponent of, `unused_episodes` in a row, fails the job naming the
-        field: its snapshots would never play."""
+        field: its snapshots would never play (unless the policy is in a cross-play pair)."""
         trained = next(iter(versions.items())) if len(versions) == 1 else None
         for rec in opponents.values():
             if rec.policy in self.books:
@@ -174,7 +177,7 @@ class Leagues:
                     self.ratings.add(trained, (rec.policy, rec.version), rec.score)
         for name, book in self.books.items():
             book.since_asked = 0 if name in asked else book.since_asked + 1
-            if book.since_asked == self.unused_episodes:
+            if book.since_asked == self.unused_episodes and name not in self.cross_played:
                 self._fail(
                     f"{self.fields[name]}: workflow {self.entrypoint} asked for no opponent of policy "
                     f"{name} (ctx.opponent) in {book.since_asked} episodes in a row: its league's "

@@ -11,24 +11,38 @@ from typing import Any
 import pytest
 from driver_harness import make_job, policy, run
 
+from polyrl_runtime.coordinator.crossplay import read_cells
+
 pytestmark = pytest.mark.slow
 
 LORA = {"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]}
 
 
-def league_job(league: dict[str, Any], *, steps: int = 4, rival: bool = True) -> Any:
-    p = policy("agent", model={"uri": "builtin://tiny-qwen2", "dtype": "float32"})
+def league_job(
+    league: dict[str, Any],
+    *,
+    steps: int = 4,
+    rival: bool = True,
+    rival_policy: str = "agent",
+    cross_play: dict[str, Any] | None = None,
+) -> Any:
+    model = {"uri": "builtin://tiny-qwen2", "dtype": "float32"}
+    p = policy("agent", model=model)
     p["algorithm"] = {"name": "grpo", "groupSize": 4, "lr": 1.0e-2, "lora": LORA}
     p["league"] = league
+    frozen = policy(rival_policy, model=model, frozen=True)
+    frozen.pop("trainer", None)
+    extra = {"evaluation": {"greedy": False, "crossPlay": cross_play}} if cross_play else {}
     return make_job(
         mode="sync",
         maxStaleness=0,
         training={"totalSteps": steps, "episodesPerStep": 16, "seed": 3},
         workflow={
             "entrypoint": "league_workflows:HigherDigit",
-            "args": {"symbols": 4, "rival": rival, "policies": {"player": "agent", "rival": "agent"}},
+            "args": {"symbols": 4, "rival": rival, "policies": {"player": "agent", "rival": rival_policy}},
         },
-        policies=[p],
+        policies=[p, *([frozen] if rival_policy != "agent" else [])],
+        **extra,
     )
 
 
@@ -61,3 +75,44 @@ def test_a_league_no_episode_plays_fails_the_job_naming_it(ray_local: Any, tmp_p
         "spec.policies[0].league: workflow league_workflows:HigherDigit asked for no opponent"
         in summary.message
     )
+
+
+def test_a_league_for_cross_play_alone_rates_its_versions_against_a_fixed_rival(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    """No ctx.opponent: the rival is a frozen policy's agent; the league's snapshots play only in
+    cross-play, which is no reason to fail the job, and the frozen rival anchors the ratings."""
+    pair = {"pairs": [{"row": "agent", "column": "fixed"}], "everySteps": 1, "versions": 2, "episodes": 4}
+    job = league_job(
+        {"snapshotEverySteps": 1, "keep": 2},
+        steps=3,
+        rival=False,
+        rival_policy="fixed",
+        cross_play={**pair, "anchor": "fixed", "anchorRating": 1200},
+    )
+    driver, summary = run(job, tmp_path, unused_episodes=8)
+    assert summary.state == "done", summary.message
+    cells = read_cells(tmp_path / "crossplay.jsonl")
+    assert {(c["step"], c["row_version"], c["column_version"]) for c in cells} == {
+        (1, 0, 0),
+        (1, 1, 0),
+        (2, 1, 0),
+        (2, 2, 0),
+        (3, 2, 0),
+        (3, 3, 0),
+    }
+    assert all(c["scored"] == 4 for c in cells)
+    ratings = driver.ratings.ratings()
+    assert ratings[("fixed", 0)] == 1200.0 and ("agent", 3) in ratings
+    (agent, _) = driver.progress().policies
+    assert agent.rating == round(ratings[("agent", 3)], 1)
+
+
+def test_a_cross_play_pair_that_never_meets_fails_the_job_naming_it(ray_local: Any, tmp_path: Path) -> None:
+    """A policy against itself, in a workflow that seats no ctx.opponent: no side to score."""
+    pair = {"pairs": [{"row": "agent", "column": "agent"}], "everySteps": 1, "versions": 2, "episodes": 2}
+    job = league_job({"snapshotEverySteps": 1, "keep": 2}, steps=3, rival=False, cross_play=pair)
+    _, summary = run(job, tmp_path, unused_episodes=10_000)
+    assert summary.state == "failed"
+    assert summary.message.startswith("spec.evaluation.crossPlay.pairs[0]: in 8 cross-play episodes")
+    assert "never meet" in summary.message
