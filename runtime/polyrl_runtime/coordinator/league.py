@@ -6,8 +6,10 @@ After a league policy's weight sync of a version that is a multiple of `snapshot
 (`Engine.snapshot`, at most `keep`). A snapshot is drawable once every live engine holds it: the
 table lists the versions all of them report, so a request for one finds it on whichever engine the
 pool picks. The tables follow the fleet (`refresh`, at every fleet poll): an engine holds what its
-snapshot calls reported (only they change it), so one that joins holds none until the next snapshot
-is taken, and until then the draws are the latest version; an engine that dies no longer counts. An episode whose opponent's snapshot is gone
+snapshot calls reported (only they change it), so an engine that joins holds none until it gets
+copies of the snapshots the best-stocked live engine holds (`Engine.snapshot_state`, then
+`load_snapshots`, at the next poll) or the next snapshot is taken; until then the draws leave out
+what it lacks. An engine that dies no longer counts. An episode whose opponent's snapshot is gone
 anyway (evicted meanwhile) fails as `snapshot_unavailable`, a counted drop.
 
 Results: each finished episode that played a snapshot scores the current version's agents against
@@ -152,15 +154,38 @@ class Leagues:
 
     async def refresh(self) -> None:
         """Each league's drawable snapshots, from what its live engines' snapshot calls reported (an
-        engine joined or died since); the tables are pushed when they change."""
+        engine joined or died since); an engine that lacks snapshots another live engine holds (it
+        joined) gets copies of them first. The tables are pushed when they change."""
         changed = False
         for name, book in self.books.items():
+            await self._copy_to_joined(name, book.cfg.keep)
             held = self._held(name)
             if held != book.held:
                 log.info("league.held", policy=name, held=list(held), was=list(book.held))
                 book.held, changed = held, True
         if changed:
             await self.fleet.set_opponents(self.tables())
+
+    async def _copy_to_joined(self, policy: str, keep: int) -> None:
+        """Copy the snapshots of `policy` that the best-stocked live engine holds onto each live engine
+        that lacks some, newest first (a failure is logged: the draws leave out what it lacks)."""
+        engines = self.fleet.live_engines(policy)
+        reported = {n: set(self._reported.get(n, {}).get(policy, ())) for n in engines}
+        if not reported:
+            return
+        donor = max(reported, key=lambda n: (len(reported[n]), max(reported[n], default=-1)))
+        for name, have in reported.items():
+            missing = sorted(reported[donor] - have)[-keep:]
+            if name == donor or not missing:
+                continue
+            try:
+                states = await engines[donor].actor.snapshot_state(policy, missing)
+                report = await engines[name].actor.load_snapshots(policy, states, keep)
+            except Exception as e:
+                log.warning("league.copy_failed", policy=policy, engine=name, source=donor, error=str(e))
+                continue
+            self._reported.setdefault(name, {})[policy] = report.held
+            log.info("league.copied", policy=policy, engine=name, source=donor, versions=missing, held=list(report.held))
 
     def episode(
         self, asked: frozenset[str], opponents: Mapping[str, OpponentRecord], versions: Mapping[str, int]

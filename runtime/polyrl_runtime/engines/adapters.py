@@ -141,6 +141,18 @@ class EngineAdapters:
     def policies(self) -> list[str]:
         return list(self.targets)
 
+    def _new_slot(self, policy: str, layout: Mapping[str, tuple[torch.Size, torch.Size]] | None) -> str:
+        """A bank adapter for one more snapshot of `policy`: an evicted one's, or a new one (declared
+        with `layout` when given; else its first copy declares it)."""
+        free = self._free_slots.get(policy)
+        if free:
+            return free.pop()
+        n = self._slots.get(policy, 0)
+        slot, self._slots[policy] = f"{policy}#snapshot{n}", n + 1
+        if layout is not None:
+            self.bank.declare({slot: layout})
+        return slot
+
     def snapshot(self, policy: str, keep: int) -> SnapshotReport:
         """Hold `policy`'s adapter at its current version as a snapshot (again: nothing to do),
         evicting the oldest beyond `keep`. Call between forward passes (under the base's lock)."""
@@ -154,18 +166,48 @@ class EngineAdapters:
                 oldest = min(held)
                 self._free_slots.setdefault(policy, []).append(held.pop(oldest))
                 evicted.append(oldest)
-            free = self._free_slots.get(policy)
-            if free:
-                slot = free.pop()
-            else:
-                n = self._slots.get(policy, 0)
-                slot, self._slots[policy] = f"{policy}#snapshot{n}", n + 1
+            slot = self._new_slot(policy, None)
             self.bank.copy(policy, slot)
             self._copies[slot] = self._copies.get(slot, 0) + 1
             held[target.version] = slot
         versions = tuple(sorted(held))
         nbytes = sum(self.bank.nbytes(slot) for slot in held.values())
         return SnapshotReport(policy, target.version, tuple(evicted), versions, nbytes)
+
+    def snapshot_tensors(self, policy: str, versions: Sequence[int]) -> dict[int, dict[str, torch.Tensor]]:
+        """Copies of `policy`'s snapshots at `versions` (`UnknownSnapshotError` for one not held), for
+        another engine of the same base to hold (`receive_snapshots`)."""
+        return {v: self.bank.tensors(self._slot(policy, v) or policy) for v in versions}
+
+    def receive_snapshots(
+        self, policy: str, states: Mapping[int, Mapping[str, torch.Tensor]], keep: int
+    ) -> SnapshotReport:
+        """Hold the snapshots `states` (version -> tensors, from `snapshot_tensors` of another engine)
+        beside those held, at most `keep` of all (the oldest evicted). Call between forward passes."""
+        if keep < 1:
+            raise ValueError(f"engine {self.engine}: keep must be at least 1, got {keep}")
+        self.target(policy)  # the policy is one of the engine's adapters
+        layout = self.bank.layout(policy)
+        held = self._snapshots.setdefault(policy, {})
+        evicted: list[int] = []
+        for version in sorted(states):
+            if version in held:
+                continue
+            while len(held) >= keep:
+                oldest = min(held)
+                if oldest > version:  # older than every snapshot kept: not worth a slot
+                    break
+                self._free_slots.setdefault(policy, []).append(held.pop(oldest))
+                evicted.append(oldest)
+            if len(held) >= keep:
+                continue
+            slot = self._new_slot(policy, layout)
+            self.bank.load(slot, states[version], scaling=1.0)
+            self._copies[slot] = self._copies.get(slot, 0) + 1
+            held[version] = slot
+        versions = tuple(sorted(held))
+        nbytes = sum(self.bank.nbytes(slot) for slot in held.values())
+        return SnapshotReport(policy, max(versions, default=-1), tuple(evicted), versions, nbytes)
 
     def snapshots(self) -> dict[str, list[int]]:
         """Per policy with snapshots, the versions held."""

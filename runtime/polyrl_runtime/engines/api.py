@@ -14,7 +14,7 @@ aborted (`Engine.abort`, by its `request_id`) and its `generate` raises `Request
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -235,6 +235,18 @@ class Engine(Protocol):
         `SamplingParams.snapshot` (a league's opponents), at most `keep` (the oldest evicted, its
         requests still in the engine failed with `UnknownSnapshotError`). An engine that cannot hold
         one raises a ValueError saying why."""
+        ...
+
+    async def snapshot_state(self, policy: str, versions: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """Copies of `policy`'s snapshots at `versions` (version -> its tensors), for an engine that
+        joined to hold them (`load_snapshots`); `UnknownSnapshotError` for one it does not hold."""
+        ...
+
+    async def load_snapshots(
+        self, policy: str, states: Mapping[int, Mapping[str, Any]], keep: int
+    ) -> SnapshotReport:
+        """Hold snapshots another engine of the policy's base gave (`snapshot_state`) beside its own,
+        at most `keep` of all (the oldest evicted)."""
         ...
 
     # Device pools: an engine sleeps while other roles use its device, vLLM's sleep-mode semantics.

@@ -5,8 +5,8 @@ workers' `EnginePool` calls."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, cast
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 
@@ -59,6 +59,16 @@ class EngineClient(ActorClient[Engine]):
 
     def snapshot(self, policy: str, keep: int) -> ray.ObjectRef[SnapshotReport]:
         return call(self.handle, Engine.snapshot, policy, keep)
+
+    def snapshot_state(
+        self, policy: str, versions: Sequence[int]
+    ) -> ray.ObjectRef[dict[int, dict[str, Any]]]:
+        return call(self.handle, Engine.snapshot_state, policy, versions)
+
+    def load_snapshots(
+        self, policy: str, states: Mapping[int, Mapping[str, Any]], keep: int
+    ) -> ray.ObjectRef[SnapshotReport]:
+        return call(self.handle, Engine.load_snapshots, policy, states, keep)
 
     def sleep(self, level: int = 1) -> ray.ObjectRef[SleepReport]:
         return call(self.handle, Engine.sleep, level)

@@ -91,6 +91,12 @@ class _Adapted:
         rows.mul_(scaling)  # in place: no second copy of the adapter, even for a moment
         self.b[:, cols.start : end].copy_(b)
 
+    def read(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of `adapter`'s A (scaled, as written) and B: `write` of them at scaling 1 restores it."""
+        cols = self.columns[adapter]
+        end = cols.start + cols.rank
+        return self.a[cols.start : end].detach().clone(), self.b[:, cols.start : end].detach().clone()
+
     def copy(self, source: str, target: str) -> None:
         """`target`'s columns become a copy of `source`'s (same rank: the bank checked)."""
         src, dst = self.columns[source], self.columns[target]
@@ -193,6 +199,16 @@ class LoraBank:
             )
         for module in layout:
             self._layers[module].copy(source, target)
+
+    def tensors(self, adapter: str) -> dict[str, torch.Tensor]:
+        """Copies of `adapter`'s tensors as it serves them (A already scaled): `load` of them at
+        scaling 1 into another bank of the same base serves it bit for bit."""
+        if adapter not in self._layouts:
+            raise KeyError(f"no adapter named {adapter} is loaded (loaded: {self.adapters})")
+        out = {}
+        for module in self._layouts[adapter]:
+            out[module + A_SUFFIX], out[module + B_SUFFIX] = self._layers[module].read(adapter)
+        return out
 
     def route(self, adapters: Sequence[str | None]) -> None:
         """Row i of the following forward passes is served by `adapters[i]` (None: the base alone)."""

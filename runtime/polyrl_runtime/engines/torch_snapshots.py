@@ -13,8 +13,10 @@ would be a second copy of the model in the engine's memory.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 
 import structlog
+import torch
 
 from polyrl_runtime.engines.adapters import EngineAdapters
 from polyrl_runtime.engines.api import SnapshotReport, UnknownSnapshotError
@@ -50,6 +52,32 @@ class TorchEngineSnapshots:
         adapters = self.adapters
         with self.target.lock:  # between two forward passes (a step in a thread holds it)
             report = adapters.snapshot(policy, keep)
+        return self._held_now(report)
+
+    async def snapshot_state(
+        self, policy: str, versions: Sequence[int]
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Copies of `policy`'s snapshots at `versions`, for an engine that joined to hold them."""
+        if self.adapters is None:
+            raise ValueError(NO_FULL_WEIGHT_SNAPSHOTS.format(engine=self.name, policy=policy))
+        adapters = self.adapters
+        with self.target.lock:
+            return adapters.snapshot_tensors(policy, versions)
+
+    async def load_snapshots(
+        self, policy: str, states: Mapping[int, Mapping[str, torch.Tensor]], keep: int
+    ) -> SnapshotReport:
+        """Hold snapshots copied from another engine of the policy (`snapshot_state`), at most `keep`."""
+        if self.adapters is None:
+            raise ValueError(NO_FULL_WEIGHT_SNAPSHOTS.format(engine=self.name, policy=policy))
+        adapters = self.adapters
+        with self.target.lock:
+            report = adapters.receive_snapshots(policy, states, keep)
+        return self._held_now(report)
+
+    def _held_now(self, report: SnapshotReport) -> SnapshotReport:
+        """`report`'s evictions applied to the requests in the engine, and logged."""
+        policy = report.policy
         if report.evicted:
             gone = set(report.evicted)
             for r in (*self._pending, *self._held, *self._active):

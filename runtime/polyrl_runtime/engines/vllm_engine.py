@@ -189,6 +189,14 @@ class VllmEngine:
     async def snapshot(self, policy: str, keep: int) -> SnapshotReport:
         raise ValueError(NO_SNAPSHOTS.format(engine=self.name, policy=policy))
 
+    async def snapshot_state(self, policy: str, versions: Sequence[int]) -> dict[int, dict[str, Any]]:
+        raise ValueError(NO_SNAPSHOTS.format(engine=self.name, policy=policy))
+
+    async def load_snapshots(
+        self, policy: str, states: Mapping[int, Mapping[str, Any]], keep: int
+    ) -> SnapshotReport:
+        raise ValueError(NO_SNAPSHOTS.format(engine=self.name, policy=policy))
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         if params.snapshot is not None:
             raise ValueError(NO_SNAPSHOTS.format(engine=self.name, policy=params.policy or self.policy))

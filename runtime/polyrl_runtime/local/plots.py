@@ -85,35 +85,42 @@ def reward_curves(out_dir: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
 
 
 def crossplay_heatmaps(out_dir: Path, cells: Sequence[dict[str, Any]]) -> list[Path]:
-    """One PNG per cross-play pair (`crossplay_<row>_<column>.png`): the row version's score against
-    each column version, the latest pass that played the two (crossplay.jsonl's lines, in order)."""
+    """One PNG per cross-play pair (`crossplay_<row>_<column>.png`), from each version pair's latest
+    cell (crossplay.jsonl's lines, in order): the row version's score against the column version
+    (a game's win rate), and each side's mean reward (what a solver and a verifier each earn)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = (
+        ("score", "score of row", (0.0, 1.0)),
+        ("row_reward", "row reward", None),
+        ("column_reward", "column reward", None),
+    )
     written = []
     for pair in sorted({(c["row"], c["column"]) for c in cells}):
         latest = {
-            (c["row_version"], c["column_version"]): c["score"]
-            for c in cells
-            if (c["row"], c["column"]) == pair
+            (c["row_version"], c["column_version"]): c for c in cells if (c["row"], c["column"]) == pair
         }
         rows = sorted({r for r, _ in latest})
         cols = sorted({c for _, c in latest})
-        grid = [[latest.get((r, c)) for c in cols] for r in rows]
-        values = [[float("nan") if v is None else float(v) for v in line] for line in grid]
-        fig, ax = plt.subplots(figsize=(1.2 + 0.7 * len(cols), 1.0 + 0.6 * len(rows)), dpi=100)
-        image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
-        for i, line in enumerate(grid):
-            for j, v in enumerate(line):
-                ax.text(j, i, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(cols)), [f"v{c}" for c in cols])
-        ax.set_yticks(range(len(rows)), [f"v{r}" for r in rows])
-        ax.set_xlabel(f"{pair[1]} version" + (" (as opponent)" if pair[0] == pair[1] else ""))
-        ax.set_ylabel(f"{pair[0]} version")
-        ax.set_title(f"cross-play: {pair[0]}'s score")
-        fig.colorbar(image, ax=ax)
+        fig, axes = plt.subplots(1, 3, figsize=(3.0 + 2.1 * len(cols), 1.2 + 0.6 * len(rows)), dpi=100)
+        for ax, (key, title, limits) in zip(axes, panels, strict=True):
+            grid = [[latest[(r, c)][key] if (r, c) in latest else None for c in cols] for r in rows]
+            values = [[float("nan") if v is None else float(v) for v in line] for line in grid]
+            vmin, vmax = limits or (None, None)
+            image = ax.imshow(values, vmin=vmin, vmax=vmax, cmap="RdYlGn", aspect="auto")
+            for i, line in enumerate(grid):
+                for j, v in enumerate(line):
+                    ax.text(j, i, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(cols)), [f"v{c}" for c in cols])
+            ax.set_yticks(range(len(rows)), [f"v{r}" for r in rows])
+            ax.set_xlabel(f"{pair[1]} version" + (" (as opponent)" if pair[0] == pair[1] else ""))
+            ax.set_ylabel(f"{pair[0]} version")
+            ax.set_title(title)
+            fig.colorbar(image, ax=ax)
+        fig.suptitle(f"cross-play: {pair[0]} (rows) against {pair[1]} (columns)")
         fig.tight_layout()
         path = out_dir / f"crossplay_{pair[0]}_{pair[1]}.png"
         fig.savefig(path)

@@ -74,11 +74,22 @@ def test_the_leagues_rate_the_versions_from_their_games_against_snapshots() -> N
 class _Engine:
     """An engine actor's client whose `snapshot` holds the last `keep` versions it was asked for."""
 
-    def __init__(self) -> None:
+    def __init__(self, broken: bool = False) -> None:
         self.held: list[int] = []
+        self.broken = broken
 
     async def snapshot(self, policy: str, keep: int) -> SnapshotReport:
         self.held = [*self.held, len(self.held) * 2][-keep:]  # versions 0, 2, 4, ...
+        return SnapshotReport(policy, self.held[-1], (), tuple(self.held), 100 * len(self.held))
+
+    async def snapshot_state(self, policy: str, versions: list[int]) -> dict[int, dict[str, Any]]:
+        assert set(versions) <= set(self.held)
+        return {v: {"w": v} for v in versions}
+
+    async def load_snapshots(self, policy: str, states: dict[int, Any], keep: int) -> SnapshotReport:
+        if self.broken:
+            raise RuntimeError("out of memory")
+        self.held = sorted({*self.held, *states})[-keep:]
         return SnapshotReport(policy, self.held[-1], (), tuple(self.held), 100 * len(self.held))
 
 
@@ -94,7 +105,7 @@ class _Fleet:
         self.pushed.append(tables)
 
 
-def test_the_draws_follow_the_fleet_an_engine_that_joins_holds_nothing_until_the_next_snapshot() -> None:
+def test_the_draws_follow_the_fleet_an_engine_that_joins_gets_copies_of_the_snapshots() -> None:
     spec = RLJob.model_validate(base_job()).spec
     spec.policies[0].league = League(snapshotEverySteps=2, keep=2)
     fleet = _Fleet()
@@ -109,12 +120,14 @@ def test_the_draws_follow_the_fleet_an_engine_that_joins_holds_nothing_until_the
         await leagues.after_sync(name, 2)
         assert leagues.books[name].held == (0, 2) and fleet.pushed[-1][name].held == (0, 2)
         fleet.engines["e2"] = SimpleNamespace(actor=_Engine())  # joins with no snapshot
+        pushes = len(fleet.pushed)
+        await leagues.refresh()  # it gets copies of e1's: the draws go on over both
+        assert fleet.engines["e2"].actor.held == [0, 2] and leagues.books[name].held == (0, 2)
+        assert len(fleet.pushed) == pushes  # nothing changed: nothing pushed
+        fleet.engines["e3"] = SimpleNamespace(actor=_Engine(broken=True))  # cannot take them
         await leagues.refresh()
         assert leagues.books[name].held == () and fleet.pushed[-1][name].held == ()  # the latest only
-        pushes = len(fleet.pushed)
-        await leagues.refresh()
-        assert len(fleet.pushed) == pushes  # nothing changed: nothing pushed
-        del fleet.engines["e2"]  # dies
+        del fleet.engines["e3"]  # dies
         await leagues.refresh()
         assert leagues.books[name].held == (0, 2)
 

@@ -411,3 +411,42 @@ def test_what_cannot_hold_a_snapshot_is_refused_by_name(model_dir: Path) -> None
     with pytest.raises(ValueError, match="snapshot must be a weight version >= 0, got -1"):
         SamplingParams(snapshot=-1)
     assert set(LORAS) == {"solver", "verifier"}
+
+
+def test_an_engine_that_joins_serves_copies_of_anothers_snapshots_bit_for_bit(model_dir: Path) -> None:
+    old, new = _engine(model_dir), _engine(model_dir)
+    first, second, third = (_peft(model_dir, seed=s) for s in (0, 1, 2))
+    snapshots = [1, 2, None, 1, 2, None]
+
+    async def go() -> list[object]:
+        await _load(old, first, {"solver": 1, "verifier": 1})
+        await old.snapshot("solver", 3)
+        await _load(old, second, {"solver": 2})
+        await old.snapshot("solver", 3)
+        with pytest.raises(UnknownSnapshotError, match="at version 7"):
+            await old.snapshot_state("solver", [7])
+        states = await old.snapshot_state("solver", [1, 2])
+        await _load(new, third, {"solver": 3, "verifier": 1})  # the joined engine's current version
+        report = await new.load_snapshots("solver", states, 3)
+        assert (report.held, report.evicted, report.nbytes) == (
+            (1, 2),
+            (),
+            2 * new.adapters.bank.nbytes("solver"),
+        )  # type: ignore[union-attr]
+        assert (await new.load_snapshots("solver", states, 3)).held == (1, 2)  # held already: nothing to do
+        return await join_midway(new, [(p, _greedy(12, s)) for p, s in zip(PROMPTS, snapshots, strict=True)])
+
+    gens = asyncio.run(go())
+    for p, s, g in zip(PROMPTS, snapshots, gens, strict=True):
+        model = {1: first, 2: second, None: third}[s]
+        assert g.token_ids.tolist() == greedy_reply(_as(model, "solver"), p, 12), s  # type: ignore[attr-defined]
+    # keep bounds the copies too: the oldest goes, and a copy older than all kept is not taken
+    report = asyncio.run(new.load_snapshots("solver", {0: states_of(old, 1)}, 2))
+    assert report.held == (1, 2) and report.evicted == ()
+    report = asyncio.run(new.load_snapshots("solver", {5: states_of(old, 1)}, 2))
+    assert report.held == (2, 5) and report.evicted == (1,)
+    assert new.stats().snapshots == {"solver": [2, 5]}
+
+
+def states_of(eng: TorchEngine, version: int) -> dict[str, torch.Tensor]:
+    return asyncio.run(eng.snapshot_state("solver", [version]))[version]
