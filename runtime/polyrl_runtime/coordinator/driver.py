@@ -303,7 +303,9 @@ class Driver:
             await asyncio.gather(*(buffer.reopen(n) for n, step in done.items() if step < self.total))
         producer = self._new_producer(feed, buffer)
         # What a checkpoint records beside the trainers and the buffer (`_restore_counters` reads it).
-        self.checkpointer.attach(buffer, producer.state, self.metrics.flush)
+        self.checkpointer.attach(
+            buffer, lambda: {**producer.state(), "ratings": self.ratings.state()}, self.metrics.flush
+        )
         cp = spec.evaluation.cross_play if spec.evaluation is not None else None
         xp = (
             None
@@ -446,6 +448,7 @@ class Driver:
     ) -> None:
         st = ref.state
         producer.restore(st, buffered)
+        self.ratings.restore(st.get("ratings", []))
         self.control.elapsed_before = float(st.get("elapsed_s", 0.0))
         self.checkpointer.resumed(ref)
         for name, run in self.runs.items():

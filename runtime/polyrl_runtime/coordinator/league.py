@@ -185,7 +185,14 @@ class Leagues:
                 log.warning("league.copy_failed", policy=policy, engine=name, source=donor, error=str(e))
                 continue
             self._reported.setdefault(name, {})[policy] = report.held
-            log.info("league.copied", policy=policy, engine=name, source=donor, versions=missing, held=list(report.held))
+            log.info(
+                "league.copied",
+                policy=policy,
+                engine=name,
+                source=donor,
+                versions=missing,
+                held=list(report.held),
+            )
 
     def episode(
         self, asked: frozenset[str], opponents: Mapping[str, OpponentRecord], versions: Mapping[str, int]

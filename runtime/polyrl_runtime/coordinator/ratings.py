@@ -110,6 +110,17 @@ class RatingBook:
         total[0] += score
         total[1] += games
 
+    def state(self) -> list[list[Any]]:
+        """The games, as a checkpoint keeps them (JSON): [a's policy, version, b's policy, version,
+        a's score, games] each, so that a resumed job rates the whole run."""
+        return [[*a, *b, score, n] for (a, b), (score, n) in sorted(self.games.items())]
+
+    def restore(self, state: Sequence[Sequence[Any]]) -> None:
+        self.games = {
+            ((str(pa), int(va)), (str(pb), int(vb))): [float(score), float(n)]
+            for pa, va, pb, vb, score, n in state
+        }
+
     def _groups(self) -> list[set[str]]:
         parent = {p: p for (a, b) in self.games for p in (a[0], b[0])}
 

@@ -106,6 +106,18 @@ def test_a_league_for_cross_play_alone_rates_its_versions_against_a_fixed_rival(
     assert ratings[("fixed", 0)] == 1200.0 and ("agent", 3) in ratings
     (agent, _) = driver.progress().policies
     assert agent.rating == round(ratings[("agent", 3)], 1)
+    # resumed for one step more, the ratings go on from the checkpoint's games: the whole run's
+    longer = league_job(
+        {"snapshotEverySteps": 1, "keep": 2},
+        steps=4,
+        rival=False,
+        rival_policy="fixed",
+        cross_play={**pair, "anchor": "fixed", "anchorRating": 1200},
+    )
+    again, summary = run(longer, tmp_path, unused_episodes=8)
+    assert summary.state == "done" and again.resumed, summary.message
+    assert set(driver.ratings.games) < set(again.ratings.games)
+    assert {a for a, _ in again.ratings.games} == {("agent", v) for v in range(5)}
 
 
 def test_a_cross_play_pair_that_never_meets_fails_the_job_naming_it(ray_local: Any, tmp_path: Path) -> None:

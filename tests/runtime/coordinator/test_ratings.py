@@ -3,6 +3,7 @@ model they fit."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -75,3 +76,12 @@ def test_a_named_anchor_fixes_its_group_at_the_given_rating() -> None:
     ratings = book.ratings()
     assert ratings[("base", 0)] == 1500.0
     assert ratings[("me", 4)] > 1500.0 > ratings[("me", 0)]
+
+
+def test_a_book_survives_a_checkpoint_as_json() -> None:
+    book = RatingBook(["me", "base"], anchor="base")
+    book.add(("me", 4), ("base", 0), 3.0, games=4)
+    book.add(("me", 2), ("me", 0), 1.0)
+    again = RatingBook(["me", "base"], anchor="base")
+    again.restore(json.loads(json.dumps(book.state())))
+    assert again.games == book.games and again.ratings() == book.ratings()
