@@ -83,14 +83,13 @@ def test_a_league_for_cross_play_alone_rates_its_versions_against_a_fixed_rival(
     """No ctx.opponent: the rival is a frozen policy's agent; the league's snapshots play only in
     cross-play, which is no reason to fail the job, and the frozen rival anchors the ratings."""
     pair = {"pairs": [{"row": "agent", "column": "fixed"}], "everySteps": 1, "versions": 2, "episodes": 4}
-    job = league_job(
-        {"snapshotEverySteps": 1, "keep": 2},
-        steps=3,
-        rival=False,
-        rival_policy="fixed",
-        cross_play={**pair, "anchor": "fixed", "anchorRating": 1200},
-    )
-    driver, summary = run(job, tmp_path, unused_episodes=8)
+
+    def job(steps: int) -> Any:
+        league = {"snapshotEverySteps": 1, "keep": 2}
+        xp = {**pair, "anchor": "fixed", "anchorRating": 1200}
+        return league_job(league, steps=steps, rival=False, rival_policy="fixed", cross_play=xp)
+
+    driver, summary = run(job(3), tmp_path, unused_episodes=8)
     assert summary.state == "done", summary.message
     cells = read_cells(tmp_path / "crossplay.jsonl")
     assert {(c["step"], c["row_version"], c["column_version"]) for c in cells} == {
@@ -107,14 +106,7 @@ def test_a_league_for_cross_play_alone_rates_its_versions_against_a_fixed_rival(
     (agent, _) = driver.progress().policies
     assert agent.rating == round(ratings[("agent", 3)], 1)
     # resumed for one step more, the ratings go on from the checkpoint's games: the whole run's
-    longer = league_job(
-        {"snapshotEverySteps": 1, "keep": 2},
-        steps=4,
-        rival=False,
-        rival_policy="fixed",
-        cross_play={**pair, "anchor": "fixed", "anchorRating": 1200},
-    )
-    again, summary = run(longer, tmp_path, unused_episodes=8)
+    again, summary = run(job(4), tmp_path, unused_episodes=8)
     assert summary.state == "done" and again.resumed, summary.message
     assert set(driver.ratings.games) < set(again.ratings.games)
     assert {a for a, _ in again.ratings.games} == {("agent", v) for v in range(5)}

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from fakes import FakeBuffer, FakeEngine
 
-from polyrl_operator.api import RLJob
 from polyrl_runtime.engines.api import SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.client import BufferClient
@@ -19,6 +18,15 @@ from polyrl_runtime.workflows.api import Agent, EpisodeContext
 from polyrl_runtime.workflows.crossplay import CrossPlayGame, CrossPlayResult, sides
 from polyrl_runtime.workflows.runner import WorkflowWorker
 from polyrl_testenv.inprocess import engine_routes
+from polyrl_testenv.league_jobs import higher_digit_job
+
+# the league policy against itself and against a frozen base: cross-play only (nothing asks ctx.opponent
+# of the base)
+_PAIRS = [{"row": "agent", "column": "agent"}, {"row": "agent", "column": "base"}]
+_JOB = higher_digit_job(
+    {"name": "base", "model": {"uri": "builtin://tiny-qwen2"}, "frozen": True},
+    evaluation={"crossPlay": {"pairs": _PAIRS}},
+)
 
 
 def test_a_pair_of_two_policies_holds_each_to_its_version_everywhere() -> None:
@@ -88,37 +96,6 @@ def test_every_agent_a_cell_makes_plays_its_policys_version() -> None:
     assert [t.agent for t in ctx.turns] == ["judge"]
 
 
-def _job() -> str:
-    doc = {
-        "apiVersion": "polyrl.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": "t"},
-        "spec": {
-            "training": {"totalSteps": 1},
-            "workflow": {
-                "entrypoint": "league_workflows:HigherDigit",
-                "args": {"policies": {"player": "agent", "rival": "agent"}},
-            },
-            "policies": [
-                {
-                    "name": "agent",
-                    "model": {"uri": "builtin://tiny-qwen2"},
-                    "algorithm": {"groupSize": 2, "lora": {"rank": 4}},
-                    "rollout": {"engine": "torch", "gpus": 0},
-                    "league": {"keep": 2},
-                },
-                {"name": "base", "model": {"uri": "builtin://tiny-qwen2"}, "frozen": True},
-            ],
-            "evaluation": {
-                "crossPlay": {
-                    "pairs": [{"row": "agent", "column": "agent"}, {"row": "agent", "column": "base"}]
-                }
-            },
-        },
-    }
-    return RLJob.model_validate(doc).model_dump_json(by_alias=True)
-
-
 def test_the_worker_plays_a_cell_outside_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "data"))
     tok = load_tokenizer("builtin://tiny-qwen2")
@@ -138,7 +115,7 @@ def test_the_worker_plays_a_cell_outside_the_buffer(monkeypatch: pytest.MonkeyPa
 
     buffer = FakeBuffer()
     routes = engine_routes({"agent": {"e": FakeEngine(reply)}, "base": {"b": FakeEngine(base)}})
-    worker = WorkflowWorker("w", _job(), BufferClient(buffer), routes)
+    worker = WorkflowWorker("w", _JOB, BufferClient(buffer), routes)
     out = asyncio.run(worker.cross_play("xp", 7, [None] * 3, True, CrossPlayGame("agent", "agent", 2, 1)))
     assert out == [CrossPlayResult(1.0, 0.0)] * 3 and sorted(seen) == [1, 1, 1, 2, 2, 2]
     seen.clear()
@@ -159,7 +136,7 @@ def test_a_failed_cell_episode_is_its_error(monkeypatch: pytest.MonkeyPatch) -> 
         raise RuntimeError("engine on fire")
 
     routes = engine_routes({"agent": {"e": FakeEngine(reply)}, "base": {"b": FakeEngine(reply)}})
-    worker = WorkflowWorker("w", _job(), BufferClient(FakeBuffer()), routes)
+    worker = WorkflowWorker("w", _JOB, BufferClient(FakeBuffer()), routes)
     out = asyncio.run(worker.cross_play("xp", 7, [None], True, CrossPlayGame("agent", "agent", None, None)))
     assert (
         len(out) == 1 and isinstance(out[0], str) and out[0].startswith("episode xpe0-0") and "fire" in out[0]

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from fakes import FakeBuffer, FakeEngine
 
-from polyrl_operator.api import RLJob
 from polyrl_runtime.data.row import RowRef
 from polyrl_runtime.engines.api import SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
@@ -23,6 +22,7 @@ from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.opponents import OpponentRecord, OpponentTable, draw, opponent_score
 from polyrl_runtime.workflows.runner import WorkflowWorker
 from polyrl_testenv.inprocess import engine_routes
+from polyrl_testenv.league_jobs import higher_digit_job
 
 
 def test_a_draw_is_a_function_of_its_key_with_the_latest_in_its_fraction() -> None:
@@ -105,31 +105,6 @@ def test_an_opponent_at_a_snapshot_asks_for_it_and_records_no_turn() -> None:
     asyncio.run(go())
 
 
-def _league_job() -> str:
-    doc = {
-        "apiVersion": "polyrl.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": "t"},
-        "spec": {
-            "training": {"totalSteps": 1},
-            "workflow": {
-                "entrypoint": "league_workflows:HigherDigit",
-                "args": {"policies": {"player": "agent", "rival": "agent"}},
-            },
-            "policies": [
-                {
-                    "name": "agent",
-                    "model": {"uri": "builtin://tiny-qwen2"},
-                    "algorithm": {"groupSize": 2, "lora": {"rank": 4}},
-                    "rollout": {"engine": "torch", "gpus": 0},
-                    "league": {"keep": 2},
-                }
-            ],
-        },
-    }
-    return RLJob.model_validate(doc).model_dump_json(by_alias=True)
-
-
 def test_the_worker_trains_the_player_alone_and_evaluates_against_the_latest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -144,7 +119,7 @@ def test_the_worker_trains_the_player_alone_and_evaluates_against_the_latest(
 
     buffer = FakeBuffer()
     worker = WorkflowWorker(
-        "w", _league_job(), BufferClient(buffer), engine_routes({"agent": {"e": FakeEngine(reply)}})
+        "w", higher_digit_job(), BufferClient(buffer), engine_routes({"agent": {"e": FakeEngine(reply)}})
     )
     worker.set_opponents({"agent": OpponentTable("agent", (4,), (1.0,), latest_fraction=0.0)})
     report = asyncio.run(worker.run_group("g", 3, [Ticket(i, frozenset({"agent"})) for i in range(2)]))
