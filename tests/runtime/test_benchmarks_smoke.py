@@ -306,3 +306,16 @@ def test_league_benchmark_runs() -> None:
     assert [r[1].strip() for r in rows] == ["0", "2"], out
     assert float(rows[1][2].split()[0]) > 0 and rows[1][3].strip().endswith("ms")  # bytes, snapshot time
     assert all(float(r[5].strip().rstrip("x")) > 0 and float(r[7].strip().rstrip("x")) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_league_selfplay_benchmark_runs(tmp_path: Path) -> None:
+    tiny = ["--set", "policies.*.model.uri=builtin://tiny-qwen2", "--set", "training.totalSteps=2"]
+    small = ["--set", "evaluation.crossPlay.episodes=2", "--set", "evaluation.crossPlay.everySteps=1"]
+    out = _run("league_selfplay.py", "--out", str(tmp_path), *tiny, *small, timeout=600)
+    rows = [r.split("|") for r in out.splitlines() if r.startswith("| pfsp") or r.startswith("| latest")]
+    assert [r[1].strip() for r in rows] == ["pfsp", "latest"], out
+    assert all(r[2].strip().startswith("1: ") and "2: " in r[2] for r in rows), out  # a pass per step
+    assert "final win rate, league minus latest-only" in out
+    again = _run("league_selfplay.py", "--out", str(tmp_path), *tiny, *small, "--reuse")
+    assert again.splitlines()[2:] == out.splitlines()[2:]  # the same runs, read again
