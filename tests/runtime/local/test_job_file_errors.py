@@ -38,7 +38,8 @@ def test_run_and_validate_name_the_same_field_on_the_same_line(tmp_path: Path) -
     checked = _validate(path)
     assert checked.returncode == 1
     problems = [x for x in checked.stderr.splitlines() if x.startswith(str(path))]
-    assert problems == [f"{path}:7: spec.evaluation: needs eval rows: set data.eval"]
+    want = "needs eval rows: set data.eval (or evaluation.crossPlay alone, for games without rows)"
+    assert problems == [f"{path}:7: spec.evaluation: {want}"]
     ran = polyrl_run(str(path), "--out", str(tmp_path / "out"))
     assert ran.returncode == 2
     assert ran.stderr.splitlines() == [f"error: {p}" for p in problems]
