@@ -108,7 +108,6 @@ class CrossPlayer:
         # each pair's pass follows its first trained policy's steps
         self.trigger = [x.row if x.row not in frozen else x.column for x in cfg.pairs]
         self.path, self._fail = out_dir / CROSSPLAY_FILE, fail
-        self.latest: dict[int, list[dict[str, Any]]] = {}  # pair index -> its last pass's cells
 
     def due(self, policy: str, step: int, last: bool) -> list[int]:
         """The pairs whose pass this step of `policy` plays."""
@@ -147,7 +146,6 @@ class CrossPlayer:
             if line["scored"]:
                 a, b = (pair.row, line["row_version"]), (pair.column, line["column_version"])
                 self.ratings.add(a, b, line["score"] * line["scored"], line["scored"])
-        self.latest[index] = lines
         log.info(
             "crossplay.pass",
             pair=index,
