@@ -1,7 +1,9 @@
-"""What serving a league's snapshots costs on a torch engine of LoRA adapters (`spec.policies[].league`).
+"""What serving a league's snapshots costs on a torch engine (`spec.policies[].league`), for a LoRA
+policy and for a full-weight one.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/league.py [--model builtin://smollm2-135m-instruct]
-        [--rank 16] [--snapshots 0,1,2,4,8] [--batch 16] [--tokens 32] [--rounds 3]
+        [--rank 16] [--snapshots 0,1,2,4,8] [--full 0,1,2,4] [--copies 1,2] [--batch 16]
+        [--tokens 32] [--rounds 3]
 
 One engine (float32, CPU, greedy) holds the policy's adapter (all linear layers at `--rank`) and K
 snapshots of it, for each K of `--snapshots`. Per K:
@@ -16,8 +18,12 @@ snapshots of it, for each K of `--snapshots`. Per K:
 - ratios: each tokens/s divided by K = 0's current-only figure, measured in the same run (the
   adapters of one layer are one stacked matmul, so every snapshot held widens it for every row).
 
-A full-weight policy has no snapshots (validation refuses a league without algorithm.lora): a
-past version of full weights would be a second copy of the model on the engine.
+Full weights (engines/full_snapshots.py), for each K of `--full` and each serving-copy count C of
+`--copies` (`league.residentSnapshots`; the largest K only for C > 1): one engine of the model alone
+holds K snapshots as host copies; per row the host bytes, the snapshot time (the copy of the weights
+to host memory), the switch time (loading a snapshot into a serving copy, median over the switches
+the mixed batches made), and the same two tokens/s figures, each divided by K = 0's current-only
+figure of this table.
 """
 
 from __future__ import annotations
@@ -108,16 +114,63 @@ async def measure(
     return rows
 
 
+async def _full_snapshots(engine: TorchEngine, k: int) -> list[float]:
+    """Take K snapshots of the engine's full weights (versions 0..K-1); the time each took."""
+    times = []
+    for version in range(k):
+        engine.target._version = version  # as a weight update sets it: one more version to hold
+        t0 = time.perf_counter()
+        await engine.snapshot(POLICY, k)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+async def measure_full(
+    uri: str, *, counts: list[int], copies: list[int], batch: int, tokens: int, rounds: int
+) -> list[str]:
+    rows, base = [], None
+    cases = [(k, 1) for k in counts] + [(max(counts), c) for c in copies if c > 1 and c <= max(counts)]
+    for k, c in cases:
+        engine = TorchEngine("bench", POLICY, uri, transport="shm", seed=1, dtype="float32", max_batch=64,
+                             snapshot_slots=c)  # fmt: skip
+        await _decode(engine, [None] * batch, 4)  # warm up
+        times = await _full_snapshots(engine, k)
+        mixed = [None if i % 2 == 0 or not k else (i // 2) % k for i in range(batch)]
+        await _decode(engine, mixed, 4)  # warm up: the serving copies are made
+        current, both = [], []
+        for _ in range(rounds):
+            current.append(await _decode(engine, [None] * batch, tokens))
+            both.append(await _decode(engine, mixed, tokens))
+        cur, mix = statistics.median(current), statistics.median(both)
+        base = cur if base is None else base
+        full = engine.full_snapshots
+        nbytes = full.host_nbytes() if full is not None else 0
+        switches = full.switches if full is not None else 0
+        snap = f"{statistics.median(times) * 1e3:.0f} ms" if times else "-"
+        switch = f"{full.switch_s / switches * 1e3:.1f} ms ({switches})" if full and switches else "-"
+        rows.append(
+            f"| {k} | {c if k else '-'} | {nbytes / 2**20:.0f} MiB | {snap} | {switch} | {cur:.0f} | "
+            f"{cur / base:.2f}x | {mix:.0f} | {mix / base:.2f}x |"
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="builtin://smollm2-135m-instruct")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--snapshots", default="0,1,2,4,8", help="comma list of K (the first is the baseline)")
+    ap.add_argument("--full", default="0,1,2,4", help="comma list of K for full weights ('' skips them)")
+    ap.add_argument("--copies", default="1,2", help="comma list of serving copies (residentSnapshots)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     counts = [int(k) for k in args.snapshots.split(",")]
+    full = [int(k) for k in args.full.split(",") if k]
+    copies = [int(c) for c in args.copies.split(",")]
+    if min(full, default=0) < 0 or min(copies) < 1:
+        ap.error("--full: K >= 0; --copies: C >= 1")
     if not counts or min(counts) < 0 or args.batch < 2 or args.tokens < 1 or args.rounds < 1:
         ap.error("--snapshots: K >= 0; --batch >= 2, --tokens >= 1, --rounds >= 1")
     uri = args.model if args.model.startswith(("builtin://", "file://")) else f"file://{args.model}"
@@ -127,13 +180,33 @@ def main() -> None:
         f"{args.rank} on every linear layer; batch {args.batch} x {args.tokens} new tokens, "
         f"median of {args.rounds} rounds"
     )
+    lora, full_rows = asyncio.run(
+        _both(uri, rank=args.rank, counts=counts, full=full, copies=copies, batch=args.batch,
+              tokens=args.tokens, rounds=args.rounds)
+    )  # fmt: skip
     print("| snapshots K | their bytes (of the model's) | snapshot | tok/s current only | ratio | "
           "tok/s half on snapshots | ratio |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---:|")
-    for row in asyncio.run(
-        measure(uri, rank=args.rank, counts=counts, batch=args.batch, tokens=args.tokens, rounds=args.rounds)
-    ):
-        print(row)
+    print("\n".join(lora))
+    if full_rows:
+        print("\n# full weights: K snapshots as host copies, C serving copies")
+        print("| snapshots K | serving copies C | host bytes | snapshot | switch (count) | tok/s current "
+              "only | ratio | tok/s half on snapshots | ratio |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(full_rows))
+
+
+async def _both(
+    uri: str, *, rank: int, counts: list[int], full: list[int], copies: list[int], batch: int, tokens: int,
+    rounds: int,
+) -> tuple[list[str], list[str]]:  # fmt: skip
+    """Both tables, on one event loop (each engine's serving loop lives on it)."""
+    lora = await measure(uri, rank=rank, counts=counts, batch=batch, tokens=tokens, rounds=rounds)
+    if not full:
+        return lora, []
+    return lora, await measure_full(
+        uri, counts=full, copies=copies, batch=batch, tokens=tokens, rounds=rounds
+    )
 
 
 if __name__ == "__main__":

@@ -300,12 +300,18 @@ def test_verifier_check_benchmark_runs() -> None:
 
 @pytest.mark.slow
 def test_league_benchmark_runs() -> None:
-    out = _run("league.py", "--model", "builtin://tiny-qwen2", "--snapshots", "0,2", "--batch", "4",
-               "--tokens", "4", "--rounds", "1")  # fmt: skip
-    rows = [r.split("|") for r in out.splitlines() if r.startswith("| ") and "MiB" in r]
+    out = _run("league.py", "--model", "builtin://tiny-qwen2", "--snapshots", "0,2", "--full", "0,2",
+               "--copies", "1,2", "--batch", "4", "--tokens", "4", "--rounds", "1")  # fmt: skip
+    lora, full = out.split("# full weights")
+    rows = [r.split("|") for r in lora.splitlines() if r.startswith("| ") and "MiB" in r]
     assert [r[1].strip() for r in rows] == ["0", "2"], out
     assert float(rows[1][2].split()[0]) > 0 and rows[1][3].strip().endswith("ms")  # bytes, snapshot time
     assert all(float(r[5].strip().rstrip("x")) > 0 and float(r[7].strip().rstrip("x")) > 0 for r in rows)
+    rows = [r.split("|") for r in full.splitlines() if r.startswith("| ") and "MiB" in r]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("0", "-"), ("2", "1"), ("2", "2")], out
+    assert float(rows[1][3].split()[0]) > 0 and rows[1][4].strip().endswith("ms")  # host bytes, snapshot
+    assert rows[1][5].strip().endswith(")") and rows[0][5].strip() == "-"  # switches made, none without
+    assert all(float(r[7].strip().rstrip("x")) > 0 and float(r[9].strip().rstrip("x")) > 0 for r in rows)
 
 
 @pytest.mark.slow

@@ -28,8 +28,20 @@ class League(ApiModel):
         4,
         ge=1,
         le=64,
-        description="Snapshots that stay servable; taking one more evicts the oldest. Each costs one "
-        "copy of the policy's LoRA adapter on every engine of the policy (reported as league_bytes).",
+        description="Snapshots that stay servable; taking one more evicts the oldest. Each costs, on "
+        "every engine of the policy, one copy of its LoRA adapter on the engine's device, or for a "
+        "policy without LoRA one copy of its weights in host memory (reported as league_bytes).",
+    )
+    resident_snapshots: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="A policy without LoRA only (default 1): how many snapshots each engine keeps "
+        "loaded in serving copies of the model on its device, each costing one copy of the weights "
+        "there (none more on a CPU engine, whose copies serve the host copies in place). A request "
+        "for a snapshot no copy holds loads it into the least recently used idle copy, or waits "
+        "for one to go idle. At most keep. A LoRA policy's snapshots are all resident (adapters "
+        "on its base).",
     )
     sampling: OpponentSampling = Field(
         "uniform",

@@ -284,11 +284,21 @@ class Policy(ApiModel):
             field=".algorithm.overlongPenalty.bufferTokens",
         ),
         Rule(
-            cel="!has(self.league) || (has(self.algorithm) && has(self.algorithm.lora))",
-            message="needs algorithm.lora: past versions are served as frozen copies of the policy's "
-            "LoRA adapter on its engines (snapshots of full weights are not served)",
-            check=lambda p: p.league is None or p.algorithm.lora is not None,
-            field=".league",
+            cel="!has(self.league) || !has(self.league.residentSnapshots) || !has(self.algorithm) || "
+            "!has(self.algorithm.lora)",
+            message="is for a policy without LoRA: a LoRA policy's snapshots are adapters on its base, "
+            "all of them resident (remove residentSnapshots)",
+            check=lambda p: (
+                p.league is None or p.league.resident_snapshots is None or p.algorithm.lora is None
+            ),
+            field=".league.residentSnapshots",
+        ),
+        Rule(
+            cel="!has(self.league) || !has(self.league.residentSnapshots) || "
+            "self.league.residentSnapshots <= (has(self.league.keep) ? self.league.keep : 4)",
+            message="must be at most league.keep: a serving copy beyond the snapshots held would stay empty",
+            check=lambda p: p.league is None or (p.league.resident_snapshots or 1) <= p.league.keep,
+            field=".league.residentSnapshots",
         ),
         Rule(
             cel="!has(self.league) || !(has(self.frozen) && self.frozen)",

@@ -281,9 +281,10 @@ class RLJobSpec(ApiModel):
 
     def served_as_adapter(self, policy: str) -> bool:
         """Whether `policy`'s engines hold its LoRA adapter beside the base rather than the merged
-        weights: it shares a base, or it has a league (its snapshots are copies of the adapter). Its
-        trainer then publishes the adapter alone."""
-        return self.shared_base(policy) is not None or self.policy(policy).league is not None
+        weights: it shares a base, or it is a LoRA policy with a league (its snapshots are copies of
+        the adapter). Its trainer then publishes the adapter alone."""
+        p = self.policy(policy)
+        return self.shared_base(policy) is not None or (p.league is not None and p.algorithm.lora is not None)
 
     def trainer_placement(self, policy: Policy) -> Placement:
         """The policy's trainer ranks' pods: `replicas` of its own, or its pool's first

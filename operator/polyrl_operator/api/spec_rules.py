@@ -228,13 +228,13 @@ SPEC_RULES: tuple[Rule, ...] = (
     Rule(
         cel="!has(self.weightSync) || !has(self.weightSync.transport) || "
         "!(self.weightSync.transport in ['collective', 'cudaipc', 'storage']) || "
-        "self.policies.all(p, !has(p.league))",
-        message="a policy with a league receives adapter versions through objectstore or shm (auto "
-        "picks one): its engines hold its LoRA adapter and past versions of it, and collective, "
-        "cudaipc and storage send merged weights",
+        "self.policies.all(p, !has(p.league) || !has(p.algorithm) || !has(p.algorithm.lora))",
+        message="a LoRA policy with a league receives adapter versions through objectstore or shm "
+        "(auto picks one): its engines hold its LoRA adapter and past versions of it, and "
+        "collective, cudaipc and storage send merged weights",
         check=lambda s: (
             s.weight_sync.transport not in ("collective", "cudaipc", "storage")
-            or all(p.league is None for p in s.policies)
+            or all(p.league is None or p.algorithm.lora is None for p in s.policies)
         ),
         field=".weightSync.transport",
     ),

@@ -10,7 +10,8 @@ snapshot calls reported (only they change it), so an engine that joins holds non
 copies of the snapshots the best-stocked live engine holds (`Engine.snapshot_state`, then
 `load_snapshots`, at the next poll) or the next snapshot is taken; until then the draws leave out
 what it lacks. An engine that dies no longer counts. An episode whose opponent's snapshot is gone
-anyway (evicted meanwhile) fails as `snapshot_unavailable`, a counted drop.
+anyway (evicted meanwhile) is played again against another draw by its worker, counted as
+`snapshot_replaced` (workflows/runner.py).
 
 Results: each finished episode that played a snapshot scores the current version's agents against
 it (1, 0.5, 0), accumulated per snapshot version; pfsp weighs the held snapshots by them

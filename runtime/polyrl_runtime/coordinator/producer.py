@@ -234,6 +234,8 @@ class EpisodeProducer:
                     continue
             else:
                 self._consecutive_failures = 0
+            if ep.replaced_snapshot is not None:  # played again: its first draw's snapshot was gone
+                self.failures["snapshot_replaced"] += 1
             self.episodes_ok += 1
             self._check_used(ep.samples)
             self._on_opponents(ep.opponent_policies, ep.opponents, ep.versions)

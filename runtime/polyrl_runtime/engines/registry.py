@@ -74,11 +74,19 @@ def _torch_engine() -> type[Engine]:
     return TorchEngine
 
 
+def _torch_options(spec: RLJobSpec, policy: Policy) -> dict[str, Any]:
+    """A full-weight league's serving copies of its snapshots (engines/full_snapshots.py)."""
+    league = policy.league
+    if league is None or policy.algorithm.lora is not None or spec.shared_base(policy.name) is not None:
+        return {}
+    return {"snapshot_slots": league.resident_snapshots or 1}
+
+
 def _vllm_engine() -> type[Engine]:
     from polyrl_runtime.engines.vllm_engine import VllmEngine
 
     return VllmEngine
 
 
-register_engine("torch", _torch_engine)
+register_engine("torch", _torch_engine, _torch_options)
 register_engine("vllm", _vllm_engine, vllm_api.actor_options)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from polyrl_runtime.engines.aborts import Aborts
+from polyrl_runtime.engines.full_snapshots import FullSnapshots
 from polyrl_runtime.engines.torch_request import TorchRequest
 
 
@@ -24,6 +25,7 @@ class TorchEngineAborts:
     _pending: list[TorchRequest]
     _active: list[TorchRequest]
     _held: list[TorchRequest]
+    full_snapshots: FullSnapshots | None  # a past version's requests run on its serving copies
 
     def _ensure_loop(self) -> asyncio.Event:
         raise NotImplementedError  # the engine's serving loop
@@ -37,6 +39,9 @@ class TorchEngineAborts:
         for rid in request_ids:
             r = self._by_id.get(rid)
             if r is None:
+                full = self.full_snapshots
+                if full is not None and await full.abort(rid):
+                    continue
                 if rid:
                     self._aborts.unmatched(rid)
             elif not r.future.done():  # counted now, so the engine's stats show it once this returns

@@ -68,7 +68,7 @@ from polyrl_runtime.engines.stops import find_stop
 from polyrl_runtime.engines.torch_aborts import TorchEngineAborts
 from polyrl_runtime.engines.torch_request import TorchRequest
 from polyrl_runtime.engines.torch_sleep import TorchEngineSleep
-from polyrl_runtime.engines.torch_snapshots import NO_FULL_WEIGHT_SNAPSHOTS, TorchEngineSnapshots
+from polyrl_runtime.engines.torch_snapshots import TorchEngineSnapshots
 from polyrl_runtime.models import ModelLoadError, Tokenizer, context_limit, load_model, load_tokenizer
 from polyrl_runtime.models.tiny import KVCache, TinyCausalLM
 from polyrl_runtime.weights.api import SyncReport, TensorTarget, WeightManifest
@@ -102,6 +102,8 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts, TorchEngin
         adapters: Mapping[str, Lora] | None = None,
         base_policies: Sequence[str] = (),
         model_seed: int | None = None,
+        snapshot_slots: int = 1,
+        model: torch.nn.Module | None = None,
     ) -> None:
         pin_from_env()
         torch.set_num_threads(1)
@@ -112,7 +114,8 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts, TorchEngin
         self.trust_remote_code = trust_remote_code
         # A built-in model's weights come from `model_seed` (the policy's: every engine and trainer
         # rank of the policy alike; a frozen policy's engines get no other weights), else `seed`.
-        self.model = load_model(
+        # `model`: one loaded already (a serving copy of past weights, engines/full_snapshots.py).
+        self.model = model or load_model(
             model_uri,
             seed=seed if model_seed is None else model_seed,
             dtype=dtype,
@@ -136,6 +139,9 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts, TorchEngin
                     "which needs a Hugging Face model; the plain-torch builtin models take none"
                 )
             self.adapters = EngineAdapters(name, self.model, self.target, adapters, base_policies)
+        # Past versions of full weights (a league's): made at the first snapshot, with at most
+        # `snapshot_slots` serving copies of the model.
+        self.snapshot_slots, self.full_snapshots = snapshot_slots, None
         self.max_batch = max_batch
         self.max_len = context_limit(self.model)
         hf: Any = self.model
@@ -195,7 +201,7 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts, TorchEngin
         elif params.policy not in ("", self.policy):
             raise ValueError(f"engine {self.name} serves policy {self.policy}, not {params.policy}")
         elif params.snapshot is not None:
-            raise ValueError(NO_FULL_WEIGHT_SNAPSHOTS.format(engine=self.name, policy=self.policy))
+            return await self._snapshot_generate(prompt_ids, params)
         if len(prompt_ids) >= self.max_len:  # refused here: in a forward pass it would fail the batch
             raise PromptTooLongError(self.policy, len(prompt_ids), self.max_len)
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab:
@@ -478,12 +484,13 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts, TorchEngin
         return self.target.version
 
     def stats(self) -> EngineStats:
+        in_flight, queued = self.load()
         return EngineStats(
             engine=self.name,
             policy=self.policy,
             version=self.weight_version(),
-            in_flight=len(self._pending) + len(self._active) + len(self._held),
-            queued=len(self._pending) + len(self._held),
+            in_flight=in_flight,
+            queued=queued,
             busy_s=self._busy_s,
             requests=self._requests,
             tokens=self._tokens,
@@ -494,9 +501,10 @@ class TorchEngine(EngineWeights, TorchEngineSleep, TorchEngineAborts, TorchEngin
                 "pod": os.environ.get(ENV_POD_NAME, ""),
                 "forward_passes": self._forwards,
                 "asleep": self._asleep,
+                **self._snapshot_figures(),
             },
             adapters=self.adapters.versions() if self.adapters is not None else {},
-            snapshots=self.adapters.snapshots() if self.adapters is not None else {},
+            snapshots=self._snapshots_held(),
         )
 
     def ping(self) -> str:

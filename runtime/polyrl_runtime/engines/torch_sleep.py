@@ -1,7 +1,8 @@
 """Sleep and wake of the torch engine (`Engine.sleep`, for device pools), a mixin of `TorchEngine`.
 
 `sleep` stops admitting requests that arrive after it (they wait in `_held`), lets the accepted
-ones finish, frees the KV cache and parks the weights (`polyrl_runtime.device_memory`: level 1
+ones finish (a past version's on its serving copies too, which are then dropped: `engines/
+full_snapshots.py`), frees the KV cache and parks the weights (`polyrl_runtime.device_memory`: level 1
 copies them to host memory on a GPU and leaves them on a CPU engine, whose device is the host;
 level 2 drops them and resets the version to -1, so the next update loads them whatever its
 version). `wake_up` brings them back; the held requests are then served, after level 2 once an
@@ -18,6 +19,7 @@ import torch
 
 from polyrl_runtime.device_memory import HostBuffers, ParkedMemory, park_module
 from polyrl_runtime.engines.api import EngineAsleepError, SleepReport, WakeReport, check_sleep_level
+from polyrl_runtime.engines.full_snapshots import FullSnapshots
 from polyrl_runtime.engines.hf_cache import BatchCache
 from polyrl_runtime.engines.torch_request import TorchRequest
 from polyrl_runtime.models.tiny import KVCache, TinyCausalLM
@@ -50,6 +52,7 @@ class TorchEngineSleep:
     _held: list[TorchRequest]
     _needs_weights: bool
     _control_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None
+    full_snapshots: FullSnapshots | None  # its serving copies are dropped while it sleeps
 
     def _ensure_loop(self) -> asyncio.Event:
         raise NotImplementedError  # the engine's serving loop
@@ -73,13 +76,17 @@ class TorchEngineSleep:
                 raise EngineAsleepError(self.name, self._asleep, "sleeping again")
             start = time.perf_counter()
             self._draining = True
+            full = self.full_snapshots
             try:
+                freed = await full.pause() if full is not None else 0
                 await self._finish_accepted()
             except BaseException:
                 self._draining = False
                 self._release_held()
+                if full is not None:
+                    await full.resume()
                 raise
-            freed = self._free_kv_cache()
+            freed += self._free_kv_cache()
             on_device = self.device.type != "cpu"  # on a CPU engine the weights are in host memory
             if level == 1 and not on_device:
                 self._parked = ParkedMemory()
@@ -139,6 +146,8 @@ class TorchEngineSleep:
             self._needs_weights = level == 2
             if not self._needs_weights:
                 self._release_held()
+            if self.full_snapshots is not None:  # snapshots are host copies: they need no update
+                await self.full_snapshots.resume()
             report = WakeReport(self.name, level, time.perf_counter() - start, restored, self._needs_weights)
         log.info(
             "engine.awake", engine=self.name, level=level, restored_bytes=restored, seconds=report.seconds

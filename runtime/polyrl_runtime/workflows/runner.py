@@ -66,6 +66,9 @@ class EpisodeReport:
     # the current version's agents against it (workflows/opponents.py).
     opponents: dict[str, OpponentRecord] = field(default_factory=dict)
     opponent_policies: frozenset[str] = frozenset()  # the league policies `ctx.opponent` was asked for
+    # The snapshot (policy, version) this episode was drawn first and found gone (evicted, or not
+    # on the engine): the episode was played again from the start against another draw.
+    replaced_snapshot: tuple[str, int] | None = None
 
 
 @dataclass
@@ -244,7 +247,31 @@ class WorkflowWorker:
     async def _one(self, ctx: EpisodeContext) -> tuple[EpisodeReport, Episode | None]:
         """The episode's report and, when it is to be trained on, its Episode. A policy-caused
         failure with turns comes back `penalised`, with an Episode whose rewards are NaN until
-        `run_group` sets them from its group (`failure_rewards`)."""
+        `run_group` sets them from its group (`failure_rewards`). An episode whose league snapshot
+        is gone is played once more from the start, that version left out of this worker's draws
+        (the driver's next table leaves it out too); a cross-play cell is not (its versions are
+        the cell's)."""
+        gone: list[tuple[str, int]] = []
+        report, episode = await self._play(ctx, gone)
+        if not gone or ctx.stand_ins:
+            return report, episode
+        policy, version = gone[0]
+        table = self.opponent_tables.get(policy)
+        if table is not None and version in table.held:
+            keep = [i for i, v in enumerate(table.held) if v != version]
+            self.opponent_tables[policy] = replace(
+                table, held=tuple(table.held[i] for i in keep), weights=tuple(table.weights[i] for i in keep)
+            )
+        log.info("episode.snapshot_replaced", episode=ctx.episode_id, policy=policy, version=version)
+        again = self._contexts(ctx.group_id, ctx.index + 1, ctx.seed, ctx.sampling, ctx.sample)[ctx.index]
+        report, episode = await self._play(again, [])
+        report.replaced_snapshot = (policy, version)
+        return report, episode
+
+    async def _play(
+        self, ctx: EpisodeContext, gone: list[tuple[str, int]]
+    ) -> tuple[EpisodeReport, Episode | None]:
+        """`_one`'s single play; a snapshot found gone is appended to `gone`."""
         report = EpisodeReport(ctx.episode_id, ok=False)
         try:
             result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
@@ -274,6 +301,7 @@ class WorkflowWorker:
             report.reason, report.error = "engine_error", str(e)
         except UnknownSnapshotError as e:  # evicted, or on an engine that joined after it was taken
             report.reason, report.error = "snapshot_unavailable", str(e)
+            gone.append((e.policy, e.version))
         except RewardError as e:
             report.reason, report.error = "reward_error", str(e)
             log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
@@ -431,8 +459,8 @@ class WorkflowWorker:
         group_id: str,
         n: int,
         seed: int,
-        sampling: dict[str, SamplingParams],
-        sample: Row | None,
+        sampling: Mapping[str, SamplingParams],
+        sample: Mapping[str, Any] | None,
         *,
         opponent_tables: Mapping[str, OpponentTable] | None = None,
     ) -> list[EpisodeContext]:

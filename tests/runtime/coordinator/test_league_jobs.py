@@ -25,10 +25,11 @@ def league_job(
     rival: bool = True,
     rival_policy: str = "agent",
     cross_play: dict[str, Any] | None = None,
+    lora: dict[str, Any] | None = LORA,
 ) -> Any:
     model = {"uri": "builtin://tiny-qwen2", "dtype": "float32"}
     p = policy("agent", model=model)
-    p["algorithm"] = {"name": "grpo", "groupSize": 4, "lr": 1.0e-2, "lora": LORA}
+    p["algorithm"] = {"name": "grpo", "groupSize": 4, "lr": 1.0e-2, **({"lora": lora} if lora else {})}
     p["league"] = league
     frozen = policy(rival_policy, model=model, frozen=True)
     frozen.pop("trainer", None)
@@ -65,6 +66,21 @@ def test_a_policy_plays_snapshots_of_its_past_versions(ray_local: Any, tmp_path:
     assert agent.rating == records[-1].rating
     # A rival at a snapshot adds no sample: fewer than two samples an episode in all.
     assert all(r.samples < 2 * r.episodes for r in records), [(r.samples, r.episodes) for r in records]
+
+
+def test_a_full_weight_policy_plays_host_copies_of_its_past_versions(ray_local: Any, tmp_path: Path) -> None:
+    """Without LoRA each snapshot is a host copy of the weights, served by one serving copy of the
+    model on each engine (residentSnapshots 1), switched between snapshots as episodes ask."""
+    league = {"snapshotEverySteps": 1, "keep": 2, "sampling": "uniform", "latestFraction": 0.25}
+    _, summary = run(league_job({**league, "residentSnapshots": 1}, steps=2, lora=None), tmp_path)
+    assert summary.state == "done", summary.message
+    records = [r for r in summary.records if r.step > 0]
+    assert [r.league_held for r in records] == [[0, 1], [1, 2]]
+    weights = records[0].league_bytes // 2  # two host copies of the model's weights
+    assert weights > 100_000 and all(r.league_bytes == 2 * weights for r in records)
+    assert sum(records[-1].league_games_total.values()) > 0
+    assert all(r.samples < 2 * r.episodes for r in records), [(r.samples, r.episodes) for r in records]
+    assert records[-1].rating is not None
 
 
 def test_a_league_no_episode_plays_fails_the_job_naming_it(ray_local: Any, tmp_path: Path) -> None:

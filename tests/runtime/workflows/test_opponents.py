@@ -13,7 +13,7 @@ import pytest
 from fakes import FakeBuffer, FakeEngine
 
 from polyrl_runtime.data.row import RowRef
-from polyrl_runtime.engines.api import SamplingParams
+from polyrl_runtime.engines.api import SamplingParams, UnknownSnapshotError
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.experience.client import BufferClient
 from polyrl_runtime.experience.types import Ticket
@@ -130,3 +130,29 @@ def test_the_worker_trains_the_player_alone_and_evaluates_against_the_latest(
     seen.clear()
     out = asyncio.run(worker.evaluate("ev", 1, RowRef("mem://", 0, {}), 2, True))
     assert seen == [None] * 4 and all(isinstance(o, dict) for o in out)  # eval: the latest version
+
+
+def test_an_episode_whose_snapshot_is_gone_is_played_again_against_another_draw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "data"))
+    tok = load_tokenizer("builtin://tiny-qwen2")
+    seen: list[int | None] = []
+
+    def reply(prompt: list[int], params: SamplingParams) -> list[int]:
+        seen.append(params.snapshot)
+        if params.snapshot == 4:  # evicted on the engine since the table was pushed
+            raise UnknownSnapshotError("e", "agent", 4, (6,))
+        return [tok.token_id("2")]
+
+    buffer = FakeBuffer()
+    worker = WorkflowWorker(
+        "w", higher_digit_job(), BufferClient(buffer), engine_routes({"agent": {"e": FakeEngine(reply)}})
+    )
+    worker.set_opponents({"agent": OpponentTable("agent", (4,), (1.0,), latest_fraction=0.0)})
+    report = asyncio.run(worker.run_group("g", 3, [Ticket(0, frozenset({"agent"}))]))
+    (ep,) = report.episodes
+    assert ep.ok and ep.replaced_snapshot == ("agent", 4), ep
+    assert 4 in seen and seen[-2:] == [None, None]  # played again: its rival at the latest version
+    assert ep.opponents == {} and len(buffer.episodes) == 1  # trained once, from the second play
+    assert worker.opponent_tables["agent"].held == ()  # left out of this worker's draws

@@ -577,10 +577,16 @@ BAD_CASES: tuple[BadCase, ...] = (
         ("spec.policies[0].league.keep",),
     ),
     BadCase(
-        "league-without-lora",
-        _league(algorithm__lora=None),
-        "spec.policies[0].league",
-        ("spec.policies[0].league", "needs algorithm.lora"),
+        "league-resident-snapshots-with-lora",
+        _league(league__residentSnapshots=2),
+        "spec.policies[0].league.residentSnapshots",
+        ("spec.policies[0].league.residentSnapshots", "is for a policy without LoRA"),
+    ),
+    BadCase(
+        "league-resident-snapshots-above-keep",
+        _league(algorithm__lora=None, league__keep=2, league__residentSnapshots=3),
+        "spec.policies[0].league.residentSnapshots",
+        ("spec.policies[0].league.residentSnapshots", "must be at most league.keep"),
     ),
     BadCase(
         "league-on-vllm",
@@ -598,7 +604,7 @@ BAD_CASES: tuple[BadCase, ...] = (
         "league-through-collective",
         _league(spec_weightSync__transport="collective"),
         "spec.weightSync.transport",
-        ("spec.weightSync.transport", "a policy with a league receives adapter versions"),
+        ("spec.weightSync.transport", "a LoRA policy with a league receives adapter versions"),
     ),
     BadCase(
         "crossplay-unknown-policy",
