@@ -254,6 +254,20 @@ class RLJobSpec(ApiModel):
         r, t = policy.rollout, policy.trainer_pool
         return r.pool is not None and r.pool == t and self.pool(r.pool).replicas.max == 1
 
+    def shares_gpus_across_pods(self, policy: Policy) -> bool:
+        """Whether the policy's engines and trainer ranks share the GPUs of a pool of several pods
+        (rank 0 and the engine of pod 0 on one GPU, other engines on other hosts): NCCL refuses two
+        ranks on one GPU, and device-to-device copies reach one host only, so its weights go through
+        host memory (objectstore)."""
+        r, t = policy.rollout, policy.trainer_pool
+        return (
+            not policy.frozen
+            and r.pool is not None
+            and r.pool == t
+            and self.pool_gpus(r.pool) >= 1
+            and self.pool(r.pool).replicas.max > 1
+        )
+
     def shared_bases(self) -> list[SharedBase]:
         """Policies that share one base model: those whose rollouts run on the same pool with the
         same `model.uri` and `model.dtype` and that set `algorithm.lora` (served as adapters) or are

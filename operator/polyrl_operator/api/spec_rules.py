@@ -176,6 +176,22 @@ SPEC_RULES: tuple[Rule, ...] = (
         field=".weightSync.transport",
     ),
     Rule(
+        cel="!has(self.weightSync) || !has(self.weightSync.transport) || "
+        "self.weightSync.transport != 'collective' || !has(self.pools) || self.policies.all(p, "
+        "(has(p.frozen) && p.frozen) || !has(p.rollout.pool) || !has(p.trainer.pool) || "
+        "p.rollout.pool != p.trainer.pool || self.pools.all(q, q.name != p.rollout.pool || "
+        "(has(q.gpus) ? q.gpus : 1) < 1 || q.replicas.max == 1))",
+        message="collective cannot serve a policy whose rollout and trainer share a GPU pool of "
+        "several pods: trainer rank 0 and the engine of pod 0 would be two NCCL ranks on one GPU, "
+        "which NCCL refuses. Use auto (objectstore for such a policy: through host memory), or a "
+        "pool of one pod (replicas.max 1, where auto picks cudaipc)",
+        check=lambda s: (
+            s.weight_sync.transport != "collective"
+            or not any(s.shares_gpus_across_pods(p) for p in s.policies)
+        ),
+        field=".weightSync.transport",
+    ),
+    Rule(
         cel="!has(self.weightSync) || self.weightSync.transport != 'cudaipc' || !has(self.pools) || "
         "self.policies.all(p, !has(p.trainer.pool) || "
         "self.pools.all(q, q.name != p.trainer.pool || q.gpus >= 1))",

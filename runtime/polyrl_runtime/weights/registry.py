@@ -73,13 +73,22 @@ def registered() -> list[str]:
 
 
 def choose_transport(
-    requested: str, *, cuda: bool, same_host: bool, ray_available: bool = True, colocated: bool = False
+    requested: str,
+    *,
+    cuda: bool,
+    same_host: bool,
+    ray_available: bool = True,
+    colocated: bool = False,
+    across_pods: bool = False,
 ) -> str:
     """Resolve `auto` to the best transport for where the trainer and its engines are.
 
     GPU weights of a colocated policy (`colocated`: its rollout and trainer on one device pool, so its
     engines run on the trainer's GPU host) are copied device to device from the trainer's memory
-    (`cudaipc`: no network, and NCCL refuses two ranks on one GPU). Other GPU weights go through NCCL
+    (`cudaipc`: no network, and NCCL refuses two ranks on one GPU). A policy that shares the GPUs of
+    a pool of several pods (`across_pods`: trainer rank 0 beside pod 0's engine, the other engines on
+    other hosts) has neither: NCCL would put two ranks on one GPU and cudaipc reaches one host, so
+    its weights go through host memory (`objectstore`). Other GPU weights go through NCCL
     (`collective`): anything else copies them through host memory. On CPU, engines on the trainer's
     host serve from one shared segment (`shm`, the cheapest: one host copy); across hosts Ray's object
     store works everywhere; without Ray, gloo (`collective`) does.
@@ -89,6 +98,8 @@ def choose_transport(
         return requested
     if cuda and colocated:
         return "cudaipc"
+    if cuda and across_pods:
+        return "objectstore"
     if cuda:
         return "collective"
     if same_host:
@@ -100,7 +111,7 @@ def choose_transports(spec: RLJobSpec, *, same_host: bool) -> dict[str, str]:
     """Each policy's transport: `spec.weightSync.transport`, its `auto` resolved per policy
     (`choose_transport`; a policy whose engines and trainer share one pod has them on one host, as
     every policy has under `polyrl run` (`same_host`), and on GPUs its engines read the trainer's
-    device memory). An engine of adapters (a shared base's, a league's) receives through a
+    device memory). An engine of adapters (a shared base's, a LoRA league's) receives through a
     transport that serves several trainers, never collective or cudaipc (which tie an engine to one
     trainer; validation refuses them when asked for by name): the trained members of a shared base
     agree on one, and its frozen members, which receive nothing, are given it."""
@@ -110,6 +121,7 @@ def choose_transports(spec: RLJobSpec, *, same_host: bool) -> dict[str, str]:
             cuda=spec.trainer_placement(p).gpus > 0,
             same_host=same_host or spec.on_one_pod(p),
             colocated=spec.on_one_pod(p),
+            across_pods=spec.shares_gpus_across_pods(p),
         )
         for p in spec.policies
     }
@@ -118,8 +130,8 @@ def choose_transports(spec: RLJobSpec, *, same_host: bool) -> dict[str, str]:
         chosen = {out[m] for m in base.trained}
         agreed = next(iter(chosen)) if len(chosen) == 1 else DEFAULT_TRANSPORT
         out.update(dict.fromkeys(base.policies, DEFAULT_TRANSPORT if agreed in one_trainer else agreed))
-    for p in spec.policies:
-        if p.league is not None and out[p.name] in one_trainer:
+    for p in spec.policies:  # a full-weight league's engine snapshots what it serves: any transport
+        if p.league is not None and p.algorithm.lora is not None and out[p.name] in one_trainer:
             out[p.name] = DEFAULT_TRANSPORT
     return out
 

@@ -120,6 +120,23 @@ def _league_on_gpu(spec: dict[str, Any]) -> None:
     speaker["league"] = {}
 
 
+def _full_weight_league_on_gpu(spec: dict[str, Any]) -> None:
+    _league_on_gpu(spec)
+    del spec["policies"][0]["algorithm"]["lora"]
+
+
+def _speaker_on_a_gpu_pool(pods: int) -> Any:
+    def mutate(spec: dict[str, Any]) -> None:
+        _gpu_trainers(spec)
+        spec["weightSync"]["transport"] = "auto"
+        spec["pools"] = [{"name": "gpus", "gpus": 2, "replicas": {"min": pods, "max": pods}}]
+        speaker = spec["policies"][0]
+        speaker["rollout"] = {"engine": "torch", "pool": "gpus"}
+        speaker["trainer"] = {"pool": "gpus"}
+
+    return mutate
+
+
 def _shared_base_on_gpu(spec: dict[str, Any]) -> None:
     _gpu_trainers(spec)
     spec["pools"] = [{"name": "gpus", "gpus": 1}]
@@ -137,6 +154,11 @@ def _shared_base_on_gpu(spec: dict[str, Any]) -> None:
         # an engine of adapters serves several trainers' versions: never collective or cudaipc
         (lambda s: (s["weightSync"].update(transport="auto"), _league_on_gpu(s)), {"speaker": "objectstore", "listener": "collective"}),
         (lambda s: (s["weightSync"].update(transport="auto"), _shared_base_on_gpu(s)), {"speaker": "objectstore", "listener": "objectstore"}),
+        # rollout and trainer on one GPU pool: device to device on one pod, through host memory on several
+        (_speaker_on_a_gpu_pool(1), {"speaker": "cudaipc", "listener": "collective"}),
+        (_speaker_on_a_gpu_pool(2), {"speaker": "objectstore", "listener": "collective"}),
+        # a full-weight league's engine snapshots the weights it receives, by any transport
+        (lambda s: (s["weightSync"].update(transport="auto"), _full_weight_league_on_gpu(s)), {"speaker": "collective", "listener": "collective"}),
     ],
 )  # fmt: skip
 def test_each_policy_gets_a_transport_its_engines_can_receive(mutate: Any, want: dict[str, str]) -> None:

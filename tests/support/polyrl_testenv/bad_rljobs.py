@@ -200,6 +200,12 @@ def _cudaipc_across_pods(doc: Doc) -> None:
     doc["spec"]["weightSync"]["transport"] = "cudaipc"
 
 
+def _collective_across_pods(doc: Doc) -> None:
+    """As `_cudaipc_across_pods`, through collective: rank 0 and pod 0's engine on one GPU."""
+    _cudaipc_across_pods(doc)
+    doc["spec"]["weightSync"]["transport"] = "collective"
+
+
 def _rollout_on_anothers_training_pool(doc: Doc) -> None:
     """Two pools that each host a trainer, and a policy with its trainer on one and its rollout on
     the other."""
@@ -332,6 +338,12 @@ POOL_CASES: tuple[BadCase, ...] = (
         _cudaipc_across_pods,
         "spec.weightSync.transport",
         ("spec.weightSync.transport", "on one pool of one pod"),
+    ),
+    BadCase(
+        "collective-across-gpu-pool-pods",
+        _collective_across_pods,
+        "spec.weightSync.transport",
+        ("spec.weightSync.transport", "two NCCL ranks on one GPU"),
     ),
     BadCase(
         "cudaipc-trainer-without-gpus",
