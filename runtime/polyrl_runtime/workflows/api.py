@@ -375,6 +375,10 @@ class EpisodeContext:
     # ... and policy -> (the policy, its version) that plays its `ctx.opponent` agents instead.
     stand_ins: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
     roster: dict[str, str] = field(default_factory=dict)  # every agent made so far -> its policy
+    # The OpenAI endpoint's sessions of this episode (their keys: closed when it ends), and the
+    # engine failures its requests met (workflows/openai_server.py).
+    endpoint_keys: list[str] = field(default_factory=list)
+    endpoint_errors: list[BaseException] = field(default_factory=list)
 
     def reward(self, name: str, completion: str, row: Mapping[str, Any] | None = None) -> float:
         """Score `completion` with reward function `name` (a built-in: exact_match, numeric, math; or
@@ -440,3 +444,29 @@ class EpisodeContext:
         from polyrl_runtime.workflows.openai_client import OpenAIClient
 
         return OpenAIClient(self.agent(agent))
+
+    async def openai_base_url(self, *agents: str) -> str:
+        """The base URL of an OpenAI-compatible HTTP endpoint (`/v1/chat/completions`, `/v1/models`)
+        for this episode's `agents` (each by name, as its requests' `model`; default: every agent of
+        the workflow's `policies`), for agent frameworks that take a `base_url`. Each completion is
+        the agent's chat call, trained as `openai(agent)`'s; the URL stops working when the episode
+        ends (workflows/openai_server.py)."""
+        from polyrl_runtime.workflows.openai_server import endpoint_server
+
+        names = agents or tuple(self.agent_policies)
+        if not names:
+            raise ValueError("openai_base_url: name the agents (the job's workflow.args.policies names none)")
+        key, url = await endpoint_server().open(
+            self.episode_id, {n: self.agent(n) for n in names}, self.endpoint_errors
+        )
+        self.endpoint_keys.append(key)
+        return url
+
+    def close_endpoints(self) -> None:
+        """End the episode's endpoint sessions (the runner calls it when the episode ends)."""
+        if self.endpoint_keys:
+            from polyrl_runtime.workflows.openai_server import endpoint_server
+
+            for key in self.endpoint_keys:
+                endpoint_server().close(key)
+            self.endpoint_keys.clear()

@@ -274,7 +274,10 @@ class WorkflowWorker:
         """`_one`'s single play; a snapshot found gone is appended to `gone`."""
         report = EpisodeReport(ctx.episode_id, ok=False)
         try:
-            result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
+            try:
+                result = await asyncio.wait_for(self.workflow.run_episode(ctx), self.timeout)
+            finally:
+                ctx.close_endpoints()
             outcome = result if isinstance(result, Outcome) else Outcome(dict(result))
             rewards = outcome.returns()  # per agent: reward plus its per-turn rewards
             for agent, penalty in overlong_penalties(ctx.calls, self.ramps).items():
@@ -308,8 +311,15 @@ class WorkflowWorker:
         except JudgeError as e:
             report.reason, report.error = "judge_error", str(e)
         except Exception as e:
-            report.reason = "workflow_error"
-            report.error = "".join(traceback.format_exception_only(e)).strip()
+            if ctx.endpoint_errors and isinstance(ctx.endpoint_errors[0], EngineUnavailableError):
+                # an agent framework's call through the OpenAI endpoint met it: the engine's failure
+                report.reason, report.error = (
+                    "engine_error",
+                    f"through the OpenAI endpoint: {ctx.endpoint_errors[0]}",
+                )
+            else:
+                report.reason = "workflow_error"
+                report.error = "".join(traceback.format_exception_only(e)).strip()
             log.warning("episode.failed", episode=ctx.episode_id, error=report.error)
         else:
             report.ok = True
