@@ -325,3 +325,12 @@ def test_league_selfplay_benchmark_runs(tmp_path: Path) -> None:
     assert "final win rate, league minus latest-only" in out
     again = _run("league_selfplay.py", "--out", str(tmp_path), *tiny, *small, "--reuse")
     assert again.splitlines()[2:] == out.splitlines()[2:]  # the same runs, read again
+
+
+@pytest.mark.slow
+def test_openai_endpoint_benchmark_runs() -> None:
+    out = _run("openai_endpoint.py", "--calls", "20", "--episodes", "2", "--turns", "2", "--tokens", "2",
+               "--rounds", "1")  # fmt: skip
+    rows = {r.split("|")[1].strip(): r.split("|")[2:] for r in out.splitlines() if r.startswith("| ")}
+    assert float(rows["in-process"][0].split()[0]) > 0 and float(rows["HTTP endpoint"][0].split()[0]) > 0, out
+    assert "goal (median added <= 5 ms): " in out and float(rows["ratio"][0].strip().rstrip("x")) > 0

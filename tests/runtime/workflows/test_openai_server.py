@@ -15,6 +15,7 @@ import aiohttp
 import numpy as np
 import openai
 import pytest
+from fakes import FakeBuffer
 
 from polyrl_runtime.engines.api import EngineUnavailableError, Generation, SamplingParams
 from polyrl_runtime.engines.pool import EnginePool
@@ -200,3 +201,27 @@ def test_an_engine_failure_is_a_503_and_kept_on_the_episode(tok: Tokenizer) -> N
 
     ctx = asyncio.run(go())
     assert [type(e) for e in ctx.endpoint_errors] == [EngineUnavailableError] and not ctx.turns
+
+
+def test_an_episode_whose_endpoint_call_met_an_engine_failure_counts_as_engine_error(
+    tok: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "data"))
+    from endpoint_workflows import job
+
+    from polyrl_operator.api import RLJob
+    from polyrl_runtime.experience.client import BufferClient
+    from polyrl_runtime.experience.types import Ticket
+    from polyrl_runtime.workflows.runner import WorkflowWorker
+
+    spec = RLJob.model_validate(job()).model_dump_json(by_alias=True)
+    for fail, reason in ((True, "engine_error"), (False, "")):
+        buffer = FakeBuffer()
+        engines = engine_routes({"solver": {"e0": ScriptedEngine(tok, fail)}})
+        worker = WorkflowWorker("w", spec, BufferClient(buffer), engines)
+        report = asyncio.run(worker.run_group("g", 1, [Ticket(i, frozenset({"solver"})) for i in range(2)]))
+        assert [ep.reason for ep in report.episodes] == [reason] * 2, report
+        if fail:
+            assert "through the OpenAI endpoint: engine e0 of policy solver died" in report.episodes[0].error
+        else:
+            assert len(buffer.episodes) == 2  # trained: one sequence each
