@@ -78,6 +78,22 @@ async def _decode(engine: TorchEngine, snapshots: list[int | None], tokens: int)
     return len(snapshots) * tokens / (time.perf_counter() - start)
 
 
+def _mixed(batch: int, k: int) -> list[int | None]:
+    """A league's batch: every other request at the current version, the rest over K snapshots."""
+    return [None if i % 2 == 0 or not k else (i // 2) % k for i in range(batch)]
+
+
+async def _rates(
+    engine: TorchEngine, mixed: list[int | None], tokens: int, rounds: int
+) -> tuple[float, float]:
+    """Median tokens/s of the batch all at the current version, and of `mixed`, over `rounds`."""
+    current, both = [], []
+    for _ in range(rounds):
+        current.append(await _decode(engine, [None] * len(mixed), tokens))
+        both.append(await _decode(engine, mixed, tokens))
+    return statistics.median(current), statistics.median(both)
+
+
 async def measure(
     uri: str, *, rank: int, counts: list[int], batch: int, tokens: int, rounds: int
 ) -> list[str]:
@@ -97,13 +113,7 @@ async def measure(
             t0 = time.perf_counter()
             report = await engine.snapshot(POLICY, max(k, 1))
             times.append(time.perf_counter() - t0)
-        held = list(range(k))
-        mixed = [None if i % 2 == 0 or not held else held[(i // 2) % len(held)] for i in range(batch)]
-        current, both = [], []
-        for _ in range(rounds):
-            current.append(await _decode(engine, [None] * batch, tokens))
-            both.append(await _decode(engine, mixed, tokens))
-        cur, mix = statistics.median(current), statistics.median(both)
+        cur, mix = await _rates(engine, _mixed(batch, k), tokens, rounds)
         base = cur if base is None else base
         nbytes = report.nbytes if k else 0
         snap = f"{statistics.median(times) * 1e3:.1f} ms" if times else "-"
@@ -135,13 +145,8 @@ async def measure_full(
                              snapshot_slots=c)  # fmt: skip
         await _decode(engine, [None] * batch, 4)  # warm up
         times = await _full_snapshots(engine, k)
-        mixed = [None if i % 2 == 0 or not k else (i // 2) % k for i in range(batch)]
-        await _decode(engine, mixed, 4)  # warm up: the serving copies are made
-        current, both = [], []
-        for _ in range(rounds):
-            current.append(await _decode(engine, [None] * batch, tokens))
-            both.append(await _decode(engine, mixed, tokens))
-        cur, mix = statistics.median(current), statistics.median(both)
+        await _decode(engine, _mixed(batch, k), 4)  # warm up: the serving copies are made
+        cur, mix = await _rates(engine, _mixed(batch, k), tokens, rounds)
         base = cur if base is None else base
         full = engine.full_snapshots
         nbytes = full.host_nbytes() if full is not None else 0

@@ -21,53 +21,41 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # polyrl_testenv
 
 import numpy as np
 import openai
 
 from polyrl_runtime.engines.api import Generation, SamplingParams
-from polyrl_runtime.engines.client import EngineClient
 from polyrl_runtime.engines.pool import EnginePool
 from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.models import load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext
+from polyrl_testenv.inprocess import InProcessEngine, engine_routes
 
 AGENT = "solver"
 MESSAGES = [{"role": "user", "content": "What is 3+4? Answer with the number."}]
 
 
-class _Remote:
-    """`handle.method.remote(...)` over a local coroutine function, as `EngineClient` calls it."""
+class _Instant:
+    """An engine without a model: every request gets the same reply at once."""
 
-    def __init__(self, fn: Callable[..., Awaitable[Any]]) -> None:
-        self.fn = fn
+    def __init__(self, tokens: list[int]) -> None:
+        ids = np.asarray(tokens, np.int32)
+        self.reply = Generation(ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int32), "stop")
 
-    def remote(self, *args: Any) -> Awaitable[Any]:
-        return self.fn(*args)
-
-
-class _Handle:
-    def __init__(self, generate: Callable[..., Awaitable[Generation]]) -> None:
-        self.generate = _Remote(generate)
+    async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+        return self.reply
 
 
-def _instant(tokens: list[int]) -> _Handle:
-    ids = np.asarray(tokens, np.int32)
-    reply = Generation(ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int32), "stop")
-
-    async def generate(prompt: list[int], params: SamplingParams) -> Generation:
-        return reply
-
-    return _Handle(generate)
-
-
-def _context(handle: _Handle, uri: str, tokens: int, i: int = 0) -> EpisodeContext:
-    pool = EnginePool({AGENT: {"e0": EngineClient(handle)}})  # type: ignore[arg-type]
+def _context(handle: InProcessEngine, uri: str, tokens: int, i: int = 0) -> EpisodeContext:
+    pool = EnginePool(engine_routes({AGENT: {"e0": handle}}))
     sampling = {AGENT: SamplingParams(temperature=1.0, max_new_tokens=tokens)}
     return EpisodeContext(f"ep-{i}", f"g-{i}", 0, i, pool, {AGENT: load_tokenizer(uri)}, sampling)
 
@@ -76,7 +64,9 @@ async def _latencies(ctx: EpisodeContext, calls: int, http: bool) -> tuple[list[
     """Per-call seconds of `calls` completions, and CPU seconds per call."""
     client: Any
     if http:
-        client = openai.AsyncOpenAI(base_url=await ctx.openai_base_url(AGENT), api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=await ctx.openai_base_url(AGENT), api_key="unused", max_retries=0
+        )
     else:
         client = ctx.openai(AGENT)
     out, cpu = [], time.process_time()
@@ -98,7 +88,7 @@ def _p99(xs: list[float]) -> float:
 
 async def per_call(uri: str, calls: int, tokens: int, rounds: int) -> list[str]:
     tok = load_tokenizer(uri)
-    ctx = _context(_instant(tok.encode("7" * tokens)[:tokens] or [1]), uri, tokens)
+    ctx = _context(InProcessEngine(_Instant(tok.encode("7" * tokens)[:tokens] or [1])), uri, tokens)
     await _latencies(ctx, 20, True)  # warm up: the server starts, connections open
     await _latencies(ctx, 20, False)
     local: list[float] = []
@@ -120,7 +110,9 @@ async def per_call(uri: str, calls: int, tokens: int, rounds: int) -> list[str]:
         f"| added | {added * 1e3:.2f} ms | {(_p99(remote) - _p99(local)) * 1e3:.2f} ms | "
         f"{(statistics.median(cpu[True]) - statistics.median(cpu[False])) * 1e3:.2f} ms |"
     )
-    rows.append(f"\ngoal (median added <= 5 ms): {'met' if added <= 0.005 else 'not met'} ({added * 1e3:.2f} ms)")
+    rows.append(
+        f"\ngoal (median added <= 5 ms): {'met' if added <= 0.005 else 'not met'} ({added * 1e3:.2f} ms)"
+    )
     return rows
 
 
@@ -143,7 +135,7 @@ async def _episode(client: Any, turns: int) -> int:
 
 async def under_load(uri: str, episodes: int, turns: int, tokens: int, rounds: int) -> list[str]:
     engine = TorchEngine("bench", AGENT, uri, seed=1, dtype="float32", max_batch=episodes)
-    handle = _Handle(engine.generate)
+    handle = InProcessEngine(engine)
     rates: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds + 1):  # the first round warms up
         for http in (False, True):
@@ -178,11 +170,15 @@ def main() -> None:
     if args.calls < args.rounds or min(args.episodes, args.turns, args.tokens, args.rounds) < 1:
         ap.error("--calls >= --rounds; --episodes, --turns, --tokens, --rounds >= 1")
     print(f"# {len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.1f}; {args.model}")
-    print(f"\n# per call: {args.calls} completions each way, a {args.tokens}-token reply from an engine without a model")
+    print(
+        f"\n# per call: {args.calls} completions each way, a {args.tokens}-token reply from an engine without a model"
+    )
     print("| client | median latency | p99 latency | CPU per call |")
     print("|---|---:|---:|---:|")
     print("\n".join(asyncio.run(per_call(args.model, args.calls, args.tokens, args.rounds))))
-    print(f"\n# under load: {args.episodes} concurrent episodes x {args.turns} calls, {args.tokens} new tokens each, torch engine")
+    print(
+        f"\n# under load: {args.episodes} concurrent episodes x {args.turns} calls, {args.tokens} new tokens each, torch engine"
+    )
     print("| client | tokens/s |")
     print("|---|---:|")
     print("\n".join(asyncio.run(under_load(args.model, args.episodes, args.turns, args.tokens, args.rounds))))
