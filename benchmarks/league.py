@@ -78,6 +78,15 @@ async def _decode(engine: TorchEngine, snapshots: list[int | None], tokens: int)
     return len(snapshots) * tokens / (time.perf_counter() - start)
 
 
+def _stop(engine: TorchEngine) -> None:
+    """End the serving loops of an engine done with (its own and its serving copies')."""
+    full = engine.full_snapshots
+    for e in [engine, *(s.engine for s in full.slots)] if full is not None else [engine]:
+        task = getattr(e, "_loop_task", None)
+        if task is not None:
+            task.cancel()
+
+
 def _mixed(batch: int, k: int) -> list[int | None]:
     """A league's batch: every other request at the current version, the rest over K snapshots."""
     return [None if i % 2 == 0 or not k else (i // 2) % k for i in range(batch)]
@@ -101,6 +110,7 @@ async def measure(
     _randomise(engine)
     model_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     await _decode(engine, [None] * batch, 4)  # warm up
+    _stop(engine)
     rows, base = [], None
     for k in counts:
         engine = _engine(uri, rank)
@@ -115,6 +125,7 @@ async def measure(
             times.append(time.perf_counter() - t0)
         cur, mix = await _rates(engine, _mixed(batch, k), tokens, rounds)
         base = cur if base is None else base
+        _stop(engine)
         nbytes = report.nbytes if k else 0
         snap = f"{statistics.median(times) * 1e3:.1f} ms" if times else "-"
         rows.append(
@@ -148,6 +159,7 @@ async def measure_full(
         await _decode(engine, _mixed(batch, k), 4)  # warm up: the serving copies are made
         cur, mix = await _rates(engine, _mixed(batch, k), tokens, rounds)
         base = cur if base is None else base
+        _stop(engine)
         full = engine.full_snapshots
         nbytes = full.host_nbytes() if full is not None else 0
         switches = full.switches if full is not None else 0
