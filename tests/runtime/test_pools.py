@@ -262,7 +262,8 @@ def test_auto_picks_shared_memory_for_a_policy_on_one_pod_even_across_pods(tmp_p
 
 def test_auto_picks_device_memory_for_a_policy_colocated_on_a_gpu_pool(tmp_path: Path) -> None:
     """A GPU trainer whose rollout (torch or vLLM) shares its pool of one pod updates its engines
-    through CUDA IPC; on a pool of several pods (engines off the trainer's host) it does not."""
+    through CUDA IPC; on a pool of several pods (engines off the trainer's host) through the object
+    store: collective would make trainer rank 0 and pod 0's engine two NCCL ranks on one GPU."""
     from polyrl_runtime.coordinator.driver import Driver
     from polyrl_runtime.coordinator.job_state import DriverOptions
 
@@ -276,6 +277,6 @@ def test_auto_picks_device_memory_for_a_policy_colocated_on_a_gpu_pool(tmp_path:
         return Driver(job, DriverOptions(tmp_path, tmp_path / "ckpt", same_host=False)).transports
 
     assert transports(1, "torch") == {"speaker": "cudaipc", "listener": "objectstore"}
-    assert transports(3, "torch") == {"speaker": "collective", "listener": "objectstore"}
+    assert transports(3, "torch") == {"speaker": "objectstore", "listener": "objectstore"}
     assert transports(1, "vllm") == {"speaker": "cudaipc", "listener": "objectstore"}
-    assert transports(3, "vllm") == {"speaker": "collective", "listener": "objectstore"}
+    assert transports(3, "vllm") == {"speaker": "objectstore", "listener": "objectstore"}

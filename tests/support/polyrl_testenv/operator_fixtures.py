@@ -73,9 +73,12 @@ def _place(doc: dict[str, Any], pool: dict[str, Any], roles: list[tuple[int, str
 def pooled_gpu_job(**kwargs: Any) -> dict[str, Any]:
     """debate-gpu.yaml with a device pool ``h100`` of 2 to 4 pods of 8 H100s: the proposer's rollout
     and trainer and the critic's rollout run on it; the critic's trainer and the judge keep pods of
-    their own."""
+    their own. Weights through `auto` (the proposer's: objectstore; collective would put its trainer
+    rank 0 and pod 0's engine on one GPU as two NCCL ranks)."""
     pool = {"name": "h100", "replicas": {"min": 2, "max": 4}, "gpus": 8, "gpuType": "h100"}
-    return _place(gpu_job(**kwargs), pool, [(0, "rollout"), (0, "trainer"), (1, "rollout")])
+    doc = _place(gpu_job(**kwargs), pool, [(0, "rollout"), (0, "trainer"), (1, "rollout")])
+    doc["spec"]["weightSync"]["transport"] = "auto"
+    return doc
 
 
 def pooled_cpu_job(**kwargs: Any) -> dict[str, Any]:
