@@ -11,7 +11,8 @@ loopback (`POLYRL_ENDPOINT_HOST` to bind another address, such as the pod's), at
 `openai_base_url` call opens a session whose random key is part of the URL
 (`http://127.0.0.1:PORT/k/<key>/v1`): the key names the episode and the agents it may call, so the
 framework's own HTTP client needs nothing but the URL (its API key is not read). The session ends
-with the episode; a request with an unknown or ended key is refused (401).
+with the episode; a request with an unknown or ended key is refused (401), and the requests it was
+still answering are cancelled (their engine requests aborted).
 
 Routes: `GET /v1/models` (the agents of the session, by name) and `POST /v1/chat/completions`, which
 is `OpenAIClient`'s `create` (workflows/openai_client.py) for the agent the request's `model` names:
@@ -90,6 +91,7 @@ class Session:
     errors: list[BaseException]  # the episode's `endpoint_errors`
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     answers: dict[str, asyncio.Future[tuple[int, Any]]] = field(default_factory=dict)  # body digest ->
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)  # requests being answered
     requests: int = 0
     repeats: int = 0
 
@@ -147,6 +149,8 @@ class EndpointServer:
         for answer in session.answers.values():  # repeats still waiting are told
             if not answer.done():
                 answer.set_result((401, ended))
+        for task in session.tasks:  # and what is still generating stops: its engine requests abort
+            task.cancel()
         self._ended[key] = session.episode
         while len(self._ended) > _ENDED_KEPT:
             self._ended.popitem(last=False)
@@ -193,7 +197,13 @@ class EndpointServer:
         else:
             answer = asyncio.get_running_loop().create_future()
             session.answers[digest] = answer
-            status, payload = await self._answer(session, body)
+            task = asyncio.current_task()
+            assert task is not None
+            session.tasks.add(task)
+            try:
+                status, payload = await self._answer(session, body)
+            finally:
+                session.tasks.discard(task)
             if status != 200:  # nothing was trained: a retry is served afresh
                 session.answers.pop(digest, None)
             if not answer.done():

@@ -225,3 +225,33 @@ def test_an_episode_whose_endpoint_call_met_an_engine_failure_counts_as_engine_e
             assert "through the OpenAI endpoint: engine e0 of policy solver died" in report.episodes[0].error
         else:
             assert len(buffer.episodes) == 2  # trained: one sequence each
+
+
+def test_requests_still_running_when_the_episode_ends_are_cancelled(tok: Tokenizer) -> None:
+    started = asyncio.Event()
+
+    class Slow:
+        async def _generation(self) -> Generation:
+            started.set()
+            await asyncio.sleep(60)
+            raise AssertionError("not cancelled")
+
+        def remote(self, prompt: list[int], params: SamplingParams) -> Awaitable[Generation]:
+            return self._generation()
+
+    class SlowEngine:
+        generate = Slow()
+
+    async def go() -> None:
+        ctx = _context(tok)
+        ctx.pool = EnginePool(engine_routes({"solver": {"e0": SlowEngine()}}))
+        url = await ctx.openai_base_url("solver")
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30) as client:
+            call = asyncio.create_task(client.chat.completions.create(model="solver", messages=QUESTION))
+            await asyncio.wait_for(started.wait(), 10)
+            ctx.close_endpoints()
+            with pytest.raises(openai.APIError):
+                await asyncio.wait_for(call, 10)  # the server dropped it: no 60 s wait
+        assert not ctx.turns
+
+    asyncio.run(go())
