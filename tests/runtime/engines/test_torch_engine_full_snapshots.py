@@ -9,13 +9,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from polyrl_runtime.engines.api import Generation, RequestAbortedError, SamplingParams, UnknownSnapshotError
 from polyrl_runtime.engines.torch_engine import TorchEngine
 from polyrl_runtime.weights import make_sender
-from polyrl_testenv.models import greedy_reply, lively_qwen2
+from polyrl_testenv.models import greedy_reply, lively_qwen2, moved_model
 
 PROMPTS = [[5 + (i * 37 + n) % 300 for i in range(n)] for n in (1, 3, 9, 20, 6, 14)]
 
@@ -26,14 +25,8 @@ def model_dir(tiny_qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def _model(model_dir: Path, version: int) -> transformers.PreTrainedModel:
-    """The model at `version`: the base with every matrix moved by a draw of the version's seed."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(version)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model.eval()
+    model: transformers.PreTrainedModel = moved_model(model_dir, version)
+    return model
 
 
 def _engine(model_dir: Path, slots: int = 1) -> TorchEngine:

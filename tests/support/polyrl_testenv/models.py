@@ -25,6 +25,18 @@ def lively_qwen2(source: Path, out: Path, seed: int, std: float = 0.15) -> Path:
     return out
 
 
+def moved_model(model_dir: Path, version: int, std: float = 0.1) -> Any:
+    """The Hugging Face model at `model_dir` with every matrix moved by a draw of seed `version` (a
+    stand-in for that version's trained weights), float32, in eval mode."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=gen) * std)
+    return model.eval()
+
+
 def greedy_reply(model: Any, prompt: list[int] | tuple[int, ...], n: int) -> list[int]:
     """The `n` tokens transformers' `generate` picks greedily after `prompt` (no end id)."""
     ids = torch.tensor([list(prompt)])
