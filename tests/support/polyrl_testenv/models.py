@@ -34,7 +34,8 @@ def moved_model(model_dir: Path, version: int, std: float = 0.1) -> Any:
         for p in model.parameters():
             if p.dim() > 1:
                 p.add_(torch.randn(p.shape, generator=gen) * std)
-    return model.eval()
+    model.train(False)
+    return model
 
 
 def greedy_reply(model: Any, prompt: list[int] | tuple[int, ...], n: int) -> list[int]:
