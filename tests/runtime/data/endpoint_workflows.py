@@ -3,8 +3,6 @@ episode's OpenAI endpoint (ctx.openai_base_url), errors left to propagate as a f
 
 from __future__ import annotations
 
-from typing import Any
-
 import openai
 
 from polyrl_runtime.workflows.api import EpisodeContext, Workflow
@@ -18,26 +16,3 @@ class AskOnce(Workflow):
                 model="solver", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
         return {"solver": float(bool(reply.choices[0].message.content))}
-
-
-def job(**args: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "polyrl.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": "t"},
-        "spec": {
-            "training": {"totalSteps": 1},
-            "workflow": {
-                "entrypoint": "endpoint_workflows:AskOnce",
-                "args": {"policies": {"solver": "solver"}, **args},
-            },
-            "policies": [
-                {
-                    "name": "solver",
-                    "model": {"uri": "builtin://tiny-qwen2"},
-                    "algorithm": {"groupSize": 2},
-                    "rollout": {"engine": "torch", "gpus": 0},
-                }
-            ],
-        },
-    }

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import transformers
 
 from polyrl_runtime.engines.api import Generation, RequestAbortedError, SamplingParams, UnknownSnapshotError
 from polyrl_runtime.engines.torch_engine import TorchEngine
-from polyrl_runtime.weights import make_sender
-from polyrl_testenv.models import greedy_reply, lively_qwen2, moved_model
+from polyrl_testenv.models import greedy_reply, lively_qwen2, moved_model, publish_full
 
 PROMPTS = [[5 + (i * 37 + n) % 300 for i in range(n)] for n in (1, 3, 9, 20, 6, 14)]
 
@@ -35,13 +35,8 @@ def _engine(model_dir: Path, slots: int = 1) -> TorchEngine:
     )
 
 
-async def _publish(eng: TorchEngine, model: transformers.PreTrainedModel, version: int) -> None:
-    sender = make_sender("shm", "player", 1 << 20)
-    try:
-        tensors = {k: p.detach().clone() for k, p in model.named_parameters()}
-        assert (await eng.receive_weights(sender.publish(version, tensors))).applied
-    finally:
-        sender.close()
+async def _publish(eng: TorchEngine, model: Any, version: int) -> None:
+    await publish_full(eng, model, version, "player")
 
 
 def _greedy(n: int, snapshot: int | None, request_id: str = "") -> SamplingParams:

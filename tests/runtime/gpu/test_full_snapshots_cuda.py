@@ -16,13 +16,12 @@ from polyrl_runtime.engines.api import SamplingParams
 
 try:
     from polyrl_runtime.engines.torch_engine import TorchEngine
-    from polyrl_runtime.weights import make_sender
 except ModuleNotFoundError as e:  # a GPU machine without Ray, if the engine's imports ever need it
     if e.name != "ray":
         raise
     pytest.skip("the torch engine's modules cannot be imported without ray", allow_module_level=True)
 
-from polyrl_testenv.models import moved_model
+from polyrl_testenv.models import moved_model, publish_full
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,12 +33,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
 
 
 async def _publish(eng: TorchEngine, model: Any, version: int) -> None:
-    sender = make_sender("shm", "player", 1 << 20)
-    try:
-        tensors = {k: p.detach().clone() for k, p in model.named_parameters()}
-        assert (await eng.receive_weights(sender.publish(version, tensors))).applied
-    finally:
-        sender.close()
+    await publish_full(eng, model, version, "player")
 
 
 def test_a_snapshot_replies_from_a_device_copy_as_the_engine_did(

@@ -23,6 +23,7 @@ from polyrl_runtime.models import Tokenizer, load_tokenizer
 from polyrl_runtime.workflows.api import EpisodeContext
 from polyrl_runtime.workflows.tools import CALCULATOR
 from polyrl_testenv.inprocess import engine_routes
+from polyrl_testenv.worker_jobs import worker_job
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>'
 REPLIES = [CALL, "The answer is 7.", "Another reply.", "And one more."]
@@ -207,14 +208,13 @@ def test_an_episode_whose_endpoint_call_met_an_engine_failure_counts_as_engine_e
     tok: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "data"))
-    from endpoint_workflows import job
-
-    from polyrl_operator.api import RLJob
     from polyrl_runtime.experience.client import BufferClient
     from polyrl_runtime.experience.types import Ticket
     from polyrl_runtime.workflows.runner import WorkflowWorker
 
-    spec = RLJob.model_validate(job()).model_dump_json(by_alias=True)
+    solver = {"name": "solver", "model": {"uri": "builtin://tiny-qwen2"}, "algorithm": {"groupSize": 2},
+              "rollout": {"engine": "torch", "gpus": 0}}  # fmt: skip
+    spec = worker_job("endpoint_workflows:AskOnce", [solver], {"policies": {"solver": "solver"}})
     for fail, reason in ((True, "engine_error"), (False, "")):
         buffer = FakeBuffer()
         engines = engine_routes({"solver": {"e0": ScriptedEngine(tok, fail)}})

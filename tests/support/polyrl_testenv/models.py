@@ -38,6 +38,18 @@ def moved_model(model_dir: Path, version: int, std: float = 0.1) -> Any:
     return model
 
 
+async def publish_full(engine: Any, model: Any, version: int, policy: str) -> None:
+    """`model`'s parameters as `policy`'s version `version`, received by `engine` through shm."""
+    from polyrl_runtime.weights import make_sender
+
+    sender = make_sender("shm", policy, 1 << 20)
+    try:
+        tensors = {k: p.detach().clone() for k, p in model.named_parameters()}
+        assert (await engine.receive_weights(sender.publish(version, tensors))).applied
+    finally:
+        sender.close()
+
+
 def greedy_reply(model: Any, prompt: list[int] | tuple[int, ...], n: int) -> list[int]:
     """The `n` tokens transformers' `generate` picks greedily after `prompt` (no end id)."""
     ids = torch.tensor([list(prompt)])
