@@ -263,7 +263,7 @@ class WorkflowWorker:
                 table, held=tuple(table.held[i] for i in keep), weights=tuple(table.weights[i] for i in keep)
             )
         log.info("episode.snapshot_replaced", episode=ctx.episode_id, policy=policy, version=version)
-        again = self._contexts(ctx.group_id, ctx.index + 1, ctx.seed, ctx.sampling, ctx.sample)[ctx.index]
+        again = self._context(ctx.group_id, ctx.index, ctx.seed, ctx.sampling, ctx.sample)
         report, episode = await self._play(again, [])
         report.replaced_snapshot = (policy, version)
         return report, episode
@@ -476,20 +476,33 @@ class WorkflowWorker:
     ) -> list[EpisodeContext]:
         """The contexts of a group's `n` episodes (`<group id>-<index>`), all playing `sample`."""
         return [
-            EpisodeContext(
-                episode_id=f"{group_id}-{i}",
-                group_id=group_id,
-                index=i,
-                seed=seed,
-                pool=self.pool,
-                tokenizers=self.tokenizers,
-                sampling=sampling,
-                agent_policies=self.agent_policies,
-                sample=sample,
-                opponent_tables=self.opponent_tables if opponent_tables is None else opponent_tables,
-            )
+            self._context(group_id, i, seed, sampling, sample, opponent_tables=opponent_tables)
             for i in range(n)
         ]
+
+    def _context(
+        self,
+        group_id: str,
+        index: int,
+        seed: int,
+        sampling: Mapping[str, SamplingParams],
+        sample: Mapping[str, Any] | None,
+        *,
+        opponent_tables: Mapping[str, OpponentTable] | None = None,
+    ) -> EpisodeContext:
+        """Episode `index` of the group `group_id`, a fresh context (its episode played from the start)."""
+        return EpisodeContext(
+            episode_id=f"{group_id}-{index}",
+            group_id=group_id,
+            index=index,
+            seed=seed,
+            pool=self.pool,
+            tokenizers=self.tokenizers,
+            sampling=sampling,
+            agent_policies=self.agent_policies,
+            sample=sample,
+            opponent_tables=self.opponent_tables if opponent_tables is None else opponent_tables,
+        )
 
     async def run_groups(self, groups: Sequence[EpisodeGroup]) -> list[GroupReport | str]:
         """Several groups in one call, played concurrently, each put in the buffer as soon as it is
